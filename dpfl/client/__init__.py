@@ -1,0 +1,1 @@
+"""Client side: the ClientApp and local trainers."""

@@ -1,0 +1,164 @@
+"""dpfl's ClientApp: local (DP) training and local evaluation over Flower's Message API.
+
+A train reply carries ``arrays`` (the update = trained - received, same keys as the global
+model), ``metrics`` (num-examples, train-loss, epsilon, delta, ...) and ``privacy`` (the
+mechanism and its public parameters, so the server can recompute epsilon). A client whose
+next round would exceed its epsilon budget does not train: it replies with ``status`` =
+refused and the reason, and spends nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
+from flwr.clientapp import ClientApp
+
+from dpfl.client.trainers import (
+    clip_and_noise,
+    device_for,
+    dpsgd_sample_rate,
+    evaluate_model,
+    planned_dpsgd_steps,
+    train_dpsgd,
+    train_plain,
+)
+from dpfl.config import RunConfig, parse_run_config
+from dpfl.data import ClientData, client_data
+from dpfl.models import build_model
+from dpfl.privacy.accounting import calibrate_dpsgd_noise, calibrate_noise
+from dpfl.privacy.budget import PrivacyEntry, PrivacyHistory
+from dpfl.tensors import flatten, state_difference, unflatten
+
+log = logging.getLogger("flwr.dpfl.client")
+app = ClientApp()
+
+MECHANISM_OF_TRAINER = {"dpsgd": "dpsgd", "update-dp": "gaussian-update"}
+
+
+def _threads() -> None:
+    n = int(os.environ.get("DPFL_NUM_THREADS", "0") or 0)
+    if n > 0 and torch.get_num_threads() != n:
+        torch.set_num_threads(n)
+
+
+def _partition(context: Context) -> tuple[int, int]:
+    try:
+        return int(context.node_config["partition-id"]), int(context.node_config["num-partitions"])
+    except KeyError as exc:
+        raise ValueError("this SuperNode needs --node-config 'partition-id=<i> "
+                         "num-partitions=<n>'") from exc
+
+
+def _model(cfg: RunConfig, data: ClientData, arrays: ArrayRecord) -> torch.nn.Module:
+    model = build_model(cfg.model, tuple(data.x_train.shape[1:]), data.num_classes)
+    model.load_state_dict(arrays.to_torch_state_dict())
+    return model
+
+
+def noise_multiplier_for(cfg: RunConfig, num_examples: int) -> float:
+    """sigma: the configured one, or the smallest that keeps the client at
+    ``target-epsilon`` after ``num-rounds`` rounds of participation."""
+    if cfg.noise_multiplier > 0:
+        return cfg.noise_multiplier
+    if cfg.trainer == "dpsgd":
+        steps = cfg.num_rounds * planned_dpsgd_steps(num_examples, cfg)
+        return calibrate_dpsgd_noise(cfg.target_epsilon, cfg.delta,
+                                     dpsgd_sample_rate(num_examples, cfg.batch_size), steps,
+                                     cfg.accountant)
+    return calibrate_noise(cfg.target_epsilon, cfg.delta, cfg.num_rounds,
+                           accountant="rdp" if cfg.accountant == "rdp" else "pld")
+
+
+def _reply(msg: Message, **records) -> Message:
+    return Message(RecordDict(records), reply_to=msg)
+
+
+@app.train()
+def train(msg: Message, context: Context) -> Message:
+    """One round of local training under the configured mechanism."""
+    _threads()
+    cfg = parse_run_config(context.run_config)
+    server_round = int(msg.content["config"].get("server-round", 0))
+    pid, nparts = _partition(context)
+    data = client_data(cfg, pid, nparts)
+    model = _model(cfg, data, msg.content["arrays"])
+    received = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    device = device_for()
+    seed = cfg.seed * 100_003 + pid * 1_009 + server_round
+    n = len(data.y_train)
+    base = {"partition-id": pid, "server-round": server_round, "delta": cfg.delta}
+
+    if cfg.trainer == "plain":
+        result = train_plain(model, data, cfg, seed, device)
+        update = state_difference(model.state_dict(), received)
+        metrics = {**base, "num-examples": n, "epsilon": float("inf"), "steps": result.steps}
+        if cfg.report_train_loss:
+            metrics["train-loss"] = result.train_loss
+        return _reply(msg, arrays=ArrayRecord(update), metrics=MetricRecord(metrics),
+                      privacy=ConfigRecord({"mechanism": "none"}))
+
+    mechanism = MECHANISM_OF_TRAINER[cfg.trainer]
+    history = PrivacyHistory.load(context.state, mechanism)
+    sigma = noise_multiplier_for(cfg, n)
+    if cfg.trainer == "dpsgd":
+        planned = PrivacyEntry(server_round, sigma, dpsgd_sample_rate(n, cfg.batch_size),
+                               planned_dpsgd_steps(n, cfg))
+    else:
+        planned = PrivacyEntry(server_round, sigma, 1.0, 1)
+    eps_now = history.epsilon(cfg.delta, cfg.accountant)
+    refuse, eps_after = history.would_exceed(planned, cfg.target_epsilon, cfg.delta,
+                                             cfg.accountant)
+    if refuse:
+        reason = (f"budget: epsilon would reach {eps_after:.4f} > target-epsilon "
+                  f"{cfg.target_epsilon} (spent {eps_now:.4f})")
+        log.warning("client %d refuses round %d: %s", pid, server_round, reason)
+        return _reply(msg, metrics=MetricRecord({**base, "epsilon": eps_now, "refused": 1}),
+                      status=ConfigRecord({"status": "refused", "reason": reason}))
+
+    if cfg.trainer == "dpsgd":
+        result = train_dpsgd(model, data, cfg, sigma, seed, device)
+        entry = PrivacyEntry(server_round, sigma, result.sample_rate, result.steps)
+        update = state_difference(model.state_dict(), received)
+        num_examples = n
+    else:
+        result = train_plain(model, data, cfg, seed, device)
+        raw = flatten(state_difference(model.state_dict(), received))
+        gen = torch.Generator().manual_seed(seed)
+        update = unflatten(clip_and_noise(raw, cfg.clip_norm, sigma, gen), received)
+        entry = planned
+        # The data set size is private under client-level DP: aggregate with equal weights.
+        num_examples = 1
+    history.charge(entry)
+    history.save(context.state)
+    eps = history.epsilon(cfg.delta, cfg.accountant)
+    metrics = {**base, "num-examples": num_examples, "epsilon": eps, "noise-multiplier": sigma,
+               "sample-rate": entry.rate, "steps": entry.steps}
+    if cfg.report_train_loss:
+        metrics["train-loss"] = result.train_loss
+    privacy = ConfigRecord({"mechanism": mechanism, "relation": history.relation,
+                            "accountant": cfg.accountant, "noise-multiplier": sigma,
+                            "sample-rate": entry.rate, "steps": entry.steps,
+                            "clip": cfg.max_grad_norm if cfg.trainer == "dpsgd" else cfg.clip_norm})
+    return _reply(msg, arrays=ArrayRecord(update), metrics=MetricRecord(metrics), privacy=privacy)
+
+
+@app.evaluate()
+def evaluate(msg: Message, context: Context) -> Message:
+    """Loss and accuracy of the received model on the client's local validation split.
+
+    These metrics are computed from private data and released in the clear: they are not
+    covered by the DP guarantee (keep ``fraction-evaluate = 0`` for a strictly DP run).
+    """
+    _threads()
+    cfg = parse_run_config(context.run_config)
+    pid, nparts = _partition(context)
+    data = client_data(cfg, pid, nparts)
+    model = _model(cfg, data, msg.content["arrays"])
+    loss, preds = evaluate_model(model, data.x_val, data.y_val, device_for())
+    n = len(data.y_val)
+    acc = float((preds == data.y_val).float().mean()) if n else 0.0
+    return _reply(msg, metrics=MetricRecord({"partition-id": pid, "num-examples": max(n, 1),
+                                             "val-loss": loss, "val-accuracy": acc}))

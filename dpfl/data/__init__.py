@@ -1,0 +1,72 @@
+"""Datasets (offline loaders), partitioning and per-client tensors."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+import torch
+
+from dpfl.data.loaders import ArrayDataset, DatasetUnavailable, load_dataset, to_tensor
+from dpfl.data.partition import ClientSplit, client_splits, label_counts, partition_indices
+
+__all__ = ["ArrayDataset", "ClientData", "ClientSplit", "DatasetUnavailable", "client_data",
+           "client_splits", "label_counts", "load_dataset", "partition_indices", "test_tensors",
+           "to_tensor"]
+
+
+@dataclass(frozen=True)
+class ClientData:
+    """One client's normalised tensors: training share and local validation split."""
+
+    x_train: torch.Tensor
+    y_train: torch.Tensor
+    x_val: torch.Tensor
+    y_val: torch.Tensor
+    num_classes: int
+
+
+@lru_cache(maxsize=8)
+def _splits(dataset: str, data_dir: str, download: bool, scheme: str, num_partitions: int,
+            seed: int, val_fraction: float, alpha: float, labels_per_client: int,
+            noniid_fraction: float) -> tuple[ClientSplit, ...]:
+    ds = load_dataset(dataset, data_dir, download)
+    return tuple(client_splits(ds.y_train, scheme, num_partitions, seed=seed,
+                               val_fraction=val_fraction, alpha=alpha,
+                               labels_per_client=labels_per_client,
+                               noniid_fraction=noniid_fraction))
+
+
+def splits_for(cfg, num_partitions: int) -> tuple[ClientSplit, ...]:
+    """All clients' splits for a run-config (deterministic, cached per process)."""
+    return _splits(cfg.dataset, cfg.data_dir, cfg.download, cfg.partitioning, num_partitions,
+                   cfg.seed, cfg.val_fraction, cfg.dirichlet_alpha, cfg.labels_per_client,
+                   cfg.noniid_fraction)
+
+
+@lru_cache(maxsize=64)
+def _client_data(cfg, partition_id: int, num_partitions: int) -> ClientData:
+    ds = load_dataset(cfg.dataset, cfg.data_dir, cfg.download)
+    split = splits_for(cfg, num_partitions)[partition_id]
+    return ClientData(
+        x_train=to_tensor(ds.name, ds.x_train[split.train]),
+        y_train=torch.from_numpy(ds.y_train[split.train]),
+        x_val=to_tensor(ds.name, ds.x_train[split.val]),
+        y_val=torch.from_numpy(ds.y_train[split.val]),
+        num_classes=ds.num_classes,
+    )
+
+
+def client_data(cfg, partition_id: int, num_partitions: int) -> ClientData:
+    """Tensors of client ``partition_id`` out of ``num_partitions`` for a run-config."""
+    if not 0 <= partition_id < num_partitions:
+        raise ValueError(f"partition-id {partition_id} not in [0, {num_partitions})")
+    return _client_data(cfg, partition_id, num_partitions)
+
+
+@lru_cache(maxsize=4)
+def test_tensors(dataset: str, data_dir: str = "", download: bool = False
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The central test set as normalised tensors (cached per process)."""
+    ds = load_dataset(dataset, data_dir, download)
+    return to_tensor(ds.name, ds.x_test), torch.from_numpy(ds.y_test)

@@ -1,0 +1,1 @@
+"""Privacy core: accounting on Opacus and dp-accounting, client budgets, verdicts."""

@@ -1,0 +1,53 @@
+"""What a run, as configured, guarantees: unit, neighbouring relation, sampling, delta, and
+the verdict ``formal`` or ``none: <reason>``."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from dpfl.config import RunConfig
+
+
+@dataclass(frozen=True)
+class Guarantee:
+    """The privacy claim of a configured method."""
+
+    verdict: str       # "formal" or "none: <reason>"
+    unit: str          # "sample" | "client" | "-"
+    relation: str      # "add-remove" | "replace-one" | "-"
+    sampling: str      # "poisson" | "none" | ...
+    delta: float
+    accountant: str
+    scope: str         # what the guarantee covers and what it assumes
+
+    @property
+    def formal(self) -> bool:
+        return self.verdict == "formal"
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def guarantee_for(cfg: RunConfig) -> Guarantee:
+    """The guarantee of ``cfg``'s trainer and reporting settings."""
+    if cfg.trainer == "plain":
+        return Guarantee("none: no DP mechanism (trainer=plain)", "-", "-", "-", cfg.delta,
+                         "-", "nothing is protected")
+    clear = []
+    if cfg.report_train_loss:
+        clear.append("train-loss is released in the clear (set report-train-loss=false)")
+    if cfg.fraction_evaluate > 0:
+        clear.append("client evaluation releases validation metrics in the clear "
+                     "(set fraction-evaluate=0)")
+    if cfg.trainer == "dpsgd":
+        unit, relation, sampling = "sample", "add-remove", "poisson"
+        scope = ("every model update a client sends (Opacus DP-SGD: per-sample clipping to "
+                 f"{cfg.max_grad_norm}, Poisson sampling, accountant {cfg.accountant}); each "
+                 "client's dataset size is treated as public, as in Opacus")
+    else:
+        unit, relation, sampling = "client", "add-remove", "none"
+        scope = (f"every model update a client sends (whole update clipped to {cfg.clip_norm} "
+                 "plus client-side Gaussian noise; no amplification by client sampling is "
+                 "claimed); add-remove = the client's update is present or absent")
+    verdict = "formal" if not clear else "none: " + "; ".join(clear)
+    return Guarantee(verdict, unit, relation, sampling, cfg.delta, cfg.accountant, scope)

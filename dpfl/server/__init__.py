@@ -1,0 +1,1 @@
+"""Server side: the ServerApp, central evaluation and the run directory."""

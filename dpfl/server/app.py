@@ -1,0 +1,164 @@
+"""dpfl's ServerApp: builds the strategy named by run-config ``strategy``, runs the rounds,
+evaluates centrally each round, keeps the privacy ledger, writes the run directory and
+checkpoints every round (``resume=true`` continues a run from its last checkpoint)."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import torch
+from flwr.app import ArrayRecord, ConfigRecord, Context
+from flwr.serverapp import Grid, ServerApp
+
+from dpfl.client.trainers import device_for
+from dpfl.config import ConfigError, RunConfig, parse_run_config
+from dpfl.data import label_counts, load_dataset, splits_for, test_tensors
+from dpfl.data.plots import plot_label_counts
+from dpfl.models import build_model
+from dpfl.privacy.ledger import Ledger
+from dpfl.privacy.verdict import guarantee_for
+from dpfl.server.evaluation import classification_metrics
+from dpfl.server.plots import plot_accuracy, plot_epsilon
+from dpfl.server.report import epsilon_table
+from dpfl.server.rundir import RunDir
+from dpfl.strategies import build_strategy
+from dpfl.strategies.base import DPFLStrategy
+
+log = logging.getLogger("flwr.dpfl.server")
+app = ServerApp()
+
+
+def _federated_evaluation(strategy: DPFLStrategy, grid: Grid, rnd: int, arrays: ArrayRecord,
+                          cfg: RunConfig) -> dict[str, Any] | None:
+    messages = strategy.configure_evaluate(rnd, arrays, ConfigRecord(), grid)
+    if not messages:
+        return None
+    replies = grid.send_and_receive(messages=messages, timeout=cfg.round_timeout)
+    metrics = strategy.aggregate_evaluate(rnd, replies)
+    return dict(metrics) if metrics is not None else None
+
+
+def _epsilon_series(rounds: list[dict[str, Any]]) -> dict[str, list[tuple[int, float]]]:
+    series: dict[str, list[tuple[int, float]]] = {}
+    for r in rounds:
+        for client, eps in r.get("epsilon", {}).items():
+            series.setdefault(client, []).append((r["round"], eps))
+    return series
+
+
+def run(grid: Grid, cfg: RunConfig) -> dict[str, Any]:
+    """The whole federation: returns the summary written to ``summary.json``."""
+    t_start = time.time()
+    run_dir = RunDir.open(cfg)
+    guarantee = guarantee_for(cfg)
+    strategy = build_strategy(cfg)
+    ds = load_dataset(cfg.dataset, cfg.data_dir, cfg.download)
+    x_test, y_test = test_tensors(cfg.dataset, cfg.data_dir, cfg.download)
+    torch.manual_seed(cfg.seed)
+    model = build_model(cfg.model, ds.input_shape, ds.num_classes)
+    device = device_for()
+
+    num_nodes = len(strategy._wait_for_nodes(grid, cfg.min_train_nodes))
+    if num_nodes > len(ds.y_train):
+        raise ConfigError(f"{num_nodes} clients but only {len(ds.y_train)} training samples "
+                          f"in dataset '{cfg.dataset}'")
+    log.info("dpfl run %s: %s, %s, %d clients, %d rounds", run_dir.path, cfg.strategy,
+             cfg.dataset, num_nodes, cfg.num_rounds)
+    log.info("privacy guarantee: %s (unit=%s, relation=%s, sampling=%s, delta=%g)",
+             guarantee.verdict, guarantee.unit, guarantee.relation, guarantee.sampling, cfg.delta)
+    run_dir.write_json("config.json", {**cfg.to_dict(), "num-clients": num_nodes})
+    counts = label_counts(ds.y_train, list(splits_for(cfg, num_nodes)), ds.num_classes)
+    plot_label_counts(counts, run_dir.file("labels.png"),
+                      f"{cfg.dataset}, {cfg.partitioning}, {num_nodes} clients")
+
+    arrays = ArrayRecord(model.state_dict())
+    ledger = Ledger(cfg.delta, cfg.accountant)
+    rounds: list[dict[str, Any]] = []
+    initial: dict[str, float] = {}
+    start = 1
+    checkpoint = run_dir.load_checkpoint() if cfg.resume else None
+    if checkpoint is not None:
+        arrays = ArrayRecord(checkpoint["model"])
+        strategy.load_state_dict(checkpoint["strategy"])
+        ledger = Ledger.from_json(checkpoint["ledger"])
+        start = int(checkpoint["round"]) + 1
+        rounds = run_dir.truncate_rounds(start - 1)
+        log.info("resuming %s after round %d", run_dir.path, start - 1)
+    else:
+        model.load_state_dict(arrays.to_torch_state_dict())
+        rounds = []
+        run_dir.file("rounds.jsonl").write_text("")
+        initial = classification_metrics(model, x_test, y_test, device)
+        log.info("round 0 (initial model): accuracy %.4f", initial["accuracy"])
+
+    for rnd in range(start, cfg.num_rounds + 1):
+        t0 = time.time()
+        messages = strategy.configure_train(rnd, arrays, ConfigRecord(), grid)
+        replies = grid.send_and_receive(messages=messages, timeout=cfg.round_timeout)
+        new_arrays, train_metrics = strategy.aggregate_train(rnd, replies)
+        if new_arrays is not None:
+            arrays = new_arrays
+        record = strategy.last_round
+        assert record is not None
+        for u in record.accepted:
+            ledger.record(f"client-{u.partition_id}", rnd, u.privacy,
+                          float(u.metrics.get("epsilon", float("inf"))))
+        fed_eval = _federated_evaluation(strategy, grid, rnd, arrays, cfg)
+        model.load_state_dict(arrays.to_torch_state_dict())
+        central = classification_metrics(model, x_test, y_test, device)
+        line = {
+            "round": rnd, "seconds": round(time.time() - t0, 3), "central": central,
+            "train": dict(train_metrics) if train_metrics is not None else {},
+            "sampled-nodes": record.sampled,
+            "clients": record.client_metrics(),
+            "epsilon": ledger.epsilons() if cfg.is_private else {},
+        }
+        if fed_eval is not None:
+            line["federated-evaluation"] = fed_eval
+        rounds.append(line)
+        run_dir.append_round(line)
+        run_dir.save_checkpoint({"round": rnd, "model": arrays.to_torch_state_dict(),
+                                 "strategy": strategy.state_dict(), "initial": initial,
+                                 "ledger": ledger.to_json()})
+        ledger.save(run_dir.file("ledger.json"))
+        eps = line["epsilon"]
+        elapsed = time.time() - t_start
+        eta = elapsed / (rnd - start + 1) * (cfg.num_rounds - rnd)
+        log.info("[round %d/%d] accuracy %.4f  macro-F1 %.4f  | %d accepted, %d dropped | "
+                 "max epsilon %s | %.1f s (ETA %.0f s)", rnd, cfg.num_rounds,
+                 central["accuracy"], central["macro-f1"], len(record.accepted),
+                 len(record.rejected), f"{max(eps.values()):.3f}" if eps else "-",
+                 line["seconds"], eta)
+
+    ledger.save(run_dir.file("ledger.json"))
+    final = rounds[-1]["central"] if rounds else {}
+    summary = {
+        "guarantee": guarantee.to_dict(),
+        "strategy": cfg.strategy, "trainer": cfg.trainer, "dataset": cfg.dataset,
+        "num-clients": num_nodes, "rounds": cfg.num_rounds,
+        "initial": initial or (checkpoint or {}).get("initial", {}),
+        "final": final,
+        "epsilon-budget": cfg.target_epsilon if cfg.is_private else None,
+        "clients": {c: {"epsilon": e, "rounds": ledger.rounds(c),
+                        "reported-epsilon": ledger.reported.get(c)}
+                    for c, e in ledger.epsilons().items()},
+        "ledger-mismatches": len(ledger.mismatches),
+        "wall-seconds": round(time.time() - t_start, 2),
+        "run-dir": str(run_dir.path),
+    }
+    run_dir.write_json("summary.json", summary)
+    plot_accuracy(rounds, run_dir.file("accuracy.png"), f"{cfg.strategy} on {cfg.dataset}")
+    if cfg.is_private:
+        plot_epsilon(_epsilon_series(rounds), run_dir.file("epsilon.png"), cfg.target_epsilon)
+    for row in epsilon_table(summary).splitlines():
+        log.info("%s", row)
+    return summary
+
+
+@app.main()
+def main(grid: Grid, context: Context) -> None:
+    """Entry point for ``flwr run``: parse the run-config once, then run."""
+    cfg = parse_run_config(context.run_config)
+    run(grid, cfg)

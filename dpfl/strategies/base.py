@@ -1,0 +1,176 @@
+"""The thin Flower layer shared by dpfl strategies.
+
+:class:`DPFLStrategy` subclasses Flower's message-based ``FedAvg`` and replaces its train
+path: seeded client sampling, one ``ConfigRecord`` per client (hook :meth:`client_config`),
+validation of every reply (bad ones dropped with a logged reason), the method's
+aggregation on an M x d update matrix (:meth:`aggregate_updates`) and a server step
+(:meth:`server_step`). What happened in the round is kept in :attr:`last_round` for the
+run writer.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
+from flwr.serverapp import Grid
+from flwr.serverapp.strategy import FedAvg
+
+from dpfl.config import RunConfig
+from dpfl.strategies.aggregation import server_sgd_step, weighted_mean
+from dpfl.strategies.validation import (
+    ClientUpdate,
+    Rejection,
+    Template,
+    array_template,
+    validate_train_reply,
+)
+from dpfl.tensors import flatten, unflatten
+
+log = logging.getLogger("flwr.dpfl.strategy")
+
+
+@dataclass
+class RoundRecord:
+    """What one training round saw: sampled nodes, accepted updates, rejections."""
+
+    server_round: int
+    sampled: list[int] = field(default_factory=list)
+    accepted: list[ClientUpdate] = field(default_factory=list)
+    rejected: list[Rejection] = field(default_factory=list)
+
+    def client_metrics(self) -> dict[str, dict[str, Any]]:
+        """Reported metrics keyed by client name (``client-<partition-id>``)."""
+        out: dict[str, dict[str, Any]] = {}
+        for u in self.accepted:
+            out[f"client-{u.partition_id}"] = {**u.metrics, "status": "accepted"}
+        for r in self.rejected:
+            name = f"client-{r.partition_id}" if r.partition_id is not None else f"node-{r.node_id}"
+            out[name] = {**r.metrics, "status": r.kind, "reason": r.reason}
+        return out
+
+
+class DPFLStrategy(FedAvg):
+    """Base of every dpfl strategy (weighted FedAvg of updates + server SGD step)."""
+
+    name = "base"
+
+    def __init__(self, cfg: RunConfig) -> None:
+        super().__init__(
+            fraction_train=cfg.fraction_train,
+            fraction_evaluate=cfg.fraction_evaluate,
+            min_train_nodes=cfg.min_train_nodes,
+            min_evaluate_nodes=1,
+            min_available_nodes=cfg.min_train_nodes,
+        )
+        self.cfg = cfg
+        self.rng = random.Random(cfg.seed)
+        self.last_round: RoundRecord | None = None
+        self._global: ArrayRecord | None = None
+        self._template: Template = []
+
+    # -- selection and configuration -------------------------------------------------
+    def _wait_for_nodes(self, grid: Grid, minimum: int, timeout: float = 600.0) -> list[int]:
+        deadline = time.monotonic() + timeout
+        while len(nodes := sorted(grid.get_node_ids())) < minimum:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"only {len(nodes)} of {minimum} nodes connected")
+            log.info("waiting for nodes: %d connected, %d required", len(nodes), minimum)
+            time.sleep(1.0)
+        return nodes
+
+    def select_nodes(self, server_round: int, grid: Grid) -> list[int]:
+        """Seeded uniform sample of ``fraction-train`` of the connected nodes."""
+        nodes = self._wait_for_nodes(grid, self.min_available_nodes)
+        k = max(int(len(nodes) * self.fraction_train), min(self.min_train_nodes, len(nodes)))
+        return sorted(self.rng.sample(nodes, k))
+
+    def client_config(self, server_round: int, node_id: int) -> dict[str, Any]:
+        """Per-client additions to the round's ConfigRecord (override in methods)."""
+        return {}
+
+    def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
+                        grid: Grid) -> Iterable[Message]:
+        self._global = arrays
+        self._template = array_template(arrays)
+        node_ids = self.select_nodes(server_round, grid)
+        self.last_round = RoundRecord(server_round, sampled=list(node_ids))
+        log.info("round %d: training on %d nodes", server_round, len(node_ids))
+        messages = []
+        for node_id in node_ids:
+            cfg = ConfigRecord({**dict(config), "server-round": server_round,
+                                **self.client_config(server_round, node_id)})
+            record = RecordDict({self.arrayrecord_key: arrays, self.configrecord_key: cfg})
+            messages.append(Message(content=record, message_type=MessageType.TRAIN,
+                                    dst_node_id=node_id))
+        return messages
+
+    # -- aggregation ---------------------------------------------------------------
+    def update_norm_bound(self, dim: int) -> float | None:
+        """The L2 bound the mechanism promises for a client's update (None = no bound)."""
+        return self.cfg.max_update_norm if self.cfg.max_update_norm > 0 else None
+
+    def aggregation_weights(self, accepted: list[ClientUpdate]) -> torch.Tensor:
+        """FedAvg weights: the clients' sample counts."""
+        return torch.tensor([float(u.num_examples) for u in accepted])
+
+    def aggregate_updates(self, updates: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """The method's aggregation of an M x d update matrix (here: weighted mean)."""
+        return weighted_mean(updates, weights)
+
+    def server_step(self, global_flat: torch.Tensor, aggregated: torch.Tensor) -> torch.Tensor:
+        """The server optimizer (here: SGD with ``server-lr``)."""
+        return server_sgd_step(global_flat, aggregated, self.cfg.server_lr)
+
+    def aggregate_train(self, server_round: int, replies: Iterable[Message]
+                        ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        if self._global is None or self.last_round is None:
+            raise RuntimeError("aggregate_train called before configure_train")
+        record = self.last_round
+        dim = sum(int(torch.Size(s).numel()) for _, s, _ in self._template)
+        bound = self.update_norm_bound(dim)
+        for msg in replies:
+            checked = validate_train_reply(msg, self._template, bound)
+            if isinstance(checked, Rejection):
+                record.rejected.append(checked)
+                level = logging.INFO if checked.kind == "refused" else logging.WARNING
+                log.log(level, "round %d: %s from node %d (partition %s) dropped: %s",
+                        server_round, checked.kind, checked.node_id, checked.partition_id,
+                        checked.reason)
+            else:
+                record.accepted.append(checked)
+        if not record.accepted:
+            log.warning("round %d: no valid update; the global model is unchanged", server_round)
+            return None, None
+        record.accepted.sort(key=lambda u: u.partition_id)
+        updates = torch.stack([u.flat for u in record.accepted])
+        aggregated = self.aggregate_updates(updates, self.aggregation_weights(record.accepted))
+        state = self._global.to_torch_state_dict()
+        new_flat = self.server_step(flatten(state), aggregated)
+        new_arrays = ArrayRecord(unflatten(new_flat, state))
+        return new_arrays, MetricRecord(self.round_metrics(record))
+
+    def round_metrics(self, record: RoundRecord) -> dict[str, float]:
+        """Weighted train loss and counts of the round."""
+        out: dict[str, float] = {"accepted": len(record.accepted),
+                                 "rejected": len(record.rejected)}
+        losses = [(u.metrics["train-loss"], u.num_examples) for u in record.accepted
+                  if "train-loss" in u.metrics]
+        if losses:
+            out["train-loss"] = sum(l * n for l, n in losses) / sum(n for _, n in losses)
+        return out
+
+    # -- persistence across restarts -------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """Strategy state to checkpoint (the sampling RNG; methods add theirs)."""
+        return {"rng": self.rng.getstate()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if "rng" in state:
+            self.rng.setstate(state["rng"])

@@ -1,0 +1,105 @@
+"""Server-side checks of client train replies: a bad reply is dropped with a logged reason.
+
+Checks: an error or refusal; the records present; the update's keys, shapes and dtypes
+equal the global model's; every value finite; ``num-examples`` a positive integer; the
+update's L2 norm under the bound the mechanism promises (when it promises one).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+from flwr.app import ArrayRecord, Message
+
+
+@dataclass
+class ClientUpdate:
+    """A validated reply: the flat update and what the client reported."""
+
+    node_id: int
+    partition_id: int
+    flat: torch.Tensor
+    num_examples: int
+    metrics: dict[str, Any]
+    privacy: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class Rejection:
+    """A reply that was not aggregated, and why."""
+
+    node_id: int
+    partition_id: int | None
+    kind: str            # "error" | "refused" | "invalid"
+    reason: str
+    metrics: dict[str, Any] = field(default_factory=dict)
+
+
+Template = list[tuple[str, tuple[int, ...], np.dtype]]
+
+
+def array_template(arrays: ArrayRecord) -> Template:
+    """(key, shape, dtype) of every array of the global model, in order."""
+    return [(k, tuple(a.shape), np.dtype(a.dtype)) for k, a in arrays.items()]
+
+
+def _partition_id(metrics: dict[str, Any]) -> int | None:
+    value = metrics.get("partition-id")
+    return int(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
+def validate_train_reply(msg: Message, template: Template,
+                         norm_bound: float | None = None) -> ClientUpdate | Rejection:
+    """Turn one train reply into a :class:`ClientUpdate`, or a :class:`Rejection`."""
+    node = int(msg.metadata.src_node_id)
+    if msg.has_error():
+        return Rejection(node, None, "error", f"client error: {msg.error.reason}")
+    content = msg.content
+    metrics = dict(content["metrics"]) if "metrics" in content.metric_records else {}
+    pid = _partition_id(metrics)
+    if "status" in content.config_records and content["status"].get("status") == "refused":
+        return Rejection(node, pid, "refused", str(content["status"].get("reason", "")), metrics)
+    if "arrays" not in content.array_records:
+        return Rejection(node, pid, "invalid", "reply has no 'arrays' record", metrics)
+    if not metrics:
+        return Rejection(node, pid, "invalid", "reply has no 'metrics' record", metrics)
+    n = metrics.get("num-examples")
+    if isinstance(n, bool) or not isinstance(n, (int, float)) or n != int(n) or n <= 0:
+        return Rejection(node, pid, "invalid", f"num-examples must be a positive integer, "
+                         f"got {n!r}", metrics)
+    arrays: ArrayRecord = content["arrays"]
+    expected = [k for k, _, _ in template]
+    if list(arrays.keys()) != expected:
+        missing = sorted(set(expected) - set(arrays.keys()))
+        extra = sorted(set(arrays.keys()) - set(expected))
+        return Rejection(node, pid, "invalid", f"array keys differ from the global model "
+                         f"(missing {missing[:3]}, unexpected {extra[:3]})", metrics)
+    parts = []
+    for key, shape, dtype in template:
+        arr = arrays[key]
+        if tuple(arr.shape) != shape:
+            return Rejection(node, pid, "invalid", f"'{key}' has shape {tuple(arr.shape)}, "
+                             f"expected {shape}", metrics)
+        if np.dtype(arr.dtype) != dtype:
+            return Rejection(node, pid, "invalid", f"'{key}' has dtype {arr.dtype}, "
+                             f"expected {dtype}", metrics)
+        try:
+            values = arr.numpy()
+        except Exception as exc:  # malformed bytes
+            return Rejection(node, pid, "invalid", f"'{key}' cannot be decoded: {exc}", metrics)
+        parts.append(torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32)).reshape(-1))
+    flat = torch.cat(parts) if parts else torch.empty(0)
+    if not bool(torch.isfinite(flat).all()):
+        bad = int((~torch.isfinite(flat)).sum())
+        return Rejection(node, pid, "invalid", f"update has {bad} non-finite values", metrics)
+    if norm_bound is not None and math.isfinite(norm_bound):
+        norm = float(torch.linalg.vector_norm(flat))
+        if norm > norm_bound:
+            return Rejection(node, pid, "invalid", f"update norm {norm:.4g} exceeds the "
+                             f"mechanism's bound {norm_bound:.4g}", metrics)
+    privacy = dict(content["privacy"]) if "privacy" in content.config_records else {}
+    return ClientUpdate(node, pid if pid is not None else -1, flat, int(n), metrics, privacy)

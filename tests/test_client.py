@@ -1,0 +1,131 @@
+"""Client side: DP-SGD clipping against a hand-written reference, cumulative epsilon equal
+to an independently built Opacus accountant, refusal at the budget edge, update-level DP."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from flwr.app import ArrayRecord, ConfigRecord, RecordDict
+from opacus.accountants import RDPAccountant
+from opacus.accountants.utils import get_noise_multiplier
+
+from dpfl.client.app import train
+from dpfl.client.trainers import clip_and_noise, gaussian_norm_bound, train_dpsgd
+from dpfl.config import RunConfig
+from dpfl.data import ClientData, client_data
+from dpfl.models import build_model
+from dpfl.privacy.budget import PrivacyEntry, PrivacyHistory
+from dpfl.tensors import flatten
+from flower_helpers import context, message
+
+DIGITS = {"dataset": "digits", "model": "mlp", "batch-size": 64, "num-rounds": 2,
+          "target-epsilon": 2.0, "lr": 0.1}
+
+
+def _tiny_data(n=16):
+    g = torch.Generator().manual_seed(0)
+    return ClientData(torch.randn(n, 1, 8, 8, generator=g), torch.randint(0, 10, (n,), generator=g),
+                      torch.empty(0, 1, 8, 8), torch.empty(0, dtype=torch.long), 10)
+
+
+@pytest.mark.parametrize("mode", ["ghost", "hooks"])
+def test_dpsgd_step_equals_mean_of_clipped_per_sample_gradients(mode):
+    """sigma = 0, q = 1 (batch = n), one step at lr 1: the update is exactly
+    -(1/n) sum_i clip(g_i, C), computed here with a plain per-sample loop."""
+    data = _tiny_data(16)
+    cfg = RunConfig(dataset="digits", model="mlp", batch_size=16, lr=1.0, max_grad_norm=0.05,
+                    opacus_mode=mode)
+    torch.manual_seed(0)
+    model = build_model("mlp", (1, 8, 8), 10)
+    ref_model = build_model("mlp", (1, 8, 8), 10)
+    ref_model.load_state_dict(model.state_dict())
+    before = flatten(model.state_dict())
+    clipped = []
+    for i in range(16):
+        ref_model.zero_grad()
+        torch.nn.functional.cross_entropy(ref_model(data.x_train[i:i + 1]), data.y_train[i:i + 1]).backward()
+        g = torch.cat([p.grad.reshape(-1) for p in ref_model.parameters()])
+        clipped.append(g * min(1.0, 0.05 / float(g.norm())))
+    expected = -torch.stack(clipped).mean(0)
+    result = train_dpsgd(model, data, cfg, noise_multiplier=0.0, seed=0, device=torch.device("cpu"))
+    assert result.steps == 1 and result.sample_rate == 1.0
+    update = flatten(model.state_dict()) - before
+    assert float(update.norm()) <= 0.05 + 1e-6
+    assert torch.allclose(update, expected, atol=1e-6)
+
+
+def test_clip_and_noise_bound_and_noise_scale():
+    u = torch.full((10_000,), 1.0)
+    assert float(clip_and_noise(u, 2.0, 0.0).norm()) == pytest.approx(2.0, rel=1e-5)
+    small = torch.full((4,), 0.1)
+    assert torch.equal(clip_and_noise(small, 2.0, 0.0), small)
+    noisy = clip_and_noise(torch.zeros(100_000), 1.5, 0.8, torch.Generator().manual_seed(0))
+    assert float(noisy.std()) == pytest.approx(1.2, rel=0.02)
+    assert float(noisy.norm()) < gaussian_norm_bound(1.5, 0.8, 100_000)
+
+
+def _train_round(run_config, ctx, arrays, rnd):
+    msg = message(RecordDict({"arrays": arrays, "config": ConfigRecord({"server-round": rnd})}))
+    return train(msg, ctx)
+
+
+def test_reported_epsilon_equals_independent_opacus_accountant_and_refusal():
+    run_config = dict(DIGITS)
+    ctx = context(run_config, 0, 2)
+    cfg = RunConfig(**{k.replace("-", "_"): v for k, v in DIGITS.items()})
+    data = client_data(cfg, 0, 2)
+    n = len(data.y_train)
+    batches = math.ceil(n / 64)
+    q = 1.0 / batches
+    # independent reference: Opacus' own calibration and accountant
+    sigma = get_noise_multiplier(target_epsilon=2.0, target_delta=1e-5, sample_rate=q,
+                                 steps=2 * batches, accountant="rdp", epsilon_tolerance=0.01)
+    torch.manual_seed(0)
+    arrays = ArrayRecord(build_model("mlp", (1, 8, 8), 10).state_dict())
+    for rnd in (1, 2):
+        reply = _train_round(run_config, ctx, arrays, rnd)
+        m = reply.content["metrics"]
+        acc = RDPAccountant()
+        acc.history = [(sigma, q, rnd * batches)]
+        assert m["noise-multiplier"] == pytest.approx(sigma, rel=1e-9)
+        assert m["epsilon"] == pytest.approx(acc.get_epsilon(1e-5), rel=1e-9)
+        assert m["num-examples"] == n and m["steps"] == batches
+        assert list(reply.content["arrays"].keys()) == list(arrays.keys())
+    assert m["epsilon"] <= 2.0
+    # a third round would overspend: the client refuses and spends nothing
+    state_before = dict(ctx.state["dpfl.privacy"])
+    reply = _train_round(run_config, ctx, arrays, 3)
+    assert reply.content["status"]["status"] == "refused"
+    assert "arrays" not in reply.content.array_records
+    assert reply.content["metrics"]["epsilon"] == pytest.approx(m["epsilon"])
+    assert dict(ctx.state["dpfl.privacy"]) == state_before
+
+
+def test_budget_edge_is_inclusive():
+    h = PrivacyHistory("dpsgd")
+    e = PrivacyEntry(1, 1.0, 0.05, 100)
+    exact = h.epsilon(1e-5, extra=e)
+    assert h.would_exceed(e, exact, 1e-5) == (False, pytest.approx(exact))
+    assert h.would_exceed(e, exact * 0.999, 1e-5)[0] is True
+
+
+def test_update_dp_client_clips_noises_and_accounts_with_dp_accounting():
+    from dpfl.privacy.accounting import gaussian_epsilon
+
+    run_config = {**DIGITS, "trainer": "update-dp", "clip-norm": 0.5, "noise-multiplier": 2.0,
+                  "target-epsilon": 10.0}
+    ctx = context(run_config, 1, 2)
+    torch.manual_seed(0)
+    arrays = ArrayRecord(build_model("mlp", (1, 8, 8), 10).state_dict())
+    reply = _train_round(run_config, ctx, arrays, 1)
+    m = reply.content["metrics"]
+    assert m["num-examples"] == 1  # dataset size stays private
+    assert m["epsilon"] == pytest.approx(gaussian_epsilon(2.0, 1, 1e-5))
+    flat = torch.cat([torch.from_numpy(a.numpy()).reshape(-1)
+                      for a in reply.content["arrays"].values()])
+    d = flat.numel()
+    # noise std sigma*C = 1.0 per coordinate dominates: the norm is about sqrt(d)
+    assert float(flat.norm()) / math.sqrt(d) == pytest.approx(1.0, rel=0.05)
+    reply = _train_round(run_config, ctx, arrays, 2)
+    assert reply.content["metrics"]["epsilon"] == pytest.approx(gaussian_epsilon(2.0, 2, 1e-5))

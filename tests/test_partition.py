@@ -1,0 +1,107 @@
+"""Partitioning: disjoint, complete, skew behaves as the scheme says."""
+
+import numpy as np
+import pytest
+
+from dpfl.data import load_dataset
+from dpfl.data.partition import client_splits, label_counts, partition_indices
+
+LABELS = np.repeat(np.arange(10), 200)  # 2,000 samples, 200 per class
+
+
+def _check_disjoint_complete(parts, n):
+    allidx = np.concatenate(parts)
+    assert len(allidx) == len(np.unique(allidx)), "partitions overlap"
+    assert sorted(allidx.tolist()) == list(range(n)), "partitions are not complete"
+
+
+@pytest.mark.parametrize("scheme", ["iid", "dirichlet", "size", "gcfl-contiguous",
+                                    "noniid-fraction"])
+def test_disjoint_and_complete(scheme):
+    parts = partition_indices(LABELS, scheme, 5, seed=1, alpha=0.5, noniid_fraction=0.5)
+    assert len(parts) == 5
+    _check_disjoint_complete(parts, len(LABELS))
+
+
+def test_shards_disjoint_and_k_labels():
+    parts = partition_indices(LABELS, "shards", 5, seed=1, labels_per_client=2)
+    allidx = np.concatenate(parts)
+    assert len(allidx) == len(np.unique(allidx))
+    for p in parts:
+        assert len(np.unique(LABELS[p])) <= 2
+
+
+def test_iid_is_balanced_and_shuffled():
+    parts = partition_indices(LABELS, "iid", 4, seed=0)
+    assert {len(p) for p in parts} == {500}
+    for p in parts:  # every class present with roughly its share
+        counts = np.bincount(LABELS[p], minlength=10)
+        assert counts.min() > 25
+
+
+def _skew(parts):
+    """Mean total-variation distance between client label distributions and the global one."""
+    glob = np.bincount(LABELS, minlength=10) / len(LABELS)
+    return float(np.mean([0.5 * np.abs(np.bincount(LABELS[p], minlength=10) / len(p) - glob).sum()
+                          for p in parts]))
+
+
+def test_dirichlet_skew_grows_as_alpha_shrinks():
+    skews = [np.mean([_skew(partition_indices(LABELS, "dirichlet", 5, seed=s, alpha=a))
+                      for s in range(3)]) for a in (100.0, 1.0, 0.1)]
+    assert skews[0] < skews[1] < skews[2]
+    assert skews[0] < 0.1 and skews[2] > 0.4
+
+
+def test_gcfl_contiguous_two_clients_split_labels_0_4_and_5_9():
+    parts = partition_indices(LABELS, "gcfl-contiguous", 2, seed=3)
+    assert set(LABELS[parts[0]]) == {0, 1, 2, 3, 4}
+    assert set(LABELS[parts[1]]) == {5, 6, 7, 8, 9}
+
+
+def test_noniid_fraction_extremes():
+    iid = partition_indices(LABELS, "noniid-fraction", 10, seed=0, noniid_fraction=0.0)
+    pure = partition_indices(LABELS, "noniid-fraction", 10, seed=0, noniid_fraction=1.0)
+    half = partition_indices(LABELS, "noniid-fraction", 10, seed=0, noniid_fraction=0.5)
+    assert _skew(iid) < _skew(half) < _skew(pure)
+    # f = 1 with 10 clients and 10 equal classes: each client holds exactly one label
+    assert all(len(np.unique(LABELS[p])) == 1 for p in pure)
+
+
+def test_size_partition_sizes_grow_linearly():
+    sizes = [len(p) for p in partition_indices(LABELS, "size", 4, seed=0)]
+    assert sizes == sorted(sizes) and sizes[3] > 3 * sizes[0]
+
+
+def test_validation_holdout_disjoint():
+    splits = client_splits(LABELS, "iid", 4, seed=0, val_fraction=0.1)
+    for s in splits:
+        assert len(np.intersect1d(s.train, s.val)) == 0
+        assert len(s.val) == 50 and len(s.train) == 450
+    counts = label_counts(LABELS, splits, 10)
+    assert counts.shape == (4, 10) and counts.sum() == 1800
+
+
+def test_too_many_clients_is_an_error():
+    with pytest.raises(ValueError, match="clients but only"):
+        partition_indices(LABELS[:3], "iid", 5)
+
+
+def test_digits_loader_real_data():
+    ds = load_dataset("digits")
+    assert ds.x_train.shape[1:] == (8, 8) and ds.x_train.dtype == np.uint8
+    assert len(ds.y_train) + len(ds.y_test) == 1797
+    assert set(np.unique(ds.y_train)) == set(range(10))
+
+
+def test_mnist_loader_full_size():
+    ds = load_dataset("mnist")
+    assert ds.x_train.shape == (60000, 28, 28) and ds.x_test.shape == (10000, 28, 28)
+    assert np.bincount(ds.y_train).tolist()[:3] == [5923, 6742, 5958]  # the classic counts
+
+
+def test_missing_dataset_names_how_to_get_it(tmp_path):
+    from dpfl.data.loaders import DatasetUnavailable, _load_torchvision
+
+    with pytest.raises(DatasetUnavailable, match="data-dir"):
+        _load_torchvision("cifar10", "", False)

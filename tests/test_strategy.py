@@ -1,0 +1,93 @@
+"""Server side: reply validation (bad replies dropped with a reason, the round goes on) and
+FedAvg aggregation against a hand computation."""
+
+import numpy as np
+import pytest
+import torch
+from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
+from flwr.app.error import Error
+
+from dpfl.config import RunConfig
+from dpfl.strategies import build_strategy
+from dpfl.strategies.aggregation import weighted_mean
+from dpfl.strategies.validation import array_template, validate_train_reply
+from flower_helpers import message
+
+GLOBAL = ArrayRecord({"w": torch.zeros(2, 2), "b": torch.zeros(3)})
+TEMPLATE = array_template(GLOBAL)
+
+
+def _reply(arrays, n=10, node=7, pid=3, **extra):
+    content = {"metrics": MetricRecord({"num-examples": n, "partition-id": pid, "epsilon": 1.0}),
+               **extra}
+    if arrays is not None:
+        content["arrays"] = ArrayRecord(arrays)
+    return message(RecordDict(content), src_node_id=node)
+
+
+def _ok():
+    return {"w": torch.ones(2, 2), "b": torch.full((3,), 2.0)}
+
+
+def test_valid_reply_is_flattened_in_key_order():
+    u = validate_train_reply(_reply(_ok()), TEMPLATE)
+    assert u.partition_id == 3 and u.num_examples == 10
+    assert u.flat.tolist() == [1, 1, 1, 1, 2, 2, 2]
+
+
+@pytest.mark.parametrize("arrays,n,fragment", [
+    ({"w": torch.ones(2, 3), "b": torch.zeros(3)}, 10, "shape"),
+    ({"w": torch.ones(2, 2)}, 10, "keys differ"),
+    ({"w": torch.ones(2, 2), "b": torch.zeros(3), "x": torch.zeros(1)}, 10, "keys differ"),
+    ({"w": torch.ones(2, 2, dtype=torch.float64), "b": torch.zeros(3)}, 10, "dtype"),
+    ({"w": torch.tensor([[1.0, float("nan")], [0, 0]]), "b": torch.zeros(3)}, 10, "non-finite"),
+    ({"w": torch.tensor([[1.0, float("inf")], [0, 0]]), "b": torch.zeros(3)}, 10, "non-finite"),
+    (None, 10, "no 'arrays'"),
+    ({"w": torch.ones(2, 2), "b": torch.zeros(3)}, 0, "num-examples"),
+    ({"w": torch.ones(2, 2), "b": torch.zeros(3)}, 2.5, "num-examples"),
+])
+def test_malformed_replies_are_rejected_with_reason(arrays, n, fragment):
+    r = validate_train_reply(_reply(arrays, n=n), TEMPLATE)
+    assert r.kind == "invalid" and fragment in r.reason
+
+
+def test_norm_bound_and_refusal_and_error():
+    r = validate_train_reply(_reply(_ok()), TEMPLATE, norm_bound=1.0)
+    assert r.kind == "invalid" and "norm" in r.reason
+    assert not hasattr(validate_train_reply(_reply(_ok()), TEMPLATE, norm_bound=4.0), "kind")
+    refused = message(RecordDict({"metrics": MetricRecord({"partition-id": 1, "epsilon": 3.9}),
+                                  "status": ConfigRecord({"status": "refused", "reason": "budget"})}))
+    assert validate_train_reply(refused, TEMPLATE).kind == "refused"
+    err = message(RecordDict({}))
+    err_msg = Message(Error(code=0, reason="boom"), reply_to=message(RecordDict({})))
+    assert validate_train_reply(err_msg, TEMPLATE).kind == "error"
+
+
+def test_weighted_mean_by_hand():
+    u = torch.tensor([[1.0, 0.0], [0.0, 4.0]])
+    assert weighted_mean(u, torch.tensor([1.0, 3.0])).tolist() == [0.25, 3.0]
+
+
+def test_round_goes_on_without_the_bad_reply():
+    cfg = RunConfig(dataset="digits", model="mlp", server_lr=1.0)
+    strategy = build_strategy(cfg)
+    strategy._global, strategy._template = GLOBAL, TEMPLATE
+    from dpfl.strategies.base import RoundRecord
+
+    strategy.last_round = RoundRecord(1)
+    good_a = _reply(_ok(), n=10, node=1, pid=0)
+    good_b = _reply({"w": torch.full((2, 2), 3.0), "b": torch.zeros(3)}, n=30, node=2, pid=1)
+    bad = _reply({"w": torch.tensor([[float("nan"), 0], [0, 0]]), "b": torch.zeros(3)}, node=3, pid=2)
+    arrays, metrics = strategy.aggregate_train(1, [good_a, bad, good_b])
+    assert metrics["accepted"] == 2 and metrics["rejected"] == 1
+    state = arrays.to_torch_state_dict()
+    # (10 * 1 + 30 * 3) / 40 = 2.5 ; (10 * 2 + 30 * 0) / 40 = 0.5
+    assert torch.allclose(state["w"], torch.full((2, 2), 2.5))
+    assert torch.allclose(state["b"], torch.full((3,), 0.5))
+    assert strategy.last_round.client_metrics()["client-2"]["status"] == "invalid"
+
+
+def test_update_dp_uses_equal_weights_and_a_norm_bound():
+    cfg = RunConfig(trainer="update-dp", noise_multiplier=1.0, clip_norm=1.0)
+    strategy = build_strategy(cfg)
+    assert strategy.update_norm_bound(100) == pytest.approx(1 + 1 * (10 + 10))
