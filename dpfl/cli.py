@@ -5,6 +5,9 @@
       this command owns and stops; key=value pairs override the run-config.
   dpfl summary RUN_DIR
       print the guarantee and the per-client epsilon table of a finished run.
+  dpfl privacy-report RUN_DIR
+      verdict, then per-client unit, relation, sampling, delta, epsilon (recomputed from the
+      ledger), rounds and verdict; writes RUN_DIR/privacy-report.png (epsilon by round).
 """
 
 from __future__ import annotations
@@ -71,6 +74,13 @@ def cmd_summary(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_privacy_report(args: argparse.Namespace) -> int:
+    from dpfl.privacy.report import privacy_report
+
+    print(privacy_report(Path(args.run_dir)))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="dpfl", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -84,6 +94,9 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("summary", help="print a run's privacy table")
     p.add_argument("run_dir")
     p.set_defaults(func=cmd_summary)
+    p = sub.add_parser("privacy-report", help="per-client privacy table and epsilon plot")
+    p.add_argument("run_dir")
+    p.set_defaults(func=cmd_privacy_report)
     args = parser.parse_args(argv)
     return int(args.func(args))
 

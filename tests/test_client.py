@@ -15,7 +15,8 @@ from dpfl.client.trainers import clip_and_noise, gaussian_norm_bound, train_dpsg
 from dpfl.config import RunConfig
 from dpfl.data import ClientData, client_data
 from dpfl.models import build_model
-from dpfl.privacy.budget import PrivacyEntry, PrivacyHistory
+from dpfl.privacy.budget import PrivacyHistory
+from dpfl.privacy.events import PrivacyEvent
 from dpfl.tensors import flatten
 from flower_helpers import context, message
 
@@ -103,8 +104,8 @@ def test_reported_epsilon_equals_independent_opacus_accountant_and_refusal():
 
 
 def test_budget_edge_is_inclusive():
-    h = PrivacyHistory("dpsgd")
-    e = PrivacyEntry(1, 1.0, 0.05, 100)
+    h = PrivacyHistory()
+    e = PrivacyEvent.dpsgd(1, 1.0, 0.05, 100)
     exact = h.epsilon(1e-5, extra=e)
     assert h.would_exceed(e, exact, 1e-5) == (False, pytest.approx(exact))
     assert h.would_exceed(e, exact * 0.999, 1e-5)[0] is True

@@ -29,13 +29,13 @@ from dpfl.config import RunConfig, parse_run_config
 from dpfl.data import ClientData, client_data
 from dpfl.models import build_model
 from dpfl.privacy.accounting import calibrate_dpsgd_noise, calibrate_noise
-from dpfl.privacy.budget import PrivacyEntry, PrivacyHistory
+from dpfl.privacy.budget import PrivacyHistory
+from dpfl.privacy.events import PrivacyEvent
+from dpfl.privacy.ledger import prior_history
 from dpfl.tensors import flatten, state_difference, unflatten
 
 log = logging.getLogger("flwr.dpfl.client")
 app = ClientApp()
-
-MECHANISM_OF_TRAINER = {"dpsgd": "dpsgd", "update-dp": "gaussian-update"}
 
 
 def _threads() -> None:
@@ -100,14 +100,18 @@ def train(msg: Message, context: Context) -> Message:
         return _reply(msg, arrays=ArrayRecord(update), metrics=MetricRecord(metrics),
                       privacy=ConfigRecord({"mechanism": "none"}))
 
-    mechanism = MECHANISM_OF_TRAINER[cfg.trainer]
-    history = PrivacyHistory.load(context.state, mechanism)
+    history = PrivacyHistory.load(context.state)
+    prior = prior_history(msg.content["config"], pid)
+    if prior is not None and history.merge(prior):
+        log.warning("client %d adopted privacy events recorded by the server (node state "
+                    "was lost, e.g. after a restart)", pid)
+        history.save(context.state)
     sigma = noise_multiplier_for(cfg, n)
     if cfg.trainer == "dpsgd":
-        planned = PrivacyEntry(server_round, sigma, dpsgd_sample_rate(n, cfg.batch_size),
-                               planned_dpsgd_steps(n, cfg))
+        planned = PrivacyEvent.dpsgd(server_round, sigma, dpsgd_sample_rate(n, cfg.batch_size),
+                                     planned_dpsgd_steps(n, cfg))
     else:
-        planned = PrivacyEntry(server_round, sigma, 1.0, 1)
+        planned = PrivacyEvent.gaussian(server_round, sigma)
     eps_now = history.epsilon(cfg.delta, cfg.accountant)
     refuse, eps_after = history.would_exceed(planned, cfg.target_epsilon, cfg.delta,
                                              cfg.accountant)
@@ -120,7 +124,7 @@ def train(msg: Message, context: Context) -> Message:
 
     if cfg.trainer == "dpsgd":
         result = train_dpsgd(model, data, cfg, sigma, seed, device)
-        entry = PrivacyEntry(server_round, sigma, result.sample_rate, result.steps)
+        event = PrivacyEvent.dpsgd(server_round, sigma, result.sample_rate, result.steps)
         update = state_difference(model.state_dict(), received)
         num_examples = n
     else:
@@ -128,20 +132,19 @@ def train(msg: Message, context: Context) -> Message:
         raw = flatten(state_difference(model.state_dict(), received))
         gen = torch.Generator().manual_seed(seed)
         update = unflatten(clip_and_noise(raw, cfg.clip_norm, sigma, gen), received)
-        entry = planned
+        event = planned
         # The data set size is private under client-level DP: aggregate with equal weights.
         num_examples = 1
-    history.charge(entry)
+    history.charge(event)
     history.save(context.state)
     eps = history.epsilon(cfg.delta, cfg.accountant)
     metrics = {**base, "num-examples": num_examples, "epsilon": eps, "noise-multiplier": sigma,
-               "sample-rate": entry.rate, "steps": entry.steps}
+               "sample-rate": event.rate, "steps": event.steps}
     if cfg.report_train_loss:
         metrics["train-loss"] = result.train_loss
-    privacy = ConfigRecord({"mechanism": mechanism, "relation": history.relation,
-                            "accountant": cfg.accountant, "noise-multiplier": sigma,
-                            "sample-rate": entry.rate, "steps": entry.steps,
-                            "clip": cfg.max_grad_norm if cfg.trainer == "dpsgd" else cfg.clip_norm})
+    privacy = PrivacyHistory([event]).to_record()
+    privacy["accountant"] = cfg.accountant
+    privacy["clip"] = cfg.max_grad_norm if cfg.trainer == "dpsgd" else cfg.clip_norm
     return _reply(msg, arrays=ArrayRecord(update), metrics=MetricRecord(metrics), privacy=privacy)
 
 

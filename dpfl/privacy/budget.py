@@ -4,6 +4,10 @@ The history lives in the node's ``context.state`` (a Flower ``ConfigRecord``), s
 epsilon a client reports is cumulative over every round it took part in, in simulation and
 in deployment alike. Before training, :meth:`PrivacyHistory.would_exceed` asks the
 accountant whether the next round would cross the budget; if so the client refuses.
+
+Non-adaptive histories (parameters fixed before the run) compare the composed epsilon with
+the budget. Adaptive histories (parameters chosen from earlier outputs) are checked by a
+:class:`~dpfl.privacy.filter.RenyiFilter` with the budget as its (epsilon, delta).
 """
 
 from __future__ import annotations
@@ -12,95 +16,75 @@ from dataclasses import dataclass, field
 
 from flwr.app import ConfigRecord
 
-from dpfl.privacy.accounting import dpsgd_history_epsilon, events_epsilon, gaussian_event
+from dpfl.privacy.events import PrivacyEvent, history_epsilon, history_unit
+from dpfl.privacy.filter import RenyiFilter
 
 STATE_KEY = "dpfl.privacy"
-MECHANISMS = ("dpsgd", "gaussian-update")
 # Relative slack when comparing with the budget: calibration meets the target only to the
 # accountant's own tolerance, and float noise must not turn a planned round into a refusal.
 BUDGET_RTOL = 1e-6
-
-
-@dataclass
-class PrivacyEntry:
-    """One round's charge: ``steps`` releases with noise ``sigma`` at sampling rate ``rate``."""
-
-    round: int
-    sigma: float
-    rate: float
-    steps: int
+_FIELDS = ("round", "mechanism", "sigma", "rate", "steps", "epsilon", "relation")
 
 
 @dataclass
 class PrivacyHistory:
-    """Ordered privacy charges of one client under one mechanism.
+    """Ordered privacy events of one client."""
 
-    ``dpsgd``: sample-level, add-remove, Poisson sampling; epsilon from Opacus' accountant
-    (``accountant`` = rdp | prv). ``gaussian-update``: client-level, the whole clipped update
-    released with Gaussian noise once per round it takes part in (no sampling amplification
-    is claimed); epsilon from dp-accounting (rdp | pld; ``prv`` maps to pld).
-    """
+    events: list[PrivacyEvent] = field(default_factory=list)
+    adaptive: bool = False
 
-    mechanism: str
-    relation: str = "add-remove"
-    entries: list[PrivacyEntry] = field(default_factory=list)
-
-    def __post_init__(self) -> None:
-        if self.mechanism not in MECHANISMS:
-            raise ValueError(f"mechanism must be one of {MECHANISMS}, got {self.mechanism!r}")
-
-    # -- accounting -----------------------------------------------------------------
     def epsilon(self, delta: float, accountant: str = "rdp",
-                extra: PrivacyEntry | None = None) -> float:
-        entries = self.entries + ([extra] if extra is not None else [])
-        if self.mechanism == "dpsgd":
-            return dpsgd_history_epsilon([(e.sigma, e.rate, e.steps) for e in entries],
-                                         delta, accountant)
-        events = [(gaussian_event(e.sigma, relation=self.relation), e.steps) for e in entries]
-        return events_epsilon(events, delta, "rdp" if accountant == "rdp" else "pld")
+                extra: PrivacyEvent | None = None) -> float:
+        """Composed epsilon (for an adaptive history: the running RDP value, which is only
+        informative; the guarantee is the filter's budget)."""
+        events = self.events + ([extra] if extra is not None else [])
+        return history_epsilon(events, delta, accountant)
 
-    def would_exceed(self, entry: PrivacyEntry, budget: float, delta: float,
+    def would_exceed(self, event: PrivacyEvent, budget: float, delta: float,
                      accountant: str = "rdp") -> tuple[bool, float]:
-        """(refuse?, epsilon after the entry). Refuse when it would pass the budget."""
-        eps_after = self.epsilon(delta, accountant, extra=entry)
+        """(refuse?, epsilon after the event)."""
+        eps_after = self.epsilon(delta, accountant, extra=event)
+        if self.adaptive:
+            unit = history_unit(self.events + [event])
+            return RenyiFilter(budget, delta, unit).would_exceed(self.events, event), eps_after
         return eps_after > budget * (1.0 + BUDGET_RTOL), eps_after
 
-    def charge(self, entry: PrivacyEntry) -> None:
-        self.entries.append(entry)
+    def charge(self, event: PrivacyEvent) -> None:
+        self.events.append(event)
 
     @property
     def rounds(self) -> list[int]:
-        return [e.round for e in self.entries]
+        return sorted({e.round for e in self.events})
 
-    # -- persistence in context.state -------------------------------------------------
+    @property
+    def unit(self) -> str:
+        return history_unit(self.events)
+
+    def merge(self, other: "PrivacyHistory") -> bool:
+        """Adopt events of ``other`` for rounds this history lacks (conservative: a charge
+        is never dropped). Returns True when something was added."""
+        have = set(self.rounds)
+        extra = [e for e in other.events if e.round not in have]
+        self.events = sorted(self.events + extra, key=lambda e: e.round)
+        return bool(extra)
+
+    # -- persistence in context.state / messages -----------------------------------------
     def to_record(self) -> ConfigRecord:
-        return ConfigRecord({
-            "mechanism": self.mechanism,
-            "relation": self.relation,
-            "round": [int(e.round) for e in self.entries],
-            "sigma": [float(e.sigma) for e in self.entries],
-            "rate": [float(e.rate) for e in self.entries],
-            "steps": [int(e.steps) for e in self.entries],
-        })
+        rec = {name: [getattr(e, name) for e in self.events] for name in _FIELDS}
+        return ConfigRecord({**rec, "adaptive": self.adaptive})
 
     @classmethod
-    def from_record(cls, record: ConfigRecord) -> "PrivacyHistory":
+    def from_record(cls, record) -> "PrivacyHistory":
         n = len(record.get("round", []))
-        entries = [PrivacyEntry(int(record["round"][i]), float(record["sigma"][i]),
-                                float(record["rate"][i]), int(record["steps"][i]))
-                   for i in range(n)]
-        return cls(str(record["mechanism"]), str(record["relation"]), entries)
+        events = [PrivacyEvent(**{name: record[name][i] for name in _FIELDS}) for i in range(n)]
+        return cls(events, bool(record.get("adaptive", False)))
 
     @classmethod
-    def load(cls, state, mechanism: str, relation: str = "add-remove") -> "PrivacyHistory":
+    def load(cls, state, adaptive: bool = False) -> "PrivacyHistory":
         """The history kept in a ``context.state`` RecordDict (empty if none yet)."""
         if STATE_KEY in state:
-            history = cls.from_record(state[STATE_KEY])
-            if history.mechanism != mechanism or history.relation != relation:
-                raise ValueError(f"node state holds a {history.mechanism}/{history.relation} "
-                                 f"history; this run uses {mechanism}/{relation}")
-            return history
-        return cls(mechanism, relation)
+            return cls.from_record(state[STATE_KEY])
+        return cls(adaptive=adaptive)
 
     def save(self, state) -> None:
         state[STATE_KEY] = self.to_record()

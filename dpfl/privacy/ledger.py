@@ -2,8 +2,10 @@
 
 The client is the authority on its own budget (it refuses to overspend). The server keeps
 a mirror: it recomputes each client's epsilon from the public parameters the client sent
-(mechanism, sigma, sampling rate, steps) with the same accountant, and flags any mismatch
-with the epsilon the client reported. Persisted as ``ledger.json`` in the run directory.
+(the round's privacy events) with the same accountant, and flags any mismatch with the
+epsilon the client reported. Persisted as ``ledger.json`` in the run directory and in the
+checkpoint; on resume the server hands every client its recorded events back so a client
+whose node state was lost still counts them (:func:`ledger_config` / :func:`prior_history`).
 """
 
 from __future__ import annotations
@@ -12,12 +14,13 @@ import json
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
-from dpfl.privacy.budget import PrivacyEntry, PrivacyHistory
+from dpfl.privacy.budget import _FIELDS, PrivacyHistory
+from dpfl.privacy.events import PrivacyEvent, histories_epsilon, history_rdp, rdp_to_epsilon
 
 log = logging.getLogger("flwr.dpfl.ledger")
-MISMATCH_RTOL = 1e-3
+MISMATCH_RTOL = 1e-6
 
 
 @dataclass
@@ -30,16 +33,16 @@ class Ledger:
     reported: dict[str, float] = field(default_factory=dict)
     mismatches: list[dict[str, Any]] = field(default_factory=list)
 
-    def record(self, client: str, server_round: int, privacy: dict[str, Any],
+    def record(self, client: str, server_round: int, privacy: Mapping[str, Any],
                reported_epsilon: float) -> float:
-        """Add one accepted round's charge; return the recomputed epsilon."""
-        mechanism = str(privacy.get("mechanism", "none"))
-        if mechanism == "none":
+        """Add the events of one accepted reply; return the recomputed epsilon."""
+        if str(privacy.get("mechanism", "")) == "none" or "round" not in privacy:
             return float("inf")
-        relation = str(privacy.get("relation", "add-remove"))
-        history = self.clients.setdefault(client, PrivacyHistory(mechanism, relation))
-        history.charge(PrivacyEntry(server_round, float(privacy["noise-multiplier"]),
-                                    float(privacy["sample-rate"]), int(privacy["steps"])))
+        events = PrivacyHistory.from_record(privacy).events
+        history = self.clients.setdefault(client, PrivacyHistory(
+            adaptive=bool(privacy.get("adaptive", False))))
+        for e in events:
+            history.charge(e)
         eps = history.epsilon(self.delta, self.accountant)
         self.reported[client] = float(reported_epsilon)
         if abs(eps - reported_epsilon) > MISMATCH_RTOL * max(1.0, eps):
@@ -54,29 +57,53 @@ class Ledger:
         return history.epsilon(self.delta, self.accountant) if history else 0.0
 
     def epsilons(self) -> dict[str, float]:
-        return {c: self.epsilon(c) for c in sorted(self.clients, key=_client_order)}
+        """Every client's epsilon (RDP: all clients in one vectorised pass)."""
+        names = sorted(self.clients, key=client_order)
+        if self.accountant == "rdp":
+            eps = histories_epsilon({n: self.clients[n].events for n in names}, self.delta)
+            return {n: eps[n] for n in names}
+        return {n: self.epsilon(n) for n in names}
+
+    def would_exceed(self, client: str, event: PrivacyEvent, budget: float) -> bool:
+        """Would charging ``event`` to ``client`` pass ``budget``? (for selection)"""
+        history = self.clients.get(client, PrivacyHistory())
+        return history.would_exceed(event, budget, self.delta, self.accountant)[0]
 
     def rounds(self, client: str) -> list[int]:
         history = self.clients.get(client)
         return history.rounds if history else []
 
+    def epsilon_by_round(self, client: str) -> list[tuple[int, float]]:
+        """Cumulative epsilon after each round the client took part in (RDP prefix sums)."""
+        history = self.clients.get(client)
+        if not history:
+            return []
+        out = []
+        for r in history.rounds:
+            prefix = [e for e in history.events if e.round <= r]
+            if self.accountant == "rdp":
+                out.append((r, rdp_to_epsilon(history.unit, history_rdp(prefix), self.delta)))
+            else:
+                out.append((r, PrivacyHistory(prefix).epsilon(self.delta, self.accountant)))
+        return out
+
     def to_json(self) -> dict[str, Any]:
+        eps = self.epsilons()
         return {
             "delta": self.delta, "accountant": self.accountant,
-            "clients": {c: {"mechanism": h.mechanism, "relation": h.relation,
-                            "epsilon": h.epsilon(self.delta, self.accountant),
-                            "reported-epsilon": self.reported.get(c),
-                            "events": [e.__dict__ for e in h.entries]}
-                        for c, h in sorted(self.clients.items(), key=lambda kv: _client_order(kv[0]))},
+            "clients": {c: {"unit": h.unit, "adaptive": h.adaptive, "epsilon": eps[c],
+                            "reported-epsilon": self.reported.get(c), "rounds": h.rounds,
+                            "events": [e.to_dict() for e in h.events]}
+                        for c, h in ((c, self.clients[c]) for c in eps)},
             "mismatches": self.mismatches,
         }
 
     @classmethod
-    def from_json(cls, data: dict[str, Any]) -> "Ledger":
+    def from_json(cls, data: Mapping[str, Any]) -> "Ledger":
         ledger = cls(float(data["delta"]), str(data["accountant"]))
         for c, d in data.get("clients", {}).items():
-            ledger.clients[c] = PrivacyHistory(d["mechanism"], d["relation"],
-                                               [PrivacyEntry(**e) for e in d["events"]])
+            ledger.clients[c] = PrivacyHistory([PrivacyEvent(**e) for e in d["events"]],
+                                               bool(d.get("adaptive", False)))
             if d.get("reported-epsilon") is not None:
                 ledger.reported[c] = float(d["reported-epsilon"])
         ledger.mismatches = list(data.get("mismatches", []))
@@ -92,6 +119,30 @@ class Ledger:
         return cls.from_json(json.loads(path.read_text()))
 
 
-def _client_order(name: str) -> tuple[int, str]:
+def client_order(name: str) -> tuple[int, str]:
     tail = name.rsplit("-", 1)[-1]
     return (int(tail), name) if tail.isdigit() else (1 << 30, name)
+
+
+def ledger_config(ledger: Ledger) -> dict[str, list]:
+    """Every client's recorded events as flat ConfigRecord lists (``ledger-*`` keys)."""
+    out: dict[str, list] = {"ledger-client": []}
+    for name in _FIELDS:
+        out[f"ledger-{name}"] = []
+    for client, history in ledger.clients.items():
+        pid = client_order(client)[0]
+        for e in history.events:
+            out["ledger-client"].append(pid)
+            for name in _FIELDS:
+                out[f"ledger-{name}"].append(getattr(e, name))
+    return out if out["ledger-client"] else {}
+
+
+def prior_history(config: Mapping[str, Any], partition_id: int) -> PrivacyHistory | None:
+    """The events the server recorded for ``partition_id`` (None if it sent none)."""
+    if "ledger-client" not in config:
+        return None
+    idx = [i for i, pid in enumerate(config["ledger-client"]) if int(pid) == partition_id]
+    events = [PrivacyEvent(**{name: config[f"ledger-{name}"][i] for name in _FIELDS})
+              for i in idx]
+    return PrivacyHistory(events)

@@ -17,7 +17,7 @@ from dpfl.config import ConfigError, RunConfig, parse_run_config
 from dpfl.data import label_counts, load_dataset, splits_for, test_tensors
 from dpfl.data.plots import plot_label_counts
 from dpfl.models import build_model
-from dpfl.privacy.ledger import Ledger
+from dpfl.privacy.ledger import Ledger, ledger_config
 from dpfl.privacy.verdict import guarantee_for
 from dpfl.server.evaluation import classification_metrics
 from dpfl.server.plots import plot_accuracy, plot_epsilon
@@ -42,10 +42,20 @@ def _federated_evaluation(strategy: DPFLStrategy, grid: Grid, rnd: int, arrays: 
 
 def _epsilon_series(rounds: list[dict[str, Any]]) -> dict[str, list[tuple[int, float]]]:
     series: dict[str, list[tuple[int, float]]] = {}
+    for r in rounds[:1]:
+        for client in r.get("epsilon", {}):
+            series[client] = [(r["round"] - 1, 0.0)]
     for r in rounds:
         for client, eps in r.get("epsilon", {}).items():
             series.setdefault(client, []).append((r["round"], eps))
     return series
+
+
+def budgets_exhausted(record, num_nodes: int) -> bool:
+    """True when every connected node was asked and every one refused at its budget."""
+    return (not record.accepted and len(record.sampled) >= num_nodes > 0
+            and len(record.rejected) == len(record.sampled)
+            and all(r.kind == "refused" for r in record.rejected))
 
 
 def run(grid: Grid, cfg: RunConfig) -> dict[str, Any]:
@@ -85,6 +95,8 @@ def run(grid: Grid, cfg: RunConfig) -> dict[str, Any]:
         ledger = Ledger.from_json(checkpoint["ledger"])
         start = int(checkpoint["round"]) + 1
         rounds = run_dir.truncate_rounds(start - 1)
+        # clients whose node state was lost get their recorded events back
+        strategy.next_round_config = ledger_config(ledger)
         log.info("resuming %s after round %d", run_dir.path, start - 1)
     else:
         model.load_state_dict(arrays.to_torch_state_dict())
@@ -131,6 +143,9 @@ def run(grid: Grid, cfg: RunConfig) -> dict[str, Any]:
                  central["accuracy"], central["macro-f1"], len(record.accepted),
                  len(record.rejected), f"{max(eps.values()):.3f}" if eps else "-",
                  line["seconds"], eta)
+        if budgets_exhausted(record, len(grid.get_node_ids())):
+            log.info("every client refused at its privacy budget: stopping after round %d", rnd)
+            break
 
     ledger.save(run_dir.file("ledger.json"))
     final = rounds[-1]["central"] if rounds else {}
@@ -138,6 +153,7 @@ def run(grid: Grid, cfg: RunConfig) -> dict[str, Any]:
         "guarantee": guarantee.to_dict(),
         "strategy": cfg.strategy, "trainer": cfg.trainer, "dataset": cfg.dataset,
         "num-clients": num_nodes, "rounds": cfg.num_rounds,
+        "rounds-run": rounds[-1]["round"] if rounds else 0,
         "initial": initial or (checkpoint or {}).get("initial", {}),
         "final": final,
         "epsilon-budget": cfg.target_epsilon if cfg.is_private else None,

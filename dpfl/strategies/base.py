@@ -74,6 +74,8 @@ class DPFLStrategy(FedAvg):
         self.last_round: RoundRecord | None = None
         self._global: ArrayRecord | None = None
         self._template: Template = []
+        # extra keys for the next round's ConfigRecords only (e.g. the ledger after resume)
+        self.next_round_config: dict[str, Any] = {}
 
     # -- selection and configuration -------------------------------------------------
     def _wait_for_nodes(self, grid: Grid, minimum: int, timeout: float = 600.0) -> list[int]:
@@ -103,8 +105,9 @@ class DPFLStrategy(FedAvg):
         self.last_round = RoundRecord(server_round, sampled=list(node_ids))
         log.info("round %d: training on %d nodes", server_round, len(node_ids))
         messages = []
+        once, self.next_round_config = self.next_round_config, {}
         for node_id in node_ids:
-            cfg = ConfigRecord({**dict(config), "server-round": server_round,
+            cfg = ConfigRecord({**dict(config), **once, "server-round": server_round,
                                 **self.client_config(server_round, node_id)})
             record = RecordDict({self.arrayrecord_key: arrays, self.configrecord_key: cfg})
             messages.append(Message(content=record, message_type=MessageType.TRAIN,

@@ -1,0 +1,247 @@
+"""Privacy events and the epsilon of a history of them.
+
+An event is one charge with public parameters: a DP-SGD run (sigma, Poisson rate q, steps),
+a Gaussian release (sigma, optional Poisson rate), or a pure-epsilon release (Laplace, the
+sparse-vector technique). Epsilon always comes from the field's libraries:
+
+- ``dpsgd`` events (sample-level): Opacus' RDP analysis (``compute_rdp`` summed over the
+  history, ``get_privacy_spent``), exactly what ``opacus.accountants.RDPAccountant`` does,
+  or Opacus' PRV accountant.
+- client-level events: dp-accounting's ``RdpAccountant`` (or ``PLDAccountant``). Laplace
+  releases use its exact Laplace RDP; a generic pure eps-DP release (sparse vector) enters
+  RDP through eps-DP => (alpha, min(eps, alpha eps^2 / 2))-RDP (Bun & Steinke 2016).
+
+RDP curves add under composition, so the epsilon of many histories is computed by building
+each distinct event's curve once and combining them with one matrix product
+(:func:`histories_epsilon`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from functools import lru_cache
+from typing import Iterable, Mapping, Sequence
+
+import numpy as np
+
+SAMPLE_LEVEL = ("dpsgd",)
+GAUSSIAN = ("gaussian", "quantile-count")
+PURE = ("laplace", "sparse-vector")
+MECHANISMS = SAMPLE_LEVEL + GAUSSIAN + PURE
+
+
+@dataclass(frozen=True)
+class PrivacyEvent:
+    """One charge. ``sigma`` is noise std / sensitivity; ``rate`` a Poisson sampling rate;
+    ``steps`` how many times the release is repeated; ``epsilon`` for pure events."""
+
+    round: int
+    mechanism: str
+    sigma: float = 0.0
+    rate: float = 1.0
+    steps: int = 1
+    epsilon: float = 0.0
+    relation: str = "add-remove"
+
+    def __post_init__(self) -> None:
+        if self.mechanism not in MECHANISMS:
+            raise ValueError(f"unknown mechanism {self.mechanism!r}; known: {MECHANISMS}")
+        if self.relation not in ("add-remove", "replace-one"):
+            raise ValueError(f"unknown relation {self.relation!r}")
+        if self.mechanism in PURE and self.epsilon <= 0:
+            raise ValueError("a pure event needs epsilon > 0")
+        if self.mechanism not in PURE and self.sigma <= 0:
+            raise ValueError("a Gaussian event needs sigma > 0")
+        if not 0.0 < self.rate <= 1.0 or self.steps < 0:
+            raise ValueError("rate must be in (0, 1] and steps >= 0")
+
+    @classmethod
+    def dpsgd(cls, round_: int, sigma: float, rate: float, steps: int) -> "PrivacyEvent":
+        return cls(round_, "dpsgd", sigma=sigma, rate=rate, steps=steps)
+
+    @classmethod
+    def gaussian(cls, round_: int, sigma: float, rate: float = 1.0, steps: int = 1,
+                 relation: str = "add-remove", mechanism: str = "gaussian") -> "PrivacyEvent":
+        return cls(round_, mechanism, sigma=sigma, rate=rate, steps=steps, relation=relation)
+
+    @classmethod
+    def pure(cls, round_: int, epsilon: float, mechanism: str = "laplace",
+             steps: int = 1) -> "PrivacyEvent":
+        return cls(round_, mechanism, epsilon=epsilon, steps=steps)
+
+    @property
+    def unit(self) -> str:
+        return "sample" if self.mechanism in SAMPLE_LEVEL else "client"
+
+    @property
+    def key(self) -> tuple:
+        """Everything but the round and step count: events with equal keys share a curve."""
+        return (self.mechanism, float(self.sigma), float(self.rate), float(self.epsilon),
+                self.relation)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+# ---------------------------------------------------------------------------------------
+# RDP curves
+
+
+def _opacus_orders() -> np.ndarray:
+    from opacus.accountants import RDPAccountant
+
+    return np.asarray(RDPAccountant.DEFAULT_ALPHAS, dtype=float)
+
+
+def _dp_accounting_orders() -> np.ndarray:
+    from dp_accounting.rdp.rdp_privacy_accountant import DEFAULT_RDP_ORDERS
+
+    return np.asarray(DEFAULT_RDP_ORDERS, dtype=float)
+
+
+def orders_for(unit: str) -> np.ndarray:
+    """The RDP orders of a unit's accountant (Opacus for samples, dp-accounting else)."""
+    return _opacus_orders() if unit == "sample" else _dp_accounting_orders()
+
+
+def _dp_event(key: tuple):
+    from dp_accounting import dp_event
+
+    mechanism, sigma, rate, epsilon, relation = key
+    if mechanism == "laplace":
+        return dp_event.LaplaceDpEvent(1.0 / epsilon)
+    sigma_eff = sigma / 2.0 if relation == "replace-one" else sigma
+    base = dp_event.GaussianDpEvent(sigma_eff)
+    if rate < 1.0:
+        if relation != "add-remove":
+            raise ValueError("Poisson-sampled Gaussian events are accounted under add-remove")
+        return dp_event.PoissonSampledDpEvent(rate, base)
+    return base
+
+
+@lru_cache(maxsize=4096)
+def rdp_curve(key: tuple) -> np.ndarray:
+    """RDP of ONE step of the event with this key, at :func:`orders_for` its unit."""
+    mechanism, sigma, rate, epsilon, relation = key
+    if mechanism == "dpsgd":
+        from opacus.accountants.analysis.rdp import compute_rdp
+
+        return np.asarray(compute_rdp(q=rate, noise_multiplier=sigma, steps=1,
+                                      orders=list(_opacus_orders())), dtype=float)
+    orders = _dp_accounting_orders()
+    if mechanism == "sparse-vector":
+        return np.minimum(epsilon, orders * epsilon ** 2 / 2.0)
+    from dp_accounting.rdp.rdp_privacy_accountant import RdpAccountant
+
+    acc = RdpAccountant(orders=list(orders))
+    acc.compose(_dp_event(key), 1)
+    return np.asarray(acc.rdp, dtype=float)
+
+
+def rdp_to_epsilon(unit: str, rdp: np.ndarray, delta: float) -> float:
+    """(epsilon, delta) from an RDP curve with the unit's library conversion."""
+    if not np.any(rdp > 0):
+        return 0.0
+    if unit == "sample":
+        from opacus.accountants.analysis.rdp import get_privacy_spent
+
+        eps, _ = get_privacy_spent(orders=list(_opacus_orders()), rdp=list(rdp), delta=delta)
+        return float(eps)
+    from dp_accounting.rdp.rdp_privacy_accountant import compute_epsilon
+
+    eps, _ = compute_epsilon(_dp_accounting_orders(), rdp, delta)
+    return float(eps)
+
+
+def history_unit(events: Sequence[PrivacyEvent]) -> str:
+    units = {e.unit for e in events}
+    if len(units) > 1:
+        raise ValueError("a history mixes sample-level and client-level events")
+    return units.pop() if units else "sample"
+
+
+def history_rdp(events: Sequence[PrivacyEvent]) -> np.ndarray:
+    """The RDP curve of a history (curves add under composition)."""
+    unit = history_unit(events)
+    total = np.zeros(len(orders_for(unit)))
+    for e in events:
+        if e.steps:
+            total = total + e.steps * rdp_curve(e.key)
+    return total
+
+
+def _pure_bound(unit: str, events: Sequence[PrivacyEvent], eps_rdp: float,
+                delta: float) -> float:
+    """For histories with pure-epsilon events also use basic composition on them:
+    eps <= eps(Gaussian part, delta) + sum of pure eps. Both bounds hold; take the smaller
+    (the RDP route adds log(1/delta)/(alpha - 1) and can lose to the plain sum)."""
+    pure = [e for e in events if e.mechanism in PURE]
+    if not pure:
+        return eps_rdp
+    rest = [e for e in events if e.mechanism not in PURE and e.steps > 0]
+    eps_rest = rdp_to_epsilon(unit, history_rdp(rest), delta) if rest else 0.0
+    return min(eps_rdp, eps_rest + sum(e.epsilon * e.steps for e in pure))
+
+
+def history_epsilon(events: Sequence[PrivacyEvent], delta: float,
+                    accountant: str = "rdp") -> float:
+    """Epsilon of a (non-adaptive) history with the named accountant."""
+    if not 0.0 < delta < 1.0:
+        raise ValueError(f"delta must be in (0, 1), got {delta}")
+    events = [e for e in events if e.steps > 0]
+    if not events:
+        return 0.0
+    unit = history_unit(events)
+    if accountant == "rdp":
+        return _pure_bound(unit, events, rdp_to_epsilon(unit, history_rdp(events), delta), delta)
+    if unit == "sample":
+        if accountant != "prv":
+            raise ValueError("sample-level (DP-SGD) histories use accountant 'rdp' or 'prv'")
+        from dpfl.privacy.accounting import dpsgd_history_epsilon
+
+        return dpsgd_history_epsilon([(e.sigma, e.rate, e.steps) for e in events], delta, "prv")
+    if any(e.mechanism == "sparse-vector" for e in events):
+        raise ValueError("the PLD accountant has no sparse-vector event; use accountant 'rdp'")
+    from dpfl.privacy.accounting import events_epsilon
+
+    return events_epsilon([(_dp_event(e.key), e.steps) for e in events], delta, "pld")
+
+
+def histories_epsilon(histories: Mapping[str, Sequence[PrivacyEvent]], delta: float
+                      ) -> dict[str, float]:
+    """RDP epsilon of many histories at once: each distinct event's curve is built once;
+    per-client step counts (clients x distinct events) times the curves (distinct events
+    x orders) give every client's RDP curve in one matrix product."""
+    out: dict[str, float] = {}
+    for unit in ("sample", "client"):
+        names = [n for n, h in histories.items() if h and history_unit(h) == unit]
+        if not names:
+            continue
+        keys: dict[tuple, int] = {}
+        rows, cols, vals = [], [], []
+        for i, name in enumerate(names):
+            for e in histories[name]:
+                j = keys.setdefault(e.key, len(keys))
+                rows.append(i)
+                cols.append(j)
+                vals.append(e.steps)
+        counts = np.zeros((len(names), len(keys)))
+        np.add.at(counts, (rows, cols), vals)
+        curves = np.stack([rdp_curve(k) for k in keys])
+        rdp = counts @ curves
+        # identical RDP rows convert once
+        cache: dict[bytes, float] = {}
+        for name, row in zip(names, rdp):
+            b = row.tobytes()
+            if b not in cache:
+                cache[b] = rdp_to_epsilon(unit, row, delta)
+            out[name] = cache[b]
+            if any(e.mechanism in PURE for e in histories[name]):
+                out[name] = _pure_bound(unit, histories[name], out[name], delta)
+    for name, h in histories.items():
+        out.setdefault(name, 0.0)
+    return out
+
+
+def events_from_dicts(items: Iterable[Mapping]) -> list[PrivacyEvent]:
+    return [PrivacyEvent(**dict(d)) for d in items]
