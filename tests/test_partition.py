@@ -1,5 +1,7 @@
 """Partitioning: disjoint, complete, skew behaves as the scheme says."""
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -105,3 +107,33 @@ def test_missing_dataset_names_how_to_get_it(tmp_path):
 
     with pytest.raises(DatasetUnavailable, match="data-dir"):
         _load_torchvision("cifar10", "", False)
+
+
+def _write_idx(path, array):
+    import gzip
+    import struct
+
+    header = struct.pack(">HBB", 0, 0x08, array.ndim) + struct.pack(">" + "I" * array.ndim, *array.shape)
+    with gzip.open(path, "wb") as f:
+        f.write(header + array.astype(np.uint8).tobytes())
+
+
+def test_mnist_from_a_torchvision_format_data_dir(tmp_path):
+    ref = load_dataset("mnist")
+    raw = tmp_path / "MNIST" / "raw"
+    raw.mkdir(parents=True)
+    _write_idx(raw / "train-images-idx3-ubyte.gz", ref.x_train[:100])
+    _write_idx(raw / "train-labels-idx1-ubyte.gz", ref.y_train[:100])
+    _write_idx(raw / "t10k-images-idx3-ubyte.gz", ref.x_test[:10])
+    _write_idx(raw / "t10k-labels-idx1-ubyte.gz", ref.y_test[:10])
+    ds = load_dataset("mnist", str(tmp_path))
+    assert np.array_equal(ds.x_train, ref.x_train[:100]) and np.array_equal(ds.y_test, ref.y_test[:10])
+
+
+@pytest.mark.skipif(not Path("/usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz").exists(),
+                    reason="Debian's dataset-fashion-mnist is not installed "
+                           "(apt-get install dataset-fashion-mnist; .ci/run does)")
+def test_fashion_mnist_from_debian_package():
+    ds = load_dataset("fashion-mnist")
+    assert ds.x_train.shape == (60000, 28, 28) and ds.x_test.shape == (10000, 28, 28)
+    assert np.bincount(ds.y_train).tolist() == [6000] * 10

@@ -16,6 +16,13 @@ from torch.utils.data import DataLoader, Dataset
 from dpfl.config import RunConfig
 from dpfl.data import ClientData
 
+# Known, harmless warnings that would otherwise flood every round's log:
+# torch 2.14 + Opacus hooks; secure_mode needs torchcsprng, which cannot be installed here
+# (stated in the README); the RDP order range note from Opacus' accountant.
+for _message in ("Full backward hook is firing", "Secure RNG turned off",
+                 "Optimal order is the largest alpha"):
+    warnings.filterwarnings("ignore", message=f".*{_message}.*")
+
 
 @dataclass
 class TrainResult:
