@@ -60,6 +60,9 @@ class RunConfig:
     run_name: str = ""
     resume: bool = False
     report_train_loss: bool = False
+    gcfl_references: int = 1
+    prox_mu: float = 0.01
+    fedexp_epsilon: float = 1e-3
 
     @property
     def is_private(self) -> bool:
@@ -159,6 +162,17 @@ def validate(cfg: RunConfig) -> RunConfig:
           cfg.max_update_norm)
     _need(cfg.round_timeout > 0, "round-timeout", "must be > 0", cfg.round_timeout)
     _need(bool(cfg.output_dir), "output-dir", "must not be empty", cfg.output_dir)
+    _need(cfg.gcfl_references >= 1, "gcfl-references", "must be >= 1", cfg.gcfl_references)
+    _need(cfg.prox_mu >= 0, "prox-mu", "must be >= 0", cfg.prox_mu)
+    _need(cfg.fedexp_epsilon > 0, "fedexp-epsilon", "must be > 0", cfg.fedexp_epsilon)
+    if cfg.strategy == "dpscaffold":
+        _need(cfg.trainer == "dpsgd", "trainer",
+              "dpscaffold needs trainer 'dpsgd' (its control variates are post-processing of "
+              "DP-SGD outputs only)", cfg.trainer)
+    if cfg.strategy in ("gcfl", "dpfedprox", "dpfedexp", "dpfedavg"):
+        _need(cfg.trainer != "plain", "trainer",
+              f"strategy '{cfg.strategy}' is a DP method; use trainer 'dpsgd' or 'update-dp'",
+              cfg.trainer)
     if cfg.trainer == "plain":
         _need(cfg.strategy in ("fedavg",), "strategy",
               "trainer 'plain' is non-private; use strategy 'fedavg' with it", cfg.strategy)

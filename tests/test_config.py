@@ -30,7 +30,7 @@ def test_demo_defaults_parse():
     ("fraction-train", 0.0, "'fraction-train'"),
     ("partitioning", "random", "'partitioning'"),
     ("model", "vgg", "'model'"),
-    ("trainer", "plain", "'strategy'"),
+    ("trainer", "plain", "'trainer'"),
     ("no-such-key", 1, "unknown run-config key 'no-such-key'"),
 ])
 def test_bad_values_name_the_key(key, value, fragment):

@@ -16,6 +16,7 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
+from dpfl.client.methods import hooks_for
 from dpfl.client.trainers import (
     clip_and_noise,
     device_for,
@@ -91,8 +92,9 @@ def train(msg: Message, context: Context) -> Message:
     n = len(data.y_train)
     base = {"partition-id": pid, "server-round": server_round, "delta": cfg.delta}
 
+    hooks = hooks_for(cfg, msg, context, model)
     if cfg.trainer == "plain":
-        result = train_plain(model, data, cfg, seed, device)
+        result = train_plain(model, data, cfg, seed, device, hooks.post_step)
         update = state_difference(model.state_dict(), received)
         metrics = {**base, "num-examples": n, "epsilon": float("inf"), "steps": result.steps}
         if cfg.report_train_loss:
@@ -123,12 +125,12 @@ def train(msg: Message, context: Context) -> Message:
                       status=ConfigRecord({"status": "refused", "reason": reason}))
 
     if cfg.trainer == "dpsgd":
-        result = train_dpsgd(model, data, cfg, sigma, seed, device)
+        result = train_dpsgd(model, data, cfg, sigma, seed, device, hooks.post_step)
         event = PrivacyEvent.dpsgd(server_round, sigma, result.sample_rate, result.steps)
         update = state_difference(model.state_dict(), received)
         num_examples = n
     else:
-        result = train_plain(model, data, cfg, seed, device)
+        result = train_plain(model, data, cfg, seed, device, hooks.post_step)
         raw = flatten(state_difference(model.state_dict(), received))
         gen = torch.Generator().manual_seed(seed)
         update = unflatten(clip_and_noise(raw, cfg.clip_norm, sigma, gen), received)
@@ -145,7 +147,9 @@ def train(msg: Message, context: Context) -> Message:
     privacy = PrivacyHistory([event]).to_record()
     privacy["accountant"] = cfg.accountant
     privacy["clip"] = cfg.max_grad_norm if cfg.trainer == "dpsgd" else cfg.clip_norm
-    return _reply(msg, arrays=ArrayRecord(update), metrics=MetricRecord(metrics), privacy=privacy)
+    extras = hooks.finish(model, result)
+    return _reply(msg, arrays=ArrayRecord(update), metrics=MetricRecord(metrics), privacy=privacy,
+                  **extras)
 
 
 @app.evaluate()

@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 import warnings
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 from torch import nn
@@ -86,9 +87,13 @@ def _optimizer(model: nn.Module, cfg: RunConfig) -> torch.optim.Optimizer:
     return torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum)
 
 
+PostStep = Callable[[nn.Module, float], None]
+
+
 def train_plain(model: nn.Module, data: ClientData, cfg: RunConfig, seed: int,
-                device: torch.device) -> TrainResult:
-    """Non-private local SGD for ``local-epochs`` epochs."""
+                device: torch.device, post_step: PostStep | None = None) -> TrainResult:
+    """Non-private local SGD for ``local-epochs`` epochs (``post_step(model, lr)`` after
+    every optimizer step: a method's data-independent correction, e.g. FedProx)."""
     model.to(device).train()
     opt = _optimizer(model, cfg)
     criterion = nn.CrossEntropyLoss()
@@ -101,6 +106,8 @@ def train_plain(model: nn.Module, data: ClientData, cfg: RunConfig, seed: int,
             loss = criterion(model(x), y)
             loss.backward()
             opt.step()
+            if post_step is not None:
+                post_step(model, cfg.lr)
             total += loss.item() * len(y)
             count += len(y)
             steps += 1
@@ -109,9 +116,15 @@ def train_plain(model: nn.Module, data: ClientData, cfg: RunConfig, seed: int,
 
 
 def train_dpsgd(model: nn.Module, data: ClientData, cfg: RunConfig, noise_multiplier: float,
-                seed: int, device: torch.device) -> TrainResult:
+                seed: int, device: torch.device, post_step: PostStep | None = None
+                ) -> TrainResult:
     """Sample-level DP-SGD with Opacus: Poisson sampling, per-sample clipping to
     ``max-grad-norm``, Gaussian noise ``noise_multiplier * max-grad-norm``.
+
+    ``post_step(model, lr)`` runs after every DP step: it may only use public or
+    already-released values (the model itself, the global model, control variates), so it
+    is post-processing and costs no privacy (FedProx's proximal pull, SCAFFOLD's drift
+    correction).
 
     ``model``'s parameters are trained in place (Opacus wraps, the module is shared).
     The step count is read from the Opacus accountant attached to the optimizer.
@@ -143,15 +156,40 @@ def train_dpsgd(model: nn.Module, data: ClientData, cfg: RunConfig, noise_multip
                 opt.zero_grad(set_to_none=True)
                 if len(y) == 0:  # an empty Poisson batch still is a (noise-only) step
                     opt.step()
+                    if post_step is not None:
+                        post_step(model, cfg.lr)
                     continue
                 x, y = x.to(device), y.to(device)
                 loss = dp_criterion(dp_model(x), y)
                 loss.backward()
                 opt.step()
+                if post_step is not None:
+                    post_step(model, cfg.lr)
                 total += float(loss.item()) * len(y)
                 count += len(y)
     steps = sum(n for _, _, n in engine.accountant.history)
     return TrainResult(len(data.y_train), total / max(count, 1), steps, sample_rate)
+
+
+def proximal_step(global_params: list[torch.Tensor], mu: float) -> PostStep:
+    """FedProx (Li et al. 2020): the gradient of (mu/2)||w - w_global||^2 is mu (w - w_global);
+    applied as w <- w - lr mu (w - w_global) after each step (data-independent)."""
+    @torch.no_grad()
+    def step(model: nn.Module, lr: float) -> None:
+        for p, g in zip(model.parameters(), global_params):
+            p.sub_(lr * mu * (p - g))
+    return step
+
+
+def scaffold_step(server_control: list[torch.Tensor], client_control: list[torch.Tensor]
+                  ) -> PostStep:
+    """SCAFFOLD (Karimireddy et al. 2020, Alg. 1 line 10): y <- y - lr (g - c_i + c);
+    after the (DP) step on g, this adds the correction -lr (c - c_i)."""
+    @torch.no_grad()
+    def step(model: nn.Module, lr: float) -> None:
+        for p, c, ci in zip(model.parameters(), server_control, client_control):
+            p.sub_(lr * (c - ci))
+    return step
 
 
 def clip_and_noise(update: torch.Tensor, clip_norm: float, noise_multiplier: float,

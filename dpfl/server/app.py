@@ -68,6 +68,7 @@ def run(grid: Grid, cfg: RunConfig) -> dict[str, Any]:
     x_test, y_test = test_tensors(cfg.dataset, cfg.data_dir, cfg.download)
     torch.manual_seed(cfg.seed)
     model = build_model(cfg.model, ds.input_shape, ds.num_classes)
+    strategy.bind_model(model)
     device = device_for()
 
     num_nodes = len(strategy._wait_for_nodes(grid, cfg.min_train_nodes))

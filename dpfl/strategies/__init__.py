@@ -21,9 +21,21 @@ def _dpfedavg(cfg: "RunConfig") -> "DPFLStrategy":
     return DPFedAvgStrategy(cfg)
 
 
+def _lazy(module: str, cls: str) -> Callable[["RunConfig"], "DPFLStrategy"]:
+    def build(cfg: "RunConfig") -> "DPFLStrategy":
+        import importlib
+
+        return getattr(importlib.import_module(f"dpfl.strategies.{module}"), cls)(cfg)
+    return build
+
+
 STRATEGIES: dict[str, Callable[["RunConfig"], "DPFLStrategy"]] = {
     "fedavg": _fedavg,
     "dpfedavg": _dpfedavg,
+    "gcfl": _lazy("gcfl", "GCFLStrategy"),
+    "dpfedprox": _lazy("dpfedprox", "DPFedProxStrategy"),
+    "dpscaffold": _lazy("dpscaffold", "DPScaffoldStrategy"),
+    "dpfedexp": _lazy("dpfedexp", "DPFedExPStrategy"),
 }
 
 

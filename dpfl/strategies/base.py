@@ -76,6 +76,23 @@ class DPFLStrategy(FedAvg):
         self._template: Template = []
         # extra keys for the next round's ConfigRecords only (e.g. the ledger after resume)
         self.next_round_config: dict[str, Any] = {}
+        self.parameter_names: list[str] = []
+        self.num_nodes = 0
+
+    def bind_model(self, model: torch.nn.Module) -> None:
+        """Learn the model's parameter names (for methods with per-parameter state)."""
+        self.parameter_names = [n for n, _ in model.named_parameters()]
+
+    def extra_records(self, server_round: int) -> dict[str, ArrayRecord]:
+        """Records besides the global arrays sent to every client (e.g. SCAFFOLD's c)."""
+        return {}
+
+    def extra_reply_arrays(self) -> dict[str, Template]:
+        """Array records every reply must carry besides the update, with their template."""
+        return {}
+
+    def after_aggregation(self, accepted: list[ClientUpdate]) -> None:
+        """Update method state from the accepted replies (e.g. SCAFFOLD's c)."""
 
     # -- selection and configuration -------------------------------------------------
     def _wait_for_nodes(self, grid: Grid, minimum: int, timeout: float = 600.0) -> list[int]:
@@ -101,6 +118,7 @@ class DPFLStrategy(FedAvg):
                         grid: Grid) -> Iterable[Message]:
         self._global = arrays
         self._template = array_template(arrays)
+        self.num_nodes = len(list(grid.get_node_ids()))
         node_ids = self.select_nodes(server_round, grid)
         self.last_round = RoundRecord(server_round, sampled=list(node_ids))
         log.info("round %d: training on %d nodes", server_round, len(node_ids))
@@ -109,7 +127,8 @@ class DPFLStrategy(FedAvg):
         for node_id in node_ids:
             cfg = ConfigRecord({**dict(config), **once, "server-round": server_round,
                                 **self.client_config(server_round, node_id)})
-            record = RecordDict({self.arrayrecord_key: arrays, self.configrecord_key: cfg})
+            record = RecordDict({self.arrayrecord_key: arrays, self.configrecord_key: cfg,
+                                 **self.extra_records(server_round)})
             messages.append(Message(content=record, message_type=MessageType.TRAIN,
                                     dst_node_id=node_id))
         return messages
@@ -138,8 +157,9 @@ class DPFLStrategy(FedAvg):
         record = self.last_round
         dim = sum(int(torch.Size(s).numel()) for _, s, _ in self._template)
         bound = self.update_norm_bound(dim)
+        extra = self.extra_reply_arrays()
         for msg in replies:
-            checked = validate_train_reply(msg, self._template, bound)
+            checked = validate_train_reply(msg, self._template, bound, extra)
             if isinstance(checked, Rejection):
                 record.rejected.append(checked)
                 level = logging.INFO if checked.kind == "refused" else logging.WARNING
@@ -157,6 +177,7 @@ class DPFLStrategy(FedAvg):
         state = self._global.to_torch_state_dict()
         new_flat = self.server_step(flatten(state), aggregated)
         new_arrays = ArrayRecord(unflatten(new_flat, state))
+        self.after_aggregation(record.accepted)
         return new_arrays, MetricRecord(self.round_metrics(record))
 
     def round_metrics(self, record: RoundRecord) -> dict[str, float]:

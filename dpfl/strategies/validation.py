@@ -26,6 +26,7 @@ class ClientUpdate:
     num_examples: int
     metrics: dict[str, Any]
     privacy: dict[str, Any] = field(default_factory=dict)
+    extras: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 @dataclass
@@ -52,8 +53,9 @@ def _partition_id(metrics: dict[str, Any]) -> int | None:
     return int(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
 
 
-def validate_train_reply(msg: Message, template: Template,
-                         norm_bound: float | None = None) -> ClientUpdate | Rejection:
+def validate_train_reply(msg: Message, template: Template, norm_bound: float | None = None,
+                         extra_arrays: dict[str, Template] | None = None
+                         ) -> ClientUpdate | Rejection:
     """Turn one train reply into a :class:`ClientUpdate`, or a :class:`Rejection`."""
     node = int(msg.metadata.src_node_id)
     if msg.has_error():
@@ -71,35 +73,49 @@ def validate_train_reply(msg: Message, template: Template,
     if isinstance(n, bool) or not isinstance(n, (int, float)) or n != int(n) or n <= 0:
         return Rejection(node, pid, "invalid", f"num-examples must be a positive integer, "
                          f"got {n!r}", metrics)
-    arrays: ArrayRecord = content["arrays"]
-    expected = [k for k, _, _ in template]
-    if list(arrays.keys()) != expected:
-        missing = sorted(set(expected) - set(arrays.keys()))
-        extra = sorted(set(arrays.keys()) - set(expected))
-        return Rejection(node, pid, "invalid", f"array keys differ from the global model "
-                         f"(missing {missing[:3]}, unexpected {extra[:3]})", metrics)
-    parts = []
-    for key, shape, dtype in template:
-        arr = arrays[key]
-        if tuple(arr.shape) != shape:
-            return Rejection(node, pid, "invalid", f"'{key}' has shape {tuple(arr.shape)}, "
-                             f"expected {shape}", metrics)
-        if np.dtype(arr.dtype) != dtype:
-            return Rejection(node, pid, "invalid", f"'{key}' has dtype {arr.dtype}, "
-                             f"expected {dtype}", metrics)
-        try:
-            values = arr.numpy()
-        except Exception as exc:  # malformed bytes
-            return Rejection(node, pid, "invalid", f"'{key}' cannot be decoded: {exc}", metrics)
-        parts.append(torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32)).reshape(-1))
-    flat = torch.cat(parts) if parts else torch.empty(0)
-    if not bool(torch.isfinite(flat).all()):
-        bad = int((~torch.isfinite(flat)).sum())
-        return Rejection(node, pid, "invalid", f"update has {bad} non-finite values", metrics)
+    flat = _flat_checked(content["arrays"], template, "update")
+    if isinstance(flat, str):
+        return Rejection(node, pid, "invalid", flat, metrics)
     if norm_bound is not None and math.isfinite(norm_bound):
         norm = float(torch.linalg.vector_norm(flat))
         if norm > norm_bound:
             return Rejection(node, pid, "invalid", f"update norm {norm:.4g} exceeds the "
                              f"mechanism's bound {norm_bound:.4g}", metrics)
+    extras: dict[str, torch.Tensor] = {}
+    for name, extra_template in (extra_arrays or {}).items():
+        if name not in content.array_records:
+            return Rejection(node, pid, "invalid", f"reply has no '{name}' record", metrics)
+        checked = _flat_checked(content[name], extra_template, name)
+        if isinstance(checked, str):
+            return Rejection(node, pid, "invalid", checked, metrics)
+        extras[name] = checked
     privacy = dict(content["privacy"]) if "privacy" in content.config_records else {}
-    return ClientUpdate(node, pid if pid is not None else -1, flat, int(n), metrics, privacy)
+    return ClientUpdate(node, pid if pid is not None else -1, flat, int(n), metrics, privacy,
+                        extras)
+
+
+def _flat_checked(arrays: ArrayRecord, template: Template, what: str) -> torch.Tensor | str:
+    """The arrays as one float32 vector in template order, or the reason they are bad."""
+    expected = [k for k, _, _ in template]
+    if list(arrays.keys()) != expected:
+        missing = sorted(set(expected) - set(arrays.keys()))
+        extra = sorted(set(arrays.keys()) - set(expected))
+        return (f"{what}: array keys differ from the global model (missing {missing[:3]}, "
+                f"unexpected {extra[:3]})")
+    parts = []
+    for key, shape, dtype in template:
+        arr = arrays[key]
+        if tuple(arr.shape) != shape:
+            return f"{what}: '{key}' has shape {tuple(arr.shape)}, expected {shape}"
+        if np.dtype(arr.dtype) != dtype:
+            return f"{what}: '{key}' has dtype {arr.dtype}, expected {dtype}"
+        try:
+            values = arr.numpy()
+        except Exception as exc:  # malformed bytes
+            return f"{what}: '{key}' cannot be decoded: {exc}"
+        parts.append(torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32)).reshape(-1))
+    flat = torch.cat(parts) if parts else torch.empty(0)
+    if not bool(torch.isfinite(flat).all()):
+        bad = int((~torch.isfinite(flat)).sum())
+        return f"{what} has {bad} non-finite values"
+    return flat

@@ -1,0 +1,50 @@
+"""``dpfedexp``: DP-FedExP, FedExP's extrapolated server step (Jhunjhunwala, Wang & Joshi,
+ICLR 2023) on DP-SGD clients' updates.
+
+With client pseudo-gradients Delta_i (here the updates u_i = trained - received, so
+Delta_i = -u_i) and their mean Delta_bar over the M participating clients, the server step
+size is
+
+    eta_g = max(1, sum_i ||Delta_i||^2 / (2 M (||Delta_bar||^2 + epsilon)))    (FedExP eq. 9)
+
+and w <- w - eta_g Delta_bar = w + eta_g u_bar. Uniform 1/M averaging as in the paper;
+``fedexp-epsilon`` is its small constant. DP noise inflates sum ||Delta_i||^2 relative to
+||Delta_bar||^2, which raises eta_g: that is the method as published. Server-side
+post-processing only: the guarantee is the clients'.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dpfl.strategies.aggregation import server_sgd_step
+from dpfl.strategies.dpfedavg import DPFedAvgStrategy
+from dpfl.strategies.validation import ClientUpdate
+
+
+def fedexp_step_size(updates: torch.Tensor, epsilon: float) -> float:
+    """FedExP's eta_g for an M x d matrix of client updates (sign-invariant)."""
+    m = updates.shape[0]
+    mean = updates.mean(0)
+    total = float((updates.to(torch.float64) ** 2).sum())
+    return max(1.0, total / (2.0 * m * (float((mean.to(torch.float64) ** 2).sum()) + epsilon)))
+
+
+class DPFedExPStrategy(DPFedAvgStrategy):
+    """Uniform mean of the updates, extrapolated by FedExP's eta_g."""
+
+    name = "dpfedexp"
+    last_step_size = 1.0
+
+    def aggregation_weights(self, accepted: list[ClientUpdate]) -> torch.Tensor:
+        return torch.ones(len(accepted))
+
+    def aggregate_updates(self, updates: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        self.last_step_size = fedexp_step_size(updates, self.cfg.fedexp_epsilon)
+        return super().aggregate_updates(updates, weights)
+
+    def server_step(self, global_flat: torch.Tensor, aggregated: torch.Tensor) -> torch.Tensor:
+        return server_sgd_step(global_flat, aggregated, self.last_step_size * self.cfg.server_lr)
+
+    def round_metrics(self, record) -> dict[str, float]:
+        return {**super().round_metrics(record), "server-step-size": self.last_step_size}
