@@ -5,6 +5,8 @@
       this command owns and stops; key=value pairs override the run-config.
   dpfl summary RUN_DIR
       print the guarantee and the per-client epsilon table of a finished run.
+  dpfl reproduce gcfl [--seeds 0 1 2] [--cells eps2 ...] [--methods gcfl ...]
+      run GCFL's MNIST grid (5 methods) and write results/gcfl/ (table beside the paper).
   dpfl privacy-report RUN_DIR
       verdict, then per-client unit, relation, sampling, delta, epsilon (recomputed from the
       ledger), rounds and verdict; writes RUN_DIR/privacy-report.png (epsilon by round).
@@ -81,6 +83,27 @@ def cmd_privacy_report(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_reproduce(args: argparse.Namespace) -> int:
+    root = app_dir()
+    results = Path(args.results or root / "results" / args.paper)
+    work = Path(args.work_dir or root / "runs" / f"reproduce-{args.paper}")
+    command = "dpfl reproduce " + " ".join(sys.argv[2:] if argv_is_cli() else [args.paper])
+    if args.paper == "gcfl":
+        from dpfl.experiments import gcfl
+
+        cells = args.cells or list(gcfl.DEFAULT_CELLS)
+        methods = args.methods or list(gcfl.METHODS)
+        print(gcfl.reproduce(root, results, work, cells, methods, args.seeds,
+                             args.skip_existing, command))
+        return 0
+    print(f"no reproduction named {args.paper!r}", file=sys.stderr)
+    return 2
+
+
+def argv_is_cli() -> bool:
+    return len(sys.argv) > 1 and sys.argv[1] == "reproduce"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="dpfl", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -94,6 +117,15 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("summary", help="print a run's privacy table")
     p.add_argument("run_dir")
     p.set_defaults(func=cmd_summary)
+    p = sub.add_parser("reproduce", help="run a paper's reproduction grid")
+    p.add_argument("paper", choices=["gcfl"])
+    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    p.add_argument("--cells", nargs="+")
+    p.add_argument("--methods", nargs="+")
+    p.add_argument("--skip-existing", action="store_true")
+    p.add_argument("--results")
+    p.add_argument("--work-dir")
+    p.set_defaults(func=cmd_reproduce)
     p = sub.add_parser("privacy-report", help="per-client privacy table and epsilon plot")
     p.add_argument("run_dir")
     p.set_defaults(func=cmd_privacy_report)

@@ -82,26 +82,74 @@ def _wait_http(port: int, proc: subprocess.Popen, timeout: float = 60.0) -> None
     raise TimeoutError("flower-superlink did not become ready")
 
 
-def stop_process_group(proc: subprocess.Popen, grace: float = 10.0) -> None:
-    """SIGTERM the process group we started (by its leader's PID), then SIGKILL."""
-    if proc.poll() is not None:
-        return
-    pgid = proc.pid  # started with start_new_session=True: pgid == pid
-    for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 5.0)):
+def _children_map() -> dict[int, list[int]]:
+    """ppid -> child pids, from /proc (Linux)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        children.setdefault(ppid, []).append(int(entry))
+    return children
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (the SuperLink starts its SuperExec, the simulation and
+    Ray in process groups of their own, so a group signal alone does not reach them)."""
+    children, out, todo = _children_map(), [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
+def _signal_groups(pgids: set[int], sig: int) -> None:
+    for pgid in pgids:
         try:
             os.killpg(pgid, sig)
-        except ProcessLookupError:
-            return
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+def stop_process_group(proc: subprocess.Popen, grace: float = 10.0) -> None:
+    """Stop a process we started and everything it started: SIGTERM the process groups of
+    the process (started with start_new_session, so pgid == pid) and of its descendants,
+    then SIGKILL whatever is left after ``grace`` seconds."""
+    pids = [proc.pid] + descendants(proc.pid)
+    pgids = set()
+    for pid in pids:
         try:
-            proc.wait(timeout=wait)
-            break
-        except subprocess.TimeoutExpired:
-            continue
-    # members of the group may outlive the leader briefly
+            pgids.add(os.getpgid(pid))
+        except ProcessLookupError:
+            pass
+    pgids.discard(os.getpgid(0))  # never our own group
+    _signal_groups(pgids, signal.SIGTERM)
     try:
-        os.killpg(pgid, signal.SIGKILL)
-    except ProcessLookupError:
+        proc.wait(timeout=grace)
+    except subprocess.TimeoutExpired:
         pass
+    deadline = time.monotonic() + grace
+    while time.monotonic() < deadline and any(_alive(p) for p in pids[1:]):
+        time.sleep(0.2)
+    _signal_groups(pgids, signal.SIGKILL)
+    try:
+        proc.wait(timeout=5.0)
+    except subprocess.TimeoutExpired:
+        pass
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
 
 
 @contextmanager

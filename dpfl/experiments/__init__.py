@@ -1,0 +1,1 @@
+"""Paper reproductions: presets, runners, report writers."""
