@@ -169,7 +169,7 @@ def validate(cfg: RunConfig) -> RunConfig:
         _need(cfg.trainer == "dpsgd", "trainer",
               "dpscaffold needs trainer 'dpsgd' (its control variates are post-processing of "
               "DP-SGD outputs only)", cfg.trainer)
-    if cfg.strategy in ("gcfl", "dpfedprox", "dpfedexp", "dpfedavg"):
+    if cfg.strategy in ("gcfl", "dpfedprox", "dpfedexp", "dpfedavg", "pegasus"):
         _need(cfg.trainer != "plain", "trainer",
               f"strategy '{cfg.strategy}' is a DP method; use trainer 'dpsgd' or 'update-dp'",
               cfg.trainer)

@@ -86,6 +86,7 @@ def run(grid: Grid, cfg: RunConfig) -> dict[str, Any]:
 
     arrays = ArrayRecord(model.state_dict())
     ledger = Ledger(cfg.delta, cfg.accountant)
+    strategy.bind_ledger(ledger)
     rounds: list[dict[str, Any]] = []
     initial: dict[str, float] = {}
     start = 1
@@ -95,6 +96,7 @@ def run(grid: Grid, cfg: RunConfig) -> dict[str, Any]:
         strategy.load_state_dict(checkpoint["strategy"])
         ledger = Ledger.from_json(checkpoint["ledger"])
         start = int(checkpoint["round"]) + 1
+        strategy.bind_ledger(ledger)
         rounds = run_dir.truncate_rounds(start - 1)
         # clients whose node state was lost get their recorded events back
         strategy.next_round_config = ledger_config(ledger)

@@ -36,6 +36,7 @@ STRATEGIES: dict[str, Callable[["RunConfig"], "DPFLStrategy"]] = {
     "dpfedprox": _lazy("dpfedprox", "DPFedProxStrategy"),
     "dpscaffold": _lazy("dpscaffold", "DPScaffoldStrategy"),
     "dpfedexp": _lazy("dpfedexp", "DPFedExPStrategy"),
+    "pegasus": _lazy("pegasus", "PegasusStrategy"),
 }
 
 

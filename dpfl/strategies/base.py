@@ -78,6 +78,12 @@ class DPFLStrategy(FedAvg):
         self.next_round_config: dict[str, Any] = {}
         self.parameter_names: list[str] = []
         self.num_nodes = 0
+        self.ledger = None                      # the server's privacy ledger (bind_ledger)
+        self.node_client: dict[int, str] = {}   # node id -> client-<partition-id>
+
+    def bind_ledger(self, ledger) -> None:
+        """Give the strategy read access to the server's privacy ledger (for selection)."""
+        self.ledger = ledger
 
     def bind_model(self, model: torch.nn.Module) -> None:
         """Learn the model's parameter names (for methods with per-parameter state)."""
@@ -160,6 +166,8 @@ class DPFLStrategy(FedAvg):
         extra = self.extra_reply_arrays()
         for msg in replies:
             checked = validate_train_reply(msg, self._template, bound, extra)
+            if checked.partition_id is not None and checked.partition_id >= 0:
+                self.node_client[checked.node_id] = f"client-{checked.partition_id}"
             if isinstance(checked, Rejection):
                 record.rejected.append(checked)
                 level = logging.INFO if checked.kind == "refused" else logging.WARNING

@@ -28,3 +28,25 @@ def test_method_runs_by_name(tmp_path, strategy, extra):
     assert [r["train"]["accepted"] for r in rounds] == [2, 2]
     assert summary["final"]["accuracy"] > summary["initial"]["accuracy"]
     assert all(c["epsilon"] <= 8.0 for c in summary["clients"].values())
+
+
+def test_pegasus_selects_below_mean_clients(tmp_path):
+    """Size-skewed clients have different sampling rates, hence different epsilons: from
+    round 2 on only clients strictly below the mean epsilon are asked to train."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "dpfl.cli", "simulate", "--clients", "3", "--output-dir",
+         str(tmp_path), "strategy=pegasus", "dataset=digits", "partitioning=size",
+         "num-rounds=3", "batch-size=32", "lr=0.5", "target-epsilon=8.0",
+         "noise-multiplier=1.0", "run-name=p"],
+        cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rounds = [json.loads(l) for l in (tmp_path / "p" / "rounds.jsonl").read_text().splitlines()]
+    assert len(rounds[0]["sampled-nodes"]) == 3
+    for prev, cur in zip(rounds, rounds[1:]):
+        eps = prev["epsilon"]
+        mean = sum(eps.values()) / len(eps)
+        below = {c for c, e in eps.items() if e < mean} or set(eps)
+        chosen = set(cur["clients"])
+        assert chosen == below
+    summary = json.loads((tmp_path / "p" / "summary.json").read_text())
+    assert summary["guarantee"]["verdict"] == "formal"
