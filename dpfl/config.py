@@ -63,6 +63,11 @@ class RunConfig:
     gcfl_references: int = 1
     prox_mu: float = 0.01
     fedexp_epsilon: float = 1e-3
+    aadp_epsilon: float = 4.0
+    aadp_rho: float = 0.1
+    aadp_eps_max: float = 20.0
+    aadp_threshold: float = 1e-3
+    aadp_gamma: float = 1e-8
 
     @property
     def is_private(self) -> bool:
@@ -165,6 +170,14 @@ def validate(cfg: RunConfig) -> RunConfig:
     _need(cfg.gcfl_references >= 1, "gcfl-references", "must be >= 1", cfg.gcfl_references)
     _need(cfg.prox_mu >= 0, "prox-mu", "must be >= 0", cfg.prox_mu)
     _need(cfg.fedexp_epsilon > 0, "fedexp-epsilon", "must be > 0", cfg.fedexp_epsilon)
+    _need(cfg.aadp_epsilon > 0, "aadp-epsilon", "must be > 0", cfg.aadp_epsilon)
+    _need(0 < cfg.aadp_rho < 1, "aadp-rho", "must be in (0, 1)", cfg.aadp_rho)
+    _need(cfg.aadp_eps_max > 0, "aadp-eps-max", "must be > 0", cfg.aadp_eps_max)
+    _need(cfg.aadp_threshold > 0, "aadp-threshold", "must be > 0", cfg.aadp_threshold)
+    _need(cfg.aadp_gamma > 0, "aadp-gamma", "must be > 0", cfg.aadp_gamma)
+    if cfg.strategy == "aadp":
+        _need(cfg.trainer == "update-dp", "trainer",
+              "aadp is client-level DP: use trainer 'update-dp'", cfg.trainer)
     if cfg.strategy == "dpscaffold":
         _need(cfg.trainer == "dpsgd", "trainer",
               "dpscaffold needs trainer 'dpsgd' (its control variates are post-processing of "

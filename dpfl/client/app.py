@@ -33,6 +33,8 @@ from dpfl.privacy.accounting import calibrate_dpsgd_noise, calibrate_noise
 from dpfl.privacy.budget import PrivacyHistory
 from dpfl.privacy.events import PrivacyEvent
 from dpfl.privacy.ledger import prior_history
+from dpfl.privacy.longitudinal import longitudinal_clip
+from dpfl.strategies.aadp import round_epsilon_for
 from dpfl.tensors import flatten, state_difference, unflatten
 
 log = logging.getLogger("flwr.dpfl.client")
@@ -102,13 +104,17 @@ def train(msg: Message, context: Context) -> Message:
         return _reply(msg, arrays=ArrayRecord(update), metrics=MetricRecord(metrics),
                       privacy=ConfigRecord({"mechanism": "none"}))
 
-    history = PrivacyHistory.load(context.state)
+    adaptive = cfg.strategy == "aadp"
+    history = PrivacyHistory.load(context.state, adaptive=adaptive)
     prior = prior_history(msg.content["config"], pid)
     if prior is not None and history.merge(prior):
         log.warning("client %d adopted privacy events recorded by the server (node state "
                     "was lost, e.g. after a restart)", pid)
         history.save(context.state)
-    sigma = noise_multiplier_for(cfg, n)
+    if cfg.strategy == "aadp":  # per-round eps_i^t from the server, one release per round
+        sigma = calibrate_noise(round_epsilon_for(msg.content["config"], pid), cfg.delta, 1)
+    else:
+        sigma = noise_multiplier_for(cfg, n)
     if cfg.trainer == "dpsgd":
         planned = PrivacyEvent.dpsgd(server_round, sigma, dpsgd_sample_rate(n, cfg.batch_size),
                                      planned_dpsgd_steps(n, cfg))
@@ -133,10 +139,14 @@ def train(msg: Message, context: Context) -> Message:
         result = train_plain(model, data, cfg, seed, device, hooks.post_step)
         raw = flatten(state_difference(model.state_dict(), received))
         gen = torch.Generator().manual_seed(seed)
-        update = unflatten(clip_and_noise(raw, cfg.clip_norm, sigma, gen), received)
+        clip = longitudinal_clip if cfg.strategy == "aadp" else None
+        update = unflatten(clip_and_noise(raw, cfg.clip_norm, sigma, gen, clip), received)
         event = planned
         # The data set size is private under client-level DP: aggregate with equal weights.
+        # (AADP-FL's allocation needs it: there it is reported and treated as public.)
         num_examples = 1
+        if cfg.strategy == "aadp":
+            base["train-size"] = n
     history.charge(event)
     history.save(context.state)
     eps = history.epsilon(cfg.delta, cfg.accountant)
@@ -144,7 +154,7 @@ def train(msg: Message, context: Context) -> Message:
                "sample-rate": event.rate, "steps": event.steps}
     if cfg.report_train_loss:
         metrics["train-loss"] = result.train_loss
-    privacy = PrivacyHistory([event]).to_record()
+    privacy = PrivacyHistory([event], adaptive=history.adaptive).to_record()
     privacy["accountant"] = cfg.accountant
     privacy["clip"] = cfg.max_grad_norm if cfg.trainer == "dpsgd" else cfg.clip_norm
     extras = hooks.finish(model, result)

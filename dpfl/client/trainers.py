@@ -193,11 +193,17 @@ def scaffold_step(server_control: list[torch.Tensor], client_control: list[torch
 
 
 def clip_and_noise(update: torch.Tensor, clip_norm: float, noise_multiplier: float,
-                   generator: torch.Generator | None = None) -> torch.Tensor:
+                   generator: torch.Generator | None = None,
+                   clip: Callable[[torch.Tensor, float], torch.Tensor] | None = None
+                   ) -> torch.Tensor:
     """Client-level Gaussian mechanism on a flat update:
-    u * min(1, C / ||u||_2) + N(0, (sigma C)^2 I)."""
-    norm = float(torch.linalg.vector_norm(update))
-    clipped = update * min(1.0, clip_norm / norm) if norm > 0 else update.clone()
+    clip(u, C) + N(0, (sigma C)^2 I), with clip = u * min(1, C / ||u||_2) unless another
+    clipping with output norm <= C is given (e.g. AADP-FL's longitudinal clipping)."""
+    if clip is not None:
+        clipped = clip(update, clip_norm)
+    else:
+        norm = float(torch.linalg.vector_norm(update))
+        clipped = update * min(1.0, clip_norm / norm) if norm > 0 else update.clone()
     noise = torch.randn(update.shape, generator=generator, dtype=update.dtype)
     return clipped + noise.to(update.device) * (noise_multiplier * clip_norm)
 

@@ -49,5 +49,10 @@ def guarantee_for(cfg: RunConfig) -> Guarantee:
         scope = (f"every model update a client sends (whole update clipped to {cfg.clip_norm} "
                  "plus client-side Gaussian noise; no amplification by client sampling is "
                  "claimed); add-remove = the client's update is present or absent")
+    if cfg.strategy == "aadp":
+        scope += ("; per-round budgets are chosen adaptively (AADP-FL), so the bound is a "
+                  f"Rényi filter at epsilon {cfg.target_epsilon} over all rounds (Lécuyer "
+                  "2021); longitudinal clipping keeps the update norm <= clip-norm; training-"
+                  "set sizes are treated as public (the allocation uses them)")
     verdict = "formal" if not clear else "none: " + "; ".join(clear)
     return Guarantee(verdict, unit, relation, sampling, cfg.delta, cfg.accountant, scope)

@@ -80,7 +80,10 @@ def run(grid: Grid, cfg: RunConfig) -> dict[str, Any]:
     log.info("privacy guarantee: %s (unit=%s, relation=%s, sampling=%s, delta=%g)",
              guarantee.verdict, guarantee.unit, guarantee.relation, guarantee.sampling, cfg.delta)
     run_dir.write_json("config.json", {**cfg.to_dict(), "num-clients": num_nodes})
-    counts = label_counts(ds.y_train, list(splits_for(cfg, num_nodes)), ds.num_classes)
+    splits = list(splits_for(cfg, num_nodes))
+    if hasattr(strategy, "bind_partition_sizes"):  # AADP-FL's data-volume allocation
+        strategy.bind_partition_sizes({i: len(s.train) for i, s in enumerate(splits)})
+    counts = label_counts(ds.y_train, splits, ds.num_classes)
     plot_label_counts(counts, run_dir.file("labels.png"),
                       f"{cfg.dataset}, {cfg.partitioning}, {num_nodes} clients")
 

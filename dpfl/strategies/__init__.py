@@ -37,6 +37,7 @@ STRATEGIES: dict[str, Callable[["RunConfig"], "DPFLStrategy"]] = {
     "dpscaffold": _lazy("dpscaffold", "DPScaffoldStrategy"),
     "dpfedexp": _lazy("dpfedexp", "DPFedExPStrategy"),
     "pegasus": _lazy("pegasus", "PegasusStrategy"),
+    "aadp": _lazy("aadp", "AADPStrategy"),
 }
 
 

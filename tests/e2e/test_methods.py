@@ -50,3 +50,25 @@ def test_pegasus_selects_below_mean_clients(tmp_path):
         assert chosen == below
     summary = json.loads((tmp_path / "p" / "summary.json").read_text())
     assert summary["guarantee"]["verdict"] == "formal"
+
+
+def test_aadp_runs_with_a_renyi_filter(tmp_path):
+    """AADP-FL: longitudinal clipping + per-round calibrated noise, Nadam server, adaptive
+    per-round budgets; each client's history is adaptive and bounded by the filter."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "dpfl.cli", "simulate", "--clients", "2", "--output-dir",
+         str(tmp_path), "strategy=aadp", "trainer=update-dp", "dataset=digits",
+         "partitioning=size", "num-rounds=3", "batch-size=32", "lr=0.05", "clip-norm=1.0",
+         "server-lr=0.01", "target-epsilon=30.0", "aadp-epsilon=4.0", "run-name=a"],
+        cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    ledger = json.loads((tmp_path / "a" / "ledger.json").read_text())
+    summary = json.loads((tmp_path / "a" / "summary.json").read_text())
+    assert summary["guarantee"]["verdict"] == "formal"
+    assert "Rényi filter" in summary["guarantee"]["scope"]
+    sigmas = {}
+    for name, info in ledger["clients"].items():
+        assert info["adaptive"] and info["unit"] == "client"
+        sigmas[name] = info["events"][0]["sigma"]
+    # size-skewed data: the bigger client gets the bigger per-round epsilon, less noise
+    assert sigmas["client-1"] < sigmas["client-0"]
