@@ -1,0 +1,157 @@
+#!/usr/bin/env bash
+# A multi-host dpfl federation on one machine: Linux network namespaces as hosts.
+#
+#   deploy/netns.sh up   STATE_DIR [--nodes N] [--prefix dpfl] [--insecure]
+#   deploy/netns.sh run  STATE_DIR [flwr run options...]     # e.g. --run-config "num-rounds=2"
+#   deploy/netns.sh down STATE_DIR
+#
+# up: a bridge in namespace <prefix>-hub joins host namespaces by veth pairs on 10.77.0.0/24:
+#     <prefix>-link (10.77.0.1) runs flower-superlink with TLS and SuperNode authentication
+#     (certificates and keys from deploy/certs.sh), <prefix>-n<i> (10.77.0.<i+2>) each run a
+#     flower-supernode with partition-id i that dials the SuperLink's gRPC Fleet API over
+#     TLS, authenticated by its registered EC key. --insecure (prints a warning) drops TLS/auth.
+# run: `flwr run` of this repository's app from inside the SuperLink's namespace.
+# down: stops every process it started (by PID, with their descendants), deletes the
+#     namespaces (and so the veths and the bridge).
+# Traffic stays inside these namespaces. Needs root, iproute2, openssl, ssh-keygen.
+set -euo pipefail
+cmd=${1:?usage: deploy/netns.sh up|run|down STATE_DIR ...}
+state=${2:?STATE_DIR missing}
+shift 2
+repo=$(cd "$(dirname "$0")/.." && pwd)
+venv_bin=${DPFL_VENV_BIN:-$repo/.venv/bin}
+export PATH="$venv_bin:$PATH" FLWR_TELEMETRY_ENABLED=0 FLWR_DISABLE_UPDATE_CHECK=1 \
+  FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION=1 PYTHONWARNINGS=ignore
+link_ip=10.77.0.1
+
+descendants() {  # all processes below $1
+  local c
+  for c in $(ps -o pid= --ppid "$1" 2>/dev/null); do echo "$c"; descendants "$c"; done
+}
+
+stop_tree() {  # SIGTERM a process and all its descendants, SIGKILL what is left
+  local pid=$1 all p
+  all="$pid $(descendants "$pid" | tr '\n' ' ')"
+  for p in $all; do kill -TERM "$p" 2>/dev/null || true; done
+  for _ in $(seq 1 50); do
+    local alive=0
+    for p in $all; do kill -0 "$p" 2>/dev/null && alive=1; done
+    [ $alive = 0 ] && return 0
+    sleep 0.2
+  done
+  for p in $all; do kill -KILL "$p" 2>/dev/null || true; done
+}
+
+start_in_ns() {  # start_in_ns NS NAME COMMAND...   (background, PID recorded)
+  local ns=$1 name=$2
+  shift 2
+  ip netns exec "$ns" setsid "$@" > "$state/$name.log" 2>&1 &
+  echo $! > "$state/$name.pid"
+}
+
+wait_port() {  # wait_port NS IP PORT
+  for _ in $(seq 1 150); do
+    ip netns exec "$1" bash -c "exec 3<>/dev/tcp/$2/$3" 2>/dev/null && return 0
+    sleep 0.2
+  done
+  echo "nothing listens on $2:$3 in $1" >&2
+  return 1
+}
+
+case "$cmd" in
+up)
+  nodes=2 prefix=dpfl insecure=0
+  while [ $# -gt 0 ]; do
+    case "$1" in
+      --nodes) nodes=$2; shift 2 ;;
+      --prefix) prefix=$2; shift 2 ;;
+      --insecure) insecure=1; shift ;;
+      *) echo "unknown argument: $1" >&2; exit 2 ;;
+    esac
+  done
+  mkdir -p "$state"
+  state=$(cd "$state" && pwd)
+  echo "$prefix" > "$state/prefix"
+  echo "$nodes" > "$state/nodes"
+  echo "$insecure" > "$state/insecure"
+  hub=$prefix-hub
+  ip netns add "$hub"
+  ip -n "$hub" link set lo up
+  ip -n "$hub" link add br0 type bridge
+  ip -n "$hub" link set br0 up
+  hosts=("link")
+  for i in $(seq 0 $((nodes - 1))); do hosts+=("n$i"); done
+  idx=1
+  for h in "${hosts[@]}"; do
+    ns=$prefix-$h
+    ip netns add "$ns"
+    ip -n "$ns" link set lo up
+    ip link add "${prefix}${h}a" type veth peer name "${prefix}${h}b"
+    ip link set "${prefix}${h}a" netns "$ns"
+    ip link set "${prefix}${h}b" netns "$hub"
+    ip -n "$ns" link set "${prefix}${h}a" name eth0
+    ip -n "$ns" addr add "10.77.0.$idx/24" dev eth0
+    ip -n "$ns" link set eth0 up
+    ip -n "$hub" link set "${prefix}${h}b" master br0
+    ip -n "$hub" link set "${prefix}${h}b" up
+    idx=$((idx + 1))
+  done
+  tls_link=() tls_node=() conn_tls="insecure = true"
+  if [ "$insecure" = 1 ]; then
+    echo "WARNING: --insecure: no TLS and no SuperNode authentication; anyone on the network" \
+         "can read updates and join the federation" >&2
+    tls_link=(--insecure)
+  else
+    "$repo/deploy/certs.sh" "$state/certs" --san "IP:$link_ip" --nodes "$nodes" >/dev/null
+    tls_link=(--ssl-ca-certfile "$state/certs/ca.crt" --ssl-certfile "$state/certs/superlink.crt"
+              --ssl-keyfile "$state/certs/superlink.key" --enable-supernode-auth)
+    conn_tls="root-certificates = \"$state/certs/ca.crt\""
+  fi
+  mkdir -p "$state/flwr-home"
+  printf '[superlink]\ndefault = "netns"\n\n[superlink.netns]\naddress = "%s:9093"\n%s\n' \
+    "$link_ip" "$conn_tls" > "$state/flwr-home/config.toml"
+  FLWR_HOME=$state/superlink-home start_in_ns "$prefix-link" superlink \
+    flower-superlink "${tls_link[@]}" --fleet-api-address "$link_ip:9092" \
+    --host "$link_ip" --port 9093 --disable-runtime-dependency-installation
+  wait_port "$prefix-link" "$link_ip" 9092
+  wait_port "$prefix-link" "$link_ip" 9093
+  for i in $(seq 0 $((nodes - 1))); do
+    if [ "$insecure" = 1 ]; then
+      tls_node=(--insecure)
+    else
+      FLWR_HOME=$state/flwr-home ip netns exec "$prefix-link" \
+        flwr supernode register "$state/certs/keys/supernode-$i.pub" netns >> "$state/register.log" 2>&1
+      tls_node=(--root-certificates "$state/certs/ca.crt"
+                --auth-supernode-private-key "$state/certs/keys/supernode-$i")
+    fi
+    FLWR_HOME=$state/node-$i-home start_in_ns "$prefix-n$i" "supernode-$i" \
+      flower-supernode "${tls_node[@]}" --superlink "$link_ip:9092" --port 9094 \
+      --node-config "partition-id=$i num-partitions=$nodes" --max-retries 20 --max-wait-time 120
+  done
+  echo "federation up: SuperLink $link_ip (namespace $prefix-link), $nodes SuperNodes; state in $state"
+  ;;
+run)
+  state=$(cd "$state" && pwd)
+  prefix=$(cat "$state/prefix")
+  FLWR_HOME=$state/flwr-home DPFL_OUTPUT_ROOT=$state ip netns exec "$prefix-link" \
+    flwr run "$repo" netns --stream "$@"
+  ;;
+down)
+  [ -d "$state" ] || exit 0
+  prefix=$(cat "$state/prefix" 2>/dev/null || echo dpfl)
+  for f in "$state"/supernode-*.pid "$state"/superlink.pid; do
+    [ -e "$f" ] || continue
+    stop_tree "$(cat "$f")"
+    rm -f "$f"
+  done
+  for ns in $(ip netns list | awk '{print $1}' | grep "^$prefix-" || true); do
+    ip netns pids "$ns" 2>/dev/null | xargs -r kill -KILL 2>/dev/null || true
+    ip netns delete "$ns"
+  done
+  echo "federation down"
+  ;;
+*)
+  echo "unknown command $cmd (up|run|down)" >&2
+  exit 2
+  ;;
+esac
