@@ -119,9 +119,23 @@ class GCFLStrategy(DPFLStrategy):
         k = min(self.cfg.gcfl_references, max(m - 1, 1))
         return sorted(self.rng.sample(range(m), k))
 
+    last_corrections = 0
+    last_min_cosine = 1.0
+
     def aggregate_updates(self, updates: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         refs = self.draw_references(updates.shape[0])
         self.last_references = refs
         if updates.shape[0] < 2:
             return weighted_mean(updates, weights)
+        # diagnostics: how many (update, reference) pairs conflict before correction
+        cross = (updates @ updates[refs].T).to(torch.float64)
+        norms = updates.to(torch.float64).norm(dim=1)
+        cos = cross / (norms[:, None] * norms[refs][None, :]).clamp_min(1e-300)
+        others = [i for i in range(updates.shape[0]) if i not in refs]
+        self.last_corrections = int((cos[others] < 0).sum())
+        self.last_min_cosine = float(cos[others].min()) if others else 1.0
         return gcfl_aggregate(updates, weights, refs)
+
+    def round_metrics(self, record) -> dict[str, float]:
+        return {**super().round_metrics(record), "gcfl-conflicts": self.last_corrections,
+                "gcfl-min-cosine": self.last_min_cosine}

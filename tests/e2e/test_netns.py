@@ -16,7 +16,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.skipif(
     reason="needs root, iproute2 and openssl (network namespaces)")]
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "deploy" / "netns.sh"
-PREFIX = "dpflt"
+PREFIX = "dpflt"  # test namespaces: dpflt-*, dpflf-*
 
 
 def _sh(*args, timeout=300, check=True):
@@ -82,3 +82,47 @@ def test_tls_authenticated_federation_across_namespaces(tmp_path):
         _sh("down", str(state), check=False)
     listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     assert f"{PREFIX}-" not in listed
+
+
+def test_supernode_killed_mid_round(tmp_path):
+    """Three SuperNodes; one is killed (by PID, with its ClientApp processes) while round 2
+    trains. The round completes with the other two after the round timeout, the run
+    finishes, and the ledger charges the dead node nothing for its unfinished round."""
+    from dpfl.launch import descendants
+
+    state = tmp_path / "fed"
+    runs = tmp_path / "runs"
+    prefix = "dpflf"
+    try:
+        _sh("up", str(state), "--nodes", "3", "--prefix", prefix)
+        env = {**os.environ}
+        run = subprocess.Popen(
+            [str(SCRIPT), "run", str(state), "--run-config",
+             'dataset="digits" num-rounds=2 batch-size=32 lr=0.5 target-epsilon=8.0 '
+             f'round-timeout=60.0 min-train-nodes=2 run-name="kill" output-dir="{runs}"'],
+            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env,
+            start_new_session=True)
+        rounds_file = runs / "kill" / "rounds.jsonl"
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline and not (rounds_file.exists() and rounds_file.read_text()):
+            time.sleep(0.2)
+        assert rounds_file.read_text(), "round 1 never finished"
+        time.sleep(0.5)  # round 2 is under way: kill the third SuperNode and its ClientApps
+        victim = int((state / "supernode-2.pid").read_text())
+        for pid in [victim] + descendants(victim):
+            try:
+                os.kill(pid, 9)
+            except ProcessLookupError:
+                pass
+        assert run.wait(timeout=600) == 0
+        rounds = [json.loads(l) for l in rounds_file.read_text().splitlines()]
+        assert [r["round"] for r in rounds] == [1, 2]
+        assert rounds[0]["train"]["accepted"] == 3
+        assert rounds[1]["train"]["accepted"] == 2 and "client-2" not in rounds[1]["clients"]
+        ledger = json.loads((runs / "kill" / "ledger.json").read_text())
+        assert ledger["clients"]["client-2"]["rounds"] == [1]
+        assert ledger["clients"]["client-0"]["rounds"] == [1, 2]
+        summary = json.loads((runs / "kill" / "summary.json").read_text())
+        assert summary["final"]["accuracy"] > summary["initial"]["accuracy"]
+    finally:
+        _sh("down", str(state), check=False)
