@@ -76,6 +76,8 @@ class PrivacyHistory:
     @classmethod
     def from_record(cls, record) -> "PrivacyHistory":
         n = len(record.get("round", []))
+        if any(len(record[name]) != n for name in _FIELDS):
+            raise ValueError("privacy record lists have different lengths")
         events = [PrivacyEvent(**{name: record[name][i] for name in _FIELDS}) for i in range(n)]
         return cls(events, bool(record.get("adaptive", False)))
 

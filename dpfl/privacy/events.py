@@ -44,6 +44,13 @@ class PrivacyEvent:
     relation: str = "add-remove"
 
     def __post_init__(self) -> None:
+        import math
+
+        if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+                   for v in (self.sigma, self.rate, self.epsilon, self.steps, self.round)):
+            raise ValueError("event parameters must be finite numbers")
+        if int(self.steps) != self.steps or int(self.round) != self.round:
+            raise ValueError("round and steps must be integers")
         if self.mechanism not in MECHANISMS:
             raise ValueError(f"unknown mechanism {self.mechanism!r}; known: {MECHANISMS}")
         if self.relation not in ("add-remove", "replace-one"):

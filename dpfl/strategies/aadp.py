@@ -133,7 +133,16 @@ class AADPStrategy(DPFLStrategy):
         return super().configure_train(server_round, arrays, config, grid)
 
     def update_norm_bound(self, dim: int) -> float | None:
-        return None  # the noise scale varies per client and round; no fixed bound
+        """C + sigma_max C (sqrt(d) + 10), sigma_max from the smallest per-round budget
+        (the noisiest honest client); an honest update exceeds it w.p. < exp(-50)."""
+        from dpfl.client.trainers import gaussian_norm_bound
+        from dpfl.privacy.accounting import calibrate_noise
+
+        smallest = min(self.budgets.values()) if self.budgets else self.cfg.aadp_epsilon
+        sigma = calibrate_noise(smallest, self.cfg.delta, 1)
+        bound = gaussian_norm_bound(self.cfg.clip_norm, sigma, dim)
+        user = super().update_norm_bound(dim)
+        return min(bound, user) if user else bound
 
     def aggregation_weights(self, accepted: list[ClientUpdate]) -> torch.Tensor:
         return torch.ones(len(accepted))

@@ -41,6 +41,9 @@ class Rejection:
 
 
 Template = list[tuple[str, tuple[int, ...], np.dtype]]
+# No client holds more samples than this; a larger claim would let one reply dominate the
+# sample-weighted mean.
+MAX_NUM_EXAMPLES = 10 ** 9
 
 
 def array_template(arrays: ArrayRecord) -> Template:
@@ -70,9 +73,18 @@ def validate_train_reply(msg: Message, template: Template, norm_bound: float | N
     if not metrics:
         return Rejection(node, pid, "invalid", "reply has no 'metrics' record", metrics)
     n = metrics.get("num-examples")
-    if isinstance(n, bool) or not isinstance(n, (int, float)) or n != int(n) or n <= 0:
-        return Rejection(node, pid, "invalid", f"num-examples must be a positive integer, "
-                         f"got {n!r}", metrics)
+    if (isinstance(n, bool) or not isinstance(n, (int, float)) or not math.isfinite(n)
+            or n != int(n) or not 0 < n <= MAX_NUM_EXAMPLES):
+        return Rejection(node, pid, "invalid", f"num-examples must be an integer in "
+                         f"[1, {MAX_NUM_EXAMPLES:.0e}], got {n!r}", metrics)
+    eps = metrics.get("epsilon")
+    if eps is not None and (isinstance(eps, bool) or not isinstance(eps, (int, float))
+                            or math.isnan(eps) or eps < 0):
+        return Rejection(node, pid, "invalid", f"epsilon must be a number >= 0, got {eps!r}",
+                         metrics)
+    privacy_problem = _privacy_record_problem(content)
+    if privacy_problem:
+        return Rejection(node, pid, "invalid", privacy_problem, metrics)
     flat = _flat_checked(content["arrays"], template, "update")
     if isinstance(flat, str):
         return Rejection(node, pid, "invalid", flat, metrics)
@@ -92,6 +104,24 @@ def validate_train_reply(msg: Message, template: Template, norm_bound: float | N
     privacy = dict(content["privacy"]) if "privacy" in content.config_records else {}
     return ClientUpdate(node, pid if pid is not None else -1, flat, int(n), metrics, privacy,
                         extras)
+
+
+def _privacy_record_problem(content) -> str | None:
+    """Why the reply's ``privacy`` record cannot be charged to the ledger (None if fine)."""
+    if "privacy" not in content.config_records:
+        return None
+    rec = content["privacy"]
+    if rec.get("mechanism") == "none":
+        return None
+    try:
+        from dpfl.privacy.budget import PrivacyHistory
+
+        history = PrivacyHistory.from_record(rec)
+    except Exception as exc:  # wrong types, unequal lists, unknown mechanism, bad values
+        return f"privacy record is malformed: {type(exc).__name__}: {exc}"
+    if not history.events:
+        return "privacy record has no events"
+    return None
 
 
 def _flat_checked(arrays: ArrayRecord, template: Template, what: str) -> torch.Tensor | str:

@@ -51,20 +51,13 @@ def _node_attempt(state: Path, extra: list[str], expect: tuple[str, ...]) -> str
 
 
 def test_tls_authenticated_federation_across_namespaces(tmp_path):
+    """Intruders first (unregistered key, no CA, plaintext): all refused; then the
+    federation carries on and runs two DP rounds over TLS with authenticated nodes."""
     state = tmp_path / "fed"
     try:
         up = _sh("up", str(state), "--nodes", "2", "--prefix", PREFIX)
         assert "federation up" in up.stdout, up.stderr
         assert "registered successfully" in (state / "register.log").read_text()
-        run = _sh("run", str(state), "--run-config",
-                  'dataset="digits" num-rounds=2 batch-size=32 lr=0.5 target-epsilon=8.0 '
-                  f'run-name="ns" output-dir="{tmp_path / "runs"}"', timeout=600)
-        summary = json.loads((tmp_path / "runs" / "ns" / "summary.json").read_text())
-        assert summary["guarantee"]["verdict"] == "formal"
-        assert set(summary["clients"]) == {"client-0", "client-1"}
-        assert all(len(c["rounds"]) == 2 for c in summary["clients"].values())
-        assert summary["final"]["accuracy"] > summary["initial"]["accuracy"]
-        # an unregistered key is not let in
         subprocess.run(["ssh-keygen", "-q", "-t", "ecdsa", "-b", "384", "-N", "", "-f",
                         str(tmp_path / "intruder")], check=True)
         refused = ("Failed to activate SuperNode", "PERMISSION_DENIED", "UNAUTHENTICATED")
@@ -72,12 +65,23 @@ def test_tls_authenticated_federation_across_namespaces(tmp_path):
                                     "--auth-supernode-private-key", str(tmp_path / "intruder")],
                             refused)
         assert any(r in out for r in refused), out[-2000:]
-        assert "Activated" not in out
-        # a node that does not trust the deployment's CA cannot connect
         out = _node_attempt(state, ["--auth-supernode-private-key",
                                     str(state / "certs" / "keys" / "supernode-0")],
                             ("CERTIFICATE_VERIFY_FAILED",))
         assert "CERTIFICATE_VERIFY_FAILED" in out, out[-2000:]
+        out = _node_attempt(state, ["--insecure"], ("UNAVAILABLE", "Connection reset",
+                                                    "failed to connect", "Socket closed"))
+        assert "SuperNode ID" not in out and "Activated" not in out, out[-2000:]
+        link_log = (state / "superlink.log").read_text()
+        assert link_log.count("[Fleet.ActivateNode] Activated") == 2  # only the real nodes
+        _sh("run", str(state), "--run-config",
+            'dataset="digits" num-rounds=2 batch-size=32 lr=0.5 target-epsilon=8.0 '
+            f'run-name="ns" output-dir="{tmp_path / "runs"}"', timeout=600)
+        summary = json.loads((tmp_path / "runs" / "ns" / "summary.json").read_text())
+        assert summary["guarantee"]["verdict"] == "formal"
+        assert set(summary["clients"]) == {"client-0", "client-1"}
+        assert all(len(c["rounds"]) == 2 for c in summary["clients"].values())
+        assert summary["final"]["accuracy"] > summary["initial"]["accuracy"]
     finally:
         _sh("down", str(state), check=False)
     listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
