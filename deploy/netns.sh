@@ -3,6 +3,7 @@
 #
 #   deploy/netns.sh up   STATE_DIR [--nodes N] [--prefix dpfl] [--insecure]
 #   deploy/netns.sh run  STATE_DIR [flwr run options...]     # e.g. --run-config "num-rounds=2"
+#   deploy/netns.sh restart-superlink STATE_DIR               # stop and start it again
 #   deploy/netns.sh down STATE_DIR
 #
 # up: a bridge in namespace <prefix>-hub joins host namespaces by veth pairs on 10.77.0.0/24:
@@ -11,6 +12,8 @@
 #     flower-supernode with partition-id i that dials the SuperLink's gRPC Fleet API over
 #     TLS, authenticated by its registered EC key. --insecure (prints a warning) drops TLS/auth.
 # run: `flwr run` of this repository's app from inside the SuperLink's namespace.
+# restart-superlink: stops the SuperLink (and what it started) by PID and starts it again on
+#     the same database (registered keys survive); SuperNodes reconnect on their own.
 # down: stops every process it started (by PID, with their descendants), deletes the
 #     namespaces (and so the veths and the bridge).
 # Traffic stays inside these namespaces. Needs root, iproute2, openssl, ssh-keygen.
@@ -47,6 +50,23 @@ start_in_ns() {  # start_in_ns NS NAME COMMAND...   (background, PID recorded)
   shift 2
   ip netns exec "$ns" setsid "$@" > "$state/$name.log" 2>&1 &
   echo $! > "$state/$name.pid"
+}
+
+start_superlink() {  # start_superlink STATE_DIR: from the options saved by `up`
+  local prefix tls_link=()
+  prefix=$(cat "$1/prefix")
+  if [ "$(cat "$1/insecure")" = 1 ]; then
+    tls_link=(--insecure)
+  else
+    tls_link=(--ssl-ca-certfile "$1/certs/ca.crt" --ssl-certfile "$1/certs/superlink.crt"
+              --ssl-keyfile "$1/certs/superlink.key" --enable-supernode-auth)
+  fi
+  FLWR_HOME=$1/superlink-home start_in_ns "$prefix-link" superlink \
+    flower-superlink "${tls_link[@]}" --fleet-api-address "$link_ip:9092" \
+    --host "$link_ip" --port 9093 --database "$1/superlink.db" \
+    --disable-runtime-dependency-installation
+  wait_port "$prefix-link" "$link_ip" 9092
+  wait_port "$prefix-link" "$link_ip" 9093
 }
 
 wait_port() {  # wait_port NS IP PORT
@@ -96,25 +116,18 @@ up)
     ip -n "$hub" link set "${prefix}${h}b" up
     idx=$((idx + 1))
   done
-  tls_link=() tls_node=() conn_tls="insecure = true"
+  tls_node=() conn_tls="insecure = true"
   if [ "$insecure" = 1 ]; then
     echo "WARNING: --insecure: no TLS and no SuperNode authentication; anyone on the network" \
          "can read updates and join the federation" >&2
-    tls_link=(--insecure)
   else
     "$repo/deploy/certs.sh" "$state/certs" --san "IP:$link_ip" --nodes "$nodes" >/dev/null
-    tls_link=(--ssl-ca-certfile "$state/certs/ca.crt" --ssl-certfile "$state/certs/superlink.crt"
-              --ssl-keyfile "$state/certs/superlink.key" --enable-supernode-auth)
     conn_tls="root-certificates = \"$state/certs/ca.crt\""
   fi
   mkdir -p "$state/flwr-home"
   printf '[superlink]\ndefault = "netns"\n\n[superlink.netns]\naddress = "%s:9093"\n%s\n' \
     "$link_ip" "$conn_tls" > "$state/flwr-home/config.toml"
-  FLWR_HOME=$state/superlink-home start_in_ns "$prefix-link" superlink \
-    flower-superlink "${tls_link[@]}" --fleet-api-address "$link_ip:9092" \
-    --host "$link_ip" --port 9093 --disable-runtime-dependency-installation
-  wait_port "$prefix-link" "$link_ip" 9092
-  wait_port "$prefix-link" "$link_ip" 9093
+  start_superlink "$state"
   for i in $(seq 0 $((nodes - 1))); do
     if [ "$insecure" = 1 ]; then
       tls_node=(--insecure)
@@ -135,6 +148,13 @@ run)
   prefix=$(cat "$state/prefix")
   FLWR_HOME=$state/flwr-home DPFL_OUTPUT_ROOT=$state ip netns exec "$prefix-link" \
     flwr run "$repo" netns --stream "$@"
+  ;;
+restart-superlink)
+  state=$(cd "$state" && pwd)
+  stop_tree "$(cat "$state/superlink.pid")"
+  mv "$state/superlink.log" "$state/superlink.log.$(date +%s)"
+  start_superlink "$state"
+  echo "SuperLink restarted"
   ;;
 down)
   [ -d "$state" ] || exit 0

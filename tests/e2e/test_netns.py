@@ -130,3 +130,44 @@ def test_supernode_killed_mid_round(tmp_path):
         assert summary["final"]["accuracy"] > summary["initial"]["accuracy"]
     finally:
         _sh("down", str(state), check=False)
+
+
+def test_superlink_restarted_mid_run_resumes_from_checkpoint(tmp_path):
+    """The SuperLink (and with it the ServerApp) is restarted while round 2 trains; the run
+    is resumed from its last checkpoint: every round appears once, each client's ledger holds
+    one event per round (nothing lost, nothing double-counted) and its epsilon equals an
+    Opacus accountant over those rounds; the clients, whose run state is new, get their
+    recorded events back from the server and report the same epsilon."""
+    from opacus.accountants import RDPAccountant
+
+    state = tmp_path / "fed"
+    runs = tmp_path / "runs"
+    config = ('dataset="digits" num-rounds=3 batch-size=32 lr=0.5 target-epsilon=8.0 '
+              f'round-timeout=120.0 run-name="restart" output-dir="{runs}"')
+    try:
+        _sh("up", str(state), "--nodes", "2", "--prefix", "dpflr")
+        run = subprocess.Popen([str(SCRIPT), "run", str(state), "--run-config", config],
+                               cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                               start_new_session=True)
+        rounds_file = runs / "restart" / "rounds.jsonl"
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline and not (rounds_file.exists() and rounds_file.read_text()):
+            time.sleep(0.2)
+        assert rounds_file.read_text(), "round 1 never finished"
+        _sh("restart-superlink", str(state))
+        run.wait(timeout=120)  # the streaming `flwr run` ends with its SuperLink
+        done = [json.loads(l)["round"] for l in rounds_file.read_text().splitlines()]
+        assert done and done[-1] < 3, "the restart came too late to interrupt the run"
+        _sh("run", str(state), "--run-config", config + " resume=true", timeout=600)
+        rounds = [json.loads(l) for l in rounds_file.read_text().splitlines()]
+        assert [r["round"] for r in rounds] == [1, 2, 3]
+        ledger = json.loads((runs / "restart" / "ledger.json").read_text())
+        assert ledger["mismatches"] == []
+        for name, info in ledger["clients"].items():
+            assert [e["round"] for e in info["events"]] == [1, 2, 3], name
+            acc = RDPAccountant()
+            acc.history = [(e["sigma"], e["rate"], e["steps"]) for e in info["events"]]
+            assert info["epsilon"] == pytest.approx(acc.get_epsilon(1e-5), rel=1e-9)
+            assert info["reported-epsilon"] == pytest.approx(info["epsilon"], rel=1e-9)
+    finally:
+        _sh("down", str(state), check=False)
