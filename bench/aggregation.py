@@ -11,22 +11,12 @@ with M/10 references.
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
+from timing import best_time
 
 from dpfl.strategies.aggregation import weighted_mean
 from dpfl.strategies.gcfl import gcfl_aggregate
-
-
-def best_time(fn, repeats: int = 3) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
 
 
 def main() -> None:

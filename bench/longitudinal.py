@@ -7,22 +7,12 @@ plain L2 norm clip, and their ratio.
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
+from timing import best_time
 
 from dpfl.privacy.longitudinal import longitudinal_clip
 from dpfl.privacy.mechanisms import l2_clip
-
-
-def best(fn, repeats: int = 5) -> float:
-    fn()
-    t = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        t = min(t, time.perf_counter() - t0)
-    return t
 
 
 def main() -> None:
@@ -31,8 +21,8 @@ def main() -> None:
     args = parser.parse_args()
     theta = torch.randn(args.dim, generator=torch.Generator().manual_seed(0)) * 1e-3
     bound = 0.5 * float(theta.norm())
-    t_long = best(lambda: longitudinal_clip(theta, bound))
-    t_norm = best(lambda: l2_clip(theta, bound))
+    t_long = best_time(lambda: longitudinal_clip(theta, bound))
+    t_norm = best_time(lambda: l2_clip(theta, bound))
     kept = int((longitudinal_clip(theta, bound) != 0).sum())
     print(f"d = {args.dim:,}, S = half the norm ({kept:,} coordinates kept), "
           f"{torch.get_num_threads()} threads")

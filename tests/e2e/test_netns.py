@@ -50,6 +50,15 @@ def _node_attempt(state: Path, extra: list[str], expect: tuple[str, ...]) -> str
     return log.read_text()
 
 
+def _wait_first_round(rounds_file: Path, timeout: float = 300.0) -> Path:
+    """Block until the run has written its first round."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and not (rounds_file.exists() and rounds_file.read_text()):
+        time.sleep(0.2)
+    assert rounds_file.exists() and rounds_file.read_text(), "round 1 never finished"
+    return rounds_file
+
+
 def test_tls_authenticated_federation_across_namespaces(tmp_path):
     """Intruders first (unregistered key, no CA, plaintext): all refused; then the
     federation carries on and runs two DP rounds over TLS with authenticated nodes."""
@@ -106,11 +115,7 @@ def test_supernode_killed_mid_round(tmp_path):
              f'round-timeout=60.0 min-train-nodes=2 run-name="kill" output-dir="{runs}"'],
             cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env,
             start_new_session=True)
-        rounds_file = runs / "kill" / "rounds.jsonl"
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline and not (rounds_file.exists() and rounds_file.read_text()):
-            time.sleep(0.2)
-        assert rounds_file.read_text(), "round 1 never finished"
+        rounds_file = _wait_first_round(runs / "kill" / "rounds.jsonl")
         time.sleep(0.5)  # round 2 is under way: kill the third SuperNode and its ClientApps
         victim = int((state / "supernode-2.pid").read_text())
         for pid in [victim] + descendants(victim):
@@ -149,11 +154,7 @@ def test_superlink_restarted_mid_run_resumes_from_checkpoint(tmp_path):
         run = subprocess.Popen([str(SCRIPT), "run", str(state), "--run-config", config],
                                cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                start_new_session=True)
-        rounds_file = runs / "restart" / "rounds.jsonl"
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline and not (rounds_file.exists() and rounds_file.read_text()):
-            time.sleep(0.2)
-        assert rounds_file.read_text(), "round 1 never finished"
+        rounds_file = _wait_first_round(runs / "restart" / "rounds.jsonl")
         _sh("restart-superlink", str(state))
         run.wait(timeout=120)  # the streaming `flwr run` ends with its SuperLink
         done = [json.loads(l)["round"] for l in rounds_file.read_text().splitlines()]
