@@ -7,6 +7,8 @@
       print the guarantee and the per-client epsilon table of a finished run.
   dpfl reproduce gcfl [--seeds 0 1 2] [--cells eps2 ...] [--methods gcfl ...]
       run GCFL's MNIST grid (5 methods) and write results/gcfl/ (table beside the paper).
+  dpfl reproduce pegasus [--seeds 0]
+      PEGASUS vs DP-FedAvg, 50 clients x 50 rounds; writes results/pegasus/.
   dpfl privacy-report RUN_DIR
       verdict, then per-client unit, relation, sampling, delta, epsilon (recomputed from the
       ledger), rounds and verdict; writes RUN_DIR/privacy-report.png (epsilon by round).
@@ -96,6 +98,11 @@ def cmd_reproduce(args: argparse.Namespace) -> int:
         print(gcfl.reproduce(root, results, work, cells, methods, args.seeds,
                              args.skip_existing, command))
         return 0
+    if args.paper == "pegasus":
+        from dpfl.experiments import pegasus
+
+        print(pegasus.reproduce(root, results, work, args.seeds, args.skip_existing, command))
+        return 0
     print(f"no reproduction named {args.paper!r}", file=sys.stderr)
     return 2
 
@@ -118,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("run_dir")
     p.set_defaults(func=cmd_summary)
     p = sub.add_parser("reproduce", help="run a paper's reproduction grid")
-    p.add_argument("paper", choices=["gcfl"])
+    p.add_argument("paper", choices=["gcfl", "pegasus"])
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--cells", nargs="+")
     p.add_argument("--methods", nargs="+")

@@ -26,3 +26,20 @@ def test_table_means_stds_and_paper_columns(tmp_path):
     table = json.loads((tmp_path / "table.json").read_text())
     assert table["eps2"]["gcfl"]["seeds"] == [0, 1]
     assert (tmp_path / "accuracy.png").exists()
+
+
+def test_pegasus_table_reduction(tmp_path):
+    from dpfl.experiments.pegasus import build_table as pegasus_table
+
+    (tmp_path / "runs").mkdir()
+    for method, eps, sel in (("dpfedavg", 8.0, 50), ("pegasus", 3.0, 20)):
+        rec = {"method": method, "seed": 0, "accuracy": 0.97,
+               "epsilon": {f"client-{i}": eps for i in range(4)}, "selected-by-round": [sel],
+               "mean-epsilon-by-round": [eps], "run-dir": str(tmp_path)}
+        (tmp_path / "runs" / f"{method}__seed0.json").write_text(json.dumps(rec))
+    from dpfl.privacy.ledger import Ledger
+
+    Ledger(1e-5).save(tmp_path / "ledger.json")  # the staircase plot reads the run's ledger
+    text = pegasus_table(tmp_path, "dpfl reproduce pegasus")
+    assert "**62.5 %**" in text  # 1 - 3/8
+    assert json.loads((tmp_path / "table.json").read_text())["reduction-percent"] == 62.5

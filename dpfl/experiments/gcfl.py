@@ -55,30 +55,13 @@ def preset(root: Path, cell: str) -> dict[str, Any]:
 def run_one(root: Path, cell: str, method: str, seed: int, results: Path,
             work: Path) -> dict[str, Any]:
     """One simulation; returns (and writes) the run's key numbers."""
-    from dpfl.launch import simulate
+    from dpfl.experiments.common import simulate_record, write_record
 
-    overrides = {**preset(root, cell), "strategy": method, "seed": seed,
-                 "run-name": f"{cell}__{method}__seed{seed}"}
-    t0 = time.time()
-    run_dir = simulate(root, 2, overrides, work, quiet=True)
-    summary = json.loads((run_dir / "summary.json").read_text())
-    rounds = [json.loads(l) for l in (run_dir / "rounds.jsonl").read_text().splitlines() if l]
-    trained = sum(sum(c.get("num-examples", 0) for c in r["clients"].values()
-                      if c.get("status") == "accepted") for r in rounds)
-    train_seconds = sum(r["seconds"] for r in rounds)
-    record = {
-        "cell": cell, "method": method, "seed": seed, "config": overrides,
-        "accuracy": summary["final"]["accuracy"], "macro-recall": summary["final"]["macro-recall"],
-        "macro-f1": summary["final"]["macro-f1"],
-        "epsilon": {c: v["epsilon"] for c, v in summary["clients"].items()},
-        "rounds-run": summary.get("rounds-run"), "verdict": summary["guarantee"]["verdict"],
-        "samples-per-second": trained * int(overrides.get("local-epochs", 1)) / max(train_seconds, 1e-9),
-        "wall-seconds": round(time.time() - t0, 1),
-        "accuracy-by-round": [r["central"]["accuracy"] for r in rounds],
-    }
-    out = results / "runs" / f"{cell}__{method}__seed{seed}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(record, indent=1))
+    name = f"{cell}__{method}__seed{seed}"
+    overrides = {**preset(root, cell), "strategy": method, "seed": seed, "run-name": name}
+    record = {"cell": cell, "method": method, "seed": seed,
+              **simulate_record(root, 2, overrides, work)}
+    write_record(results, name, record)
     return record
 
 
