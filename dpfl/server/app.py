@@ -71,7 +71,7 @@ def run(grid: Grid, cfg: RunConfig) -> dict[str, Any]:
     strategy.bind_model(model)
     device = device_for()
 
-    num_nodes = len(strategy._wait_for_nodes(grid, cfg.min_train_nodes))
+    num_nodes = len(strategy.wait_for_nodes(grid, cfg.min_train_nodes))
     if num_nodes > len(ds.y_train):
         raise ConfigError(f"{num_nodes} clients but only {len(ds.y_train)} training samples "
                           f"in dataset '{cfg.dataset}'")

@@ -114,7 +114,7 @@ class AADPStrategy(DPFLStrategy):
     def select_nodes(self, server_round: int, grid: Grid) -> list[int]:
         """Each node joins independently with probability ``fraction-train`` (at least
         ``min-train-nodes``, topped up at random)."""
-        nodes = self._wait_for_nodes(grid, self.min_available_nodes)
+        nodes = self.wait_for_nodes(grid, self.min_available_nodes)
         chosen = [n for n in nodes if self.rng.random() < self.cfg.fraction_train]
         rest = [n for n in nodes if n not in chosen]
         while len(chosen) < min(self.min_train_nodes, len(nodes)):

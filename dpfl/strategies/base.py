@@ -101,7 +101,7 @@ class DPFLStrategy(FedAvg):
         """Update method state from the accepted replies (e.g. SCAFFOLD's c)."""
 
     # -- selection and configuration -------------------------------------------------
-    def _wait_for_nodes(self, grid: Grid, minimum: int, timeout: float = 600.0) -> list[int]:
+    def wait_for_nodes(self, grid: Grid, minimum: int, timeout: float = 600.0) -> list[int]:
         deadline = time.monotonic() + timeout
         while len(nodes := sorted(grid.get_node_ids())) < minimum:
             if time.monotonic() > deadline:
@@ -112,7 +112,7 @@ class DPFLStrategy(FedAvg):
 
     def select_nodes(self, server_round: int, grid: Grid) -> list[int]:
         """Seeded uniform sample of ``fraction-train`` of the connected nodes."""
-        nodes = self._wait_for_nodes(grid, self.min_available_nodes)
+        nodes = self.wait_for_nodes(grid, self.min_available_nodes)
         k = max(int(len(nodes) * self.fraction_train), min(self.min_train_nodes, len(nodes)))
         return sorted(self.rng.sample(nodes, k))
 

@@ -24,7 +24,7 @@ class DPFedAvgStrategy(DPFLStrategy):
     name = "dpfedavg"
 
     def update_norm_bound(self, dim: int) -> float | None:
-        if self.cfg.trainer == "update-dp" and self.cfg.noise_multiplier >= 0:
+        if self.cfg.trainer == "update-dp":
             sigma = self._sigma_for_bound()
             bound = gaussian_norm_bound(self.cfg.clip_norm, sigma, dim)
             user = super().update_norm_bound(dim)

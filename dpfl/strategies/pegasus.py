@@ -38,7 +38,7 @@ class PegasusStrategy(DPFedAvgStrategy):
     name = "pegasus"
 
     def select_nodes(self, server_round: int, grid: Grid) -> list[int]:
-        nodes = self._wait_for_nodes(grid, self.min_available_nodes)
+        nodes = self.wait_for_nodes(grid, self.min_available_nodes)
         if server_round == 1 or self.ledger is None:
             return nodes
         eps = {n: self.ledger.epsilon(self.node_client[n]) if n in self.node_client else 0.0
