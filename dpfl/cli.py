@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
 import tomllib
 from pathlib import Path
@@ -137,6 +138,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("run_dir")
     p.set_defaults(func=cmd_privacy_report)
     args = parser.parse_args(argv)
+    # A SIGTERM (e.g. `kill PID` of a background run) unwinds normally, so the SuperLink
+    # and everything it started are stopped by the launcher's cleanup.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     return int(args.func(args))
 
 
