@@ -76,7 +76,6 @@ class DPFLStrategy(FedAvg):
         self._template: Template = []
         # extra keys for the next round's ConfigRecords only (e.g. the ledger after resume)
         self.next_round_config: dict[str, Any] = {}
-        self.parameter_names: list[str] = []
         self.num_nodes = 0
         self.ledger = None                      # the server's privacy ledger (bind_ledger)
         self.node_client: dict[int, str] = {}   # node id -> client-<partition-id>
@@ -86,8 +85,7 @@ class DPFLStrategy(FedAvg):
         self.ledger = ledger
 
     def bind_model(self, model: torch.nn.Module) -> None:
-        """Learn the model's parameter names (for methods with per-parameter state)."""
-        self.parameter_names = [n for n, _ in model.named_parameters()]
+        """Learn what a method needs of the model (e.g. SCAFFOLD's per-parameter state)."""
 
     def extra_records(self, server_round: int) -> dict[str, ArrayRecord]:
         """Records besides the global arrays sent to every client (e.g. SCAFFOLD's c)."""
@@ -130,11 +128,12 @@ class DPFLStrategy(FedAvg):
         log.info("round %d: training on %d nodes", server_round, len(node_ids))
         messages = []
         once, self.next_round_config = self.next_round_config, {}
+        extra = self.extra_records(server_round)  # built once, shared by every message
         for node_id in node_ids:
             cfg = ConfigRecord({**dict(config), **once, "server-round": server_round,
                                 **self.client_config(server_round, node_id)})
             record = RecordDict({self.arrayrecord_key: arrays, self.configrecord_key: cfg,
-                                 **self.extra_records(server_round)})
+                                 **extra})
             messages.append(Message(content=record, message_type=MessageType.TRAIN,
                                     dst_node_id=node_id))
         return messages

@@ -77,35 +77,40 @@ def gcfl_correct(updates: torch.Tensor, references: Sequence[int]) -> torch.Tens
     return a.to(updates.dtype) @ updates
 
 
-def gcfl_aggregate(updates: torch.Tensor, weights: torch.Tensor,
-                   references: Sequence[int], chunk: int = 65536) -> torch.Tensor:
+def _mean_and_cross(updates: torch.Tensor, weights: torch.Tensor, ref_rows: torch.Tensor,
+                    chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """w^T U and U ref_rows^T; for many rows in column blocks that stay in cache."""
+    if updates.shape[0] <= 16:  # a few rows: two direct products beat the loop's overhead
+        return weights @ updates, (updates @ ref_rows.T).to(torch.float64)
+    d = updates.shape[1]
+    cross = torch.zeros(updates.shape[0], ref_rows.shape[0], dtype=torch.float64)
+    mean = torch.empty(d, dtype=updates.dtype)
+    for s in range(0, d, chunk):
+        block = updates[:, s:s + chunk]
+        cross += (block @ ref_rows[:, s:s + chunk].T).to(torch.float64)
+        mean[s:s + chunk] = weights @ block
+    return mean, cross
+
+
+def gcfl_aggregate(updates: torch.Tensor, weights: torch.Tensor, references: Sequence[int],
+                   chunk: int = 65536, return_cross: bool = False):
     """Sample-count-weighted mean of the corrected updates, sum_i w_i g_i' / sum w.
 
     (w^T A) U = w^T U + beta^T U_refs with beta = w^T A - w^T, which is non-zero only at
-    the reference columns. So one pass over U, in column blocks that stay in cache,
-    computes both the plain weighted mean w^T U and the M x R cross products the
-    coefficients need; the correction then costs R x d more. Compared with FedAvg's single
-    pass this is about one extra small product, not a second pass over M x d."""
+    the reference columns: the plain weighted mean, the M x R cross products the
+    coefficients need, and an R x d correction. Measured (bench/aggregation.py) at about
+    2x FedAvg's single pass over M x d: the cross products cost a second memory-bound pass
+    that blocking in torch does not hide. With ``return_cross`` also returns the cross
+    products (u_k . u_r), e.g. for diagnostics."""
     refs = sorted(set(int(r) for r in references))
-    m, d = updates.shape
     w64 = weights.to(torch.float64) / float(weights.sum())
-    wn = w64.to(updates.dtype)
     # one reference: a view, no copy (large fresh buffers cost page faults)
     ref_rows = updates[refs[0]:refs[0] + 1] if len(refs) == 1 else updates[refs]
-    if m <= 16:  # a few rows: two direct products beat the blocked loop's overhead
-        cross = (updates @ ref_rows.T).to(torch.float64)
-        mean = wn @ updates
-        chunk = d  # skip the loop below
-    else:
-        cross = torch.zeros(m, len(refs), dtype=torch.float64)
-        mean = torch.empty(d, dtype=updates.dtype)
-    for s in range(0, d if m > 16 else 0, chunk):
-        block = updates[:, s:s + chunk]
-        cross += (block @ ref_rows[:, s:s + chunk].T).to(torch.float64)
-        mean[s:s + chunk] = wn @ block
+    mean, cross = _mean_and_cross(updates, w64.to(updates.dtype), ref_rows, chunk)
     a = gcfl_coefficients(cross, refs)
     beta = (w64 @ a - w64)[refs]
-    return mean.addmv_(ref_rows.T, beta.to(updates.dtype))
+    out = mean.addmv_(ref_rows.T, beta.to(updates.dtype))
+    return (out, cross) if return_cross else out
 
 
 class GCFLStrategy(DPFLStrategy):
@@ -127,14 +132,14 @@ class GCFLStrategy(DPFLStrategy):
         self.last_references = refs
         if updates.shape[0] < 2:
             return weighted_mean(updates, weights)
-        # diagnostics: how many (update, reference) pairs conflict before correction
-        cross = (updates @ updates[refs].T).to(torch.float64)
+        out, cross = gcfl_aggregate(updates, weights, refs, return_cross=True)
+        # diagnostics from the same cross products: conflicts and the smallest cosine
         norms = updates.to(torch.float64).norm(dim=1)
         cos = cross / (norms[:, None] * norms[refs][None, :]).clamp_min(1e-300)
         others = [i for i in range(updates.shape[0]) if i not in refs]
-        self.last_corrections = int((cos[others] < 0).sum())
+        self.last_corrections = int((cross[others] < 0).sum())
         self.last_min_cosine = float(cos[others].min()) if others else 1.0
-        return gcfl_aggregate(updates, weights, refs)
+        return out
 
     def round_metrics(self, record) -> dict[str, float]:
         return {**super().round_metrics(record), "gcfl-conflicts": self.last_corrections,
