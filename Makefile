@@ -14,7 +14,7 @@ export FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION := 1
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
-	$(PIP) install -q -c constraints.txt -e ".[mnist,vision,test]"
+	$(PIP) install -q -c constraints.txt -e ".[simulation,deploy,mnist,vision,test]"
 	touch $(STAMP)
 
 install: $(STAMP)

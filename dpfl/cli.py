@@ -9,6 +9,11 @@
       run GCFL's MNIST grid (5 methods) and write results/gcfl/ (table beside the paper).
   dpfl reproduce pegasus [--seeds 0]
       PEGASUS vs DP-FedAvg, 50 clients x 50 rounds; writes results/pegasus/.
+  dpfl deploy up --clients N --state DIR [--image dpfl:0.1.0] [--insecure]
+  dpfl deploy run --state DIR -- [flwr run options, e.g. --run-config "num-rounds=2"]
+  dpfl deploy down --state DIR
+      a containerised federation of N SuperNodes with distinct partitions (Docker SDK;
+      TLS and SuperNode auth unless --insecure); see docker-compose.yml for the fixed one.
   dpfl privacy-report RUN_DIR
       verdict, then per-client unit, relation, sampling, delta, epsilon (recomputed from the
       ledger), rounds and verdict; writes RUN_DIR/privacy-report.png (epsilon by round).
@@ -108,6 +113,28 @@ def cmd_reproduce(args: argparse.Namespace) -> int:
     return 2
 
 
+def cmd_deploy(args: argparse.Namespace) -> int:
+    from dpfl import containers
+
+    state = Path(args.state)
+    if args.action == "up":
+        if args.flwr_args:
+            raise SystemExit(f"unexpected arguments: {args.flwr_args}")
+        fed = containers.up(args.clients, state, image=args.image, name=args.name,
+                            insecure=args.insecure, control_port=args.control_port)
+        print(f"federation {fed.name} up: {fed.clients} SuperNodes, Control API "
+              f"127.0.0.1:{fed.control_port}, TLS and SuperNode auth "
+              f"{'OFF' if fed.insecure else 'on'}; state in {fed.state}")
+        return 0
+    if args.action == "run":
+        return containers.run(state, [a for a in args.flwr_args if a != "--"])
+    if args.action == "logs":
+        print(containers.logs(state))
+        return 0
+    print("removed:", " ".join(containers.down(state)) or "nothing")
+    return 0
+
+
 def argv_is_cli() -> bool:
     return len(sys.argv) > 1 and sys.argv[1] == "reproduce"
 
@@ -134,10 +161,24 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--results")
     p.add_argument("--work-dir")
     p.set_defaults(func=cmd_reproduce)
+    p = sub.add_parser("deploy", help="a containerised N-client federation (Docker)")
+    p.add_argument("action", choices=["up", "run", "logs", "down"])
+    p.add_argument("--state", required=True, help="folder for certificates, keys, runs")
+    p.add_argument("--clients", type=int, default=2)
+    p.add_argument("--image", default="dpfl:0.1.0")
+    p.add_argument("--name", default="dpfl-fed", help="prefix of containers and network")
+    p.add_argument("--control-port", type=int, default=9093)
+    p.add_argument("--insecure", action="store_true",
+                   help="no TLS, no SuperNode authentication (warns)")
+    p.set_defaults(func=cmd_deploy)
     p = sub.add_parser("privacy-report", help="per-client privacy table and epsilon plot")
     p.add_argument("run_dir")
     p.set_defaults(func=cmd_privacy_report)
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if args.command == "deploy":  # `dpfl deploy run ... -- <flwr run options>`
+        args.flwr_args = extra
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     # A SIGTERM (e.g. `kill PID` of a background run) unwinds normally, so the SuperLink
     # and everything it started are stopped by the launcher's cleanup.
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))

@@ -1,0 +1,165 @@
+"""Containers on a real Docker engine started by this test session: the docker-compose
+federation (TLS + SuperNode auth) runs DP rounds, and `dpfl deploy up --clients 4` (Docker SDK)
+completes a DP round with four distinct partitions.
+
+The session starts its own ``dockerd`` (own data-root, exec-root and socket, no iptables
+rules, no default bridge), builds the base image locally with debootstrap (no registry is
+reachable) and the dpfl image once (deploy/image.sh), and stops the daemon by PID at the end.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+NEEDED = ("dockerd", "docker", "docker-compose", "debootstrap", "openssl", "ssh-keygen")
+pytestmark = [pytest.mark.e2e, pytest.mark.skipif(
+    os.geteuid() != 0 or any(shutil.which(b) is None for b in NEEDED),
+    reason=f"needs root and {', '.join(NEEDED)} (.ci/run installs them)")]
+IMAGE = "dpfl:test"
+BASE = "dpfl-local/python:3.11"
+RUN_CONFIG = 'dataset="digits" batch-size=32 lr=0.5 target-epsilon=8.0 '
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _run(cmd: list[str], env: dict[str, str], timeout: float = 900) -> str:
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+    assert proc.returncode == 0, f"{cmd[:3]} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    return proc.stdout
+
+
+@pytest.fixture(scope="session")
+def docker_env(tmp_path_factory):
+    """A private Docker engine with the base and dpfl images built; yields the environment."""
+    home = Path("/tmp") / f"dpfl-docker-{os.getpid()}"  # short: the socket path is limited
+    home.mkdir(parents=True, exist_ok=True)
+    sock = home / "docker.sock"
+    log = open(home / "dockerd.log", "w")
+    daemon = subprocess.Popen(
+        ["dockerd", "--data-root", str(home / "data"), "--exec-root", str(home / "exec"),
+         "-H", f"unix://{sock}", "--pidfile", str(home / "dockerd.pid"),
+         "--iptables=false", "--ip6tables=false", "--bridge=none"],
+        stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    env = {**os.environ, "DOCKER_HOST": f"unix://{sock}", "DOCKER_BUILDKIT": "0",
+           "PYTHON": sys.executable,
+           "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
+    try:
+        deadline = time.monotonic() + 60
+        while subprocess.run(["docker", "info"], env=env, capture_output=True).returncode != 0:
+            assert daemon.poll() is None and time.monotonic() < deadline, \
+                (home / "dockerd.log").read_text()[-2000:]
+            time.sleep(0.5)
+        _run([str(ROOT / "deploy" / "base-image.sh"), BASE, str(home / "base")], env)
+        _run([str(ROOT / "deploy" / "image.sh"), "--base", BASE, "--tag", IMAGE], env,
+             timeout=1500)
+        yield env
+    finally:
+        daemon.send_signal(signal.SIGTERM)
+        try:
+            daemon.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(daemon.pid, signal.SIGKILL)
+            daemon.wait()
+        log.close()
+        subprocess.run(["umount", "-R", str(home / "exec")], capture_output=True)
+        shutil.rmtree(home, ignore_errors=True)
+
+
+def test_compose_files_validate():
+    """The compose file and its overrides are valid for Debian's docker-compose."""
+    for extra in ([], ["-f", "deploy/compose.insecure.yml"], ["-f", "deploy/compose.gpu.yml"]):
+        proc = subprocess.run(["docker-compose", "-f", "docker-compose.yml", *extra, "config",
+                               "-q"], cwd=ROOT, capture_output=True, text=True)
+        assert proc.returncode == 0, proc.stderr
+    gpu = subprocess.run(["docker-compose", "-f", "docker-compose.yml", "-f",
+                          "deploy/compose.gpu.yml", "config"], cwd=ROOT, capture_output=True,
+                         text=True).stdout
+    assert gpu.count("driver: nvidia") == 2  # both SuperNodes, not the SuperLink
+
+
+def test_image_has_every_role(docker_env):
+    """One image: each role name maps to its Flower binary (the version proves it runs)."""
+    for role in ("superlink", "supernode"):
+        out = _run(["docker", "run", "--rm", IMAGE, role, "--version"], docker_env)
+        assert "1.39.0" in out
+    out = _run(["docker", "run", "--rm", IMAGE, "python", "-c",
+                "import torch, opacus, dpfl; print(torch.__version__, torch.cuda.is_available())"],
+               docker_env)
+    assert out.split()[0].endswith("+cpu")
+    out = _run(["docker", "run", "--rm", IMAGE, "python", "-c",
+                "import importlib.util as u; print(u.find_spec('torchvision'), u.find_spec('ray'))"],
+               docker_env)
+    assert out.split() == ["None", "None"]  # optional: the image stays small
+
+
+def test_compose_federation_tls_auth(docker_env, tmp_path):
+    """`deploy/compose.sh up/run/down` (docker-compose.yml, TLS + SuperNode auth): a
+    SuperLink, a ServerApp SuperExec and two SuperNodes in containers run two DP rounds."""
+    state = tmp_path / "compose"
+    script = str(ROOT / "deploy" / "compose.sh")
+    try:
+        out = _run([script, "up", str(state), "--project", "dpflt", "--image", IMAGE,
+                    "--control-port", str(_free_port()), "--fleet-port", str(_free_port())],
+                   docker_env)
+        assert "federation up" in out
+        assert (state / "register.log").read_text().count("registered successfully") == 2
+        _run([script, "run", str(state), "--run-config",
+              RUN_CONFIG + 'num-rounds=2 run-name="compose"'], docker_env)
+        logs = _run([script, "logs", str(state)], docker_env)
+        assert "Uvicorn running on https://" in logs  # Control/Runtime API over TLS
+        summary = json.loads((state / "runs" / "compose" / "summary.json").read_text())
+        assert summary["guarantee"]["verdict"] == "formal"
+        assert summary["rounds-run"] == 2 and summary["num-clients"] == 2
+        assert summary["final"]["accuracy"] > summary["initial"]["accuracy"]
+        eps = [c["epsilon"] for c in summary["clients"].values()]
+        assert len(eps) == 2 and all(0 < e <= 8.0 for e in eps)
+    finally:
+        subprocess.run([script, "down", str(state)], cwd=ROOT, env=docker_env,
+                       capture_output=True, timeout=120)
+    left = _run(["docker", "ps", "-a", "--filter", "label=com.docker.compose.project=dpflt",
+                 "-q"], docker_env)
+    assert left.strip() == ""
+
+
+def test_launcher_four_clients(docker_env, tmp_path):
+    """`dpfl deploy up --clients 4` (Docker SDK) creates four SuperNodes with partitions
+    0..3 of 4; one DP round completes with all four; `down` removes everything it made."""
+    state = tmp_path / "n4"
+    dpfl = [sys.executable, "-m", "dpfl.cli", "deploy"]
+    try:
+        out = _run([*dpfl, "up", "--clients", "4", "--state", str(state), "--image", IMAGE,
+                    "--name", "dpflt4", "--control-port", str(_free_port())], docker_env)
+        assert "4 SuperNodes" in out and "auth on" in out
+        cmds = _run(["docker", "ps", "--filter", "label=dpfl.federation=dpflt4", "--format",
+                     "{{.Names}} {{.Command}}", "--no-trunc"], docker_env)
+        for i in range(4):
+            assert f"partition-id={i} num-partitions=4" in cmds
+        _run([*dpfl, "run", "--state", str(state), "--", "--run-config",
+              RUN_CONFIG + 'num-rounds=1 run-name="n4"'], docker_env)
+        summary = json.loads((state / "runs" / "n4" / "summary.json").read_text())
+        assert summary["rounds-run"] == 1 and summary["num-clients"] == 4
+        assert sorted(summary["clients"]) == [f"client-{i}" for i in range(4)]
+        assert summary["guarantee"]["verdict"] == "formal"
+    finally:
+        removed = subprocess.run([*dpfl, "down", "--state", str(state)], cwd=ROOT,
+                                 env=docker_env, capture_output=True, text=True, timeout=180)
+    assert "dpflt4-superlink" in removed.stdout and "dpflt4-net" in removed.stdout
+    left = _run(["docker", "ps", "-a", "--filter", "label=dpfl.federation=dpflt4", "-q"],
+                docker_env)
+    assert left.strip() == ""
