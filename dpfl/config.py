@@ -12,6 +12,9 @@ from dataclasses import dataclass, fields
 from typing import Any, Mapping
 
 DATASETS = ("mnist", "fashion-mnist", "digits", "cifar10", "cifar100", "svhn")
+# AADP-FL noise: "calibrated" = Gaussian for sensitivity S and the round's (eps_i, delta);
+# "paper" = the published variance S^4 l / (|w| eps^2), kept for the ablation (not DP at eps).
+AADP_NOISE = ("calibrated", "paper")
 PARTITIONINGS = ("iid", "dirichlet", "shards", "size", "gcfl-contiguous", "noniid-fraction")
 TRAINERS = ("plain", "dpsgd", "update-dp")
 ACCOUNTANTS = ("rdp", "prv")
@@ -68,6 +71,7 @@ class RunConfig:
     aadp_eps_max: float = 20.0
     aadp_threshold: float = 1e-3
     aadp_gamma: float = 1e-8
+    aadp_noise: str = "calibrated"
 
     @property
     def is_private(self) -> bool:
@@ -175,6 +179,8 @@ def validate(cfg: RunConfig) -> RunConfig:
     _need(cfg.aadp_eps_max > 0, "aadp-eps-max", "must be > 0", cfg.aadp_eps_max)
     _need(cfg.aadp_threshold > 0, "aadp-threshold", "must be > 0", cfg.aadp_threshold)
     _need(cfg.aadp_gamma > 0, "aadp-gamma", "must be > 0", cfg.aadp_gamma)
+    _need(cfg.aadp_noise in AADP_NOISE, "aadp-noise", f"must be one of {AADP_NOISE}",
+          cfg.aadp_noise)
     if cfg.strategy == "aadp":
         _need(cfg.trainer == "update-dp", "trainer",
               "aadp is client-level DP: use trainer 'update-dp'", cfg.trainer)

@@ -113,3 +113,24 @@ def test_ties_are_zeroed_in_index_order():
     out = longitudinal_clip(theta, s)
     assert torch.equal(out, naive_longitudinal(theta, s))
     assert out.tolist() == [0.0, 0.0, 0.5, 2.0, -0.5]
+
+
+def test_paper_noise_multiplier_closed_form_and_verdict():
+    """AADP-FL's printed variance S^4 l/(|w| eps^2) as a multiplier of S, worked by hand:
+    S = 0.5, l = 1e-2, |w| = 10^4, eps = 2: std = 0.25 * 0.1 / (100 * 2) = 1.25e-4 = sigma S,
+    sigma = 2.5e-4; and the run that uses it is not called DP."""
+    import math
+
+    from dpfl.config import parse_run_config
+    from dpfl.privacy.verdict import guarantee_for
+    from dpfl.strategies.aadp import paper_noise_multiplier
+
+    sigma = paper_noise_multiplier(0.5, 1e-2, 10_000, 2.0)
+    assert math.isclose(sigma, 2.5e-4)
+    assert math.isclose(sigma * 0.5, math.sqrt(0.5 ** 4 * 1e-2 / (10_000 * 2.0 ** 2)))
+    base = {"strategy": "aadp", "trainer": "update-dp"}
+    assert guarantee_for(parse_run_config(base)).verdict == "formal"
+    paper = guarantee_for(parse_run_config({**base, "aadp-noise": "paper"}))
+    assert paper.verdict.startswith("none:") and "S^4 l" in paper.verdict
+    with pytest.raises(Exception, match="aadp-noise"):
+        parse_run_config({**base, "aadp-noise": "tiny"})

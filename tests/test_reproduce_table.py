@@ -43,3 +43,20 @@ def test_pegasus_table_reduction(tmp_path):
     text = pegasus_table(tmp_path, "dpfl reproduce pegasus")
     assert "**62.5 %**" in text  # 1 - 3/8
     assert json.loads((tmp_path / "table.json").read_text())["reduction-percent"] == 62.5
+
+
+def test_aadp_table_median_and_units(tmp_path):
+    from dpfl.experiments.aadp import PAPER as AADP_PAPER
+    from dpfl.experiments.aadp import build_table as aadp_table
+
+    (tmp_path / "runs").mkdir()
+    for seed, acc in enumerate((0.90, 0.80, 0.95)):  # median of three = 90
+        rec = {"cell": "mnist-mlp", "method": "aadp", "seed": seed, "accuracy": acc,
+               "epsilon": {"client-0": 51.0 + seed}, "verdict": "formal",
+               "accuracy-by-round": [acc], "raised-at-rounds": [30]}
+        (tmp_path / "runs" / f"mnist-mlp__aadp__seed{seed}.json").write_text(json.dumps(rec))
+    text = aadp_table(tmp_path, "dpfl reproduce aadp")
+    row = next(l for l in text.splitlines() if l.startswith("| AADP-FL (calibrated"))
+    assert f"| 3 | 90.00 | {AADP_PAPER['mnist-mlp']['aadp']:.2f} | client, per round | 53 |" in row
+    table = json.loads((tmp_path / "table.json").read_text())
+    assert table["mnist-mlp"]["aadp"]["median-accuracy"] == 90.0

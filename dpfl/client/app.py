@@ -34,7 +34,7 @@ from dpfl.privacy.budget import PrivacyHistory
 from dpfl.privacy.events import PrivacyEvent
 from dpfl.privacy.ledger import prior_history
 from dpfl.privacy.longitudinal import longitudinal_clip
-from dpfl.strategies.aadp import round_epsilon_for
+from dpfl.strategies.aadp import paper_noise_multiplier, round_epsilon_for
 from dpfl.tensors import flatten, state_difference, unflatten
 
 log = logging.getLogger("flwr.dpfl.client")
@@ -112,7 +112,12 @@ def train(msg: Message, context: Context) -> Message:
                     "was lost, e.g. after a restart)", pid)
         history.save(context.state)
     if cfg.strategy == "aadp":  # per-round eps_i^t from the server, one release per round
-        sigma = calibrate_noise(round_epsilon_for(msg.content["config"], pid), cfg.delta, 1)
+        eps_round = round_epsilon_for(msg.content["config"], pid)
+        if cfg.aadp_noise == "paper":  # the published variance (ablation; verdict none)
+            sigma = paper_noise_multiplier(cfg.clip_norm, cfg.aadp_threshold,
+                                           sum(p.numel() for p in model.parameters()), eps_round)
+        else:
+            sigma = calibrate_noise(eps_round, cfg.delta, 1)
     else:
         sigma = noise_multiplier_for(cfg, n)
     if cfg.trainer == "dpsgd":

@@ -54,5 +54,10 @@ def guarantee_for(cfg: RunConfig) -> Guarantee:
                   f"Rényi filter at epsilon {cfg.target_epsilon} over all rounds (Lécuyer "
                   "2021); longitudinal clipping keeps the update norm <= clip-norm; training-"
                   "set sizes are treated as public (the allocation uses them)")
+        if cfg.aadp_noise == "paper":
+            clear.append("aadp-noise=paper: AADP-FL's published noise variance "
+                         "S^4 l/(|w| eps^2) is not calibrated to the per-round (eps, delta); "
+                         "the ledger charges the noise actually added, whose epsilon is "
+                         "orders of magnitude above the nominal one")
     verdict = "formal" if not clear else "none: " + "; ".join(clear)
     return Guarantee(verdict, unit, relation, sampling, cfg.delta, cfg.accountant, scope)

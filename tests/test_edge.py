@@ -1,0 +1,53 @@
+"""The edge SuperNode install: the rendered systemd unit is valid and starts the SuperNode
+with TLS, authentication, the node's partition and unlimited reconnects."""
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _render(tmp_path: Path) -> tuple[str, str]:
+    (tmp_path / "ca.crt").write_text("-")
+    (tmp_path / "key").write_text("-")
+    out = subprocess.run(
+        [str(ROOT / "deploy" / "edge" / "install.sh"), "--superlink", "10.0.0.1:9092", "--ca",
+         str(tmp_path / "ca.crt"), "--key", str(tmp_path / "key"), "--partition-id", "3",
+         "--num-partitions", "8", "--threads", "1", "--prefix", str(Path(sys.executable).parents[1]),
+         "--etc", str(tmp_path), "--dry-run"], capture_output=True, text=True, check=True).stdout
+    env, unit = out.split("== /etc/systemd/system/dpfl-supernode.service\n")
+    return env, unit
+
+
+def test_edge_unit_renders_secure_settings(tmp_path):
+    env, unit = _render(tmp_path)
+    assert "DPFL_NODE_CONFIG=partition-id=3 num-partitions=8" in env
+    assert "OMP_NUM_THREADS=1" in env and "DPFL_NUM_THREADS=1" in env
+    assert "--root-certificates" in unit and "--auth-supernode-private-key" in unit
+    assert "--insecure" not in unit
+    exec_start = unit.split("ExecStart=", 1)[1].split("\n# ", 1)[0]
+    assert "--max-retries" not in exec_start  # reconnect forever (Flower backs off)
+    assert "--node-config" in exec_start
+    assert "Restart=always" in unit and "KillSignal=SIGINT" in unit
+    assert "@" not in unit.split("[Unit]", 1)[1]  # every placeholder filled
+
+
+@pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="needs systemd-analyze")
+def test_edge_unit_verifies(tmp_path):
+    _, unit = _render(tmp_path)
+    (tmp_path / "supernode.env").write_text("DPFL_SUPERLINK=10.0.0.1:9092\n")
+    path = tmp_path / "dpfl-supernode.service"
+    path.write_text(unit)
+    proc = subprocess.run(["systemd-analyze", "verify", str(path)], capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_edge_install_refuses_missing_settings(tmp_path):
+    proc = subprocess.run([str(ROOT / "deploy" / "edge" / "install.sh"), "--superlink", "x:1"],
+                          capture_output=True, text=True)
+    assert proc.returncode == 2 and "missing --ca" in proc.stderr
