@@ -57,6 +57,21 @@ def test_against_naive_reference_on_random_inputs(m, refs):
     assert torch.allclose(gcfl_aggregate(u.double(), w, refs), expected, atol=1e-9)
 
 
+@pytest.mark.parametrize("chunk", [None, 64, 1000])
+def test_blocked_single_pass_matches_naive(chunk):
+    """M > 16 takes the blocked pass (mean and cross products per column block, the last
+    block ragged): same result as the naive sequential projection."""
+    g = torch.Generator().manual_seed(3)
+    u = torch.randn(24, 1000, generator=g) + 0.2 * torch.randn(1, 1000, generator=g)
+    w = torch.rand(24, generator=g) + 0.5
+    refs = [2, 9, 17]
+    expected = (w.double() / w.sum()) @ naive_gcfl(u, refs)
+    got = gcfl_aggregate(u.double(), w, refs, chunk=chunk)
+    assert torch.allclose(got, expected, atol=1e-9)
+    got32 = gcfl_aggregate(u, w, refs, chunk=chunk)
+    assert torch.allclose(got32.double(), expected, atol=1e-4)
+
+
 def test_no_correction_when_no_conflict():
     u = torch.rand(6, 50)  # non-negative entries: every cosine >= 0
     assert torch.equal(gcfl_correct(u, [0, 2]), u)

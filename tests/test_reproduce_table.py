@@ -60,3 +60,15 @@ def test_aadp_table_median_and_units(tmp_path):
     assert f"| 3 | 90.00 | {AADP_PAPER['mnist-mlp']['aadp']:.2f} | client, per round | 53 |" in row
     table = json.loads((tmp_path / "table.json").read_text())
     assert table["mnist-mlp"]["aadp"]["median-accuracy"] == 90.0
+
+
+def test_aadp_table_non_private_row(tmp_path):
+    """FedAvg has no DP: no client epsilon at all; its row says so instead of failing."""
+    from dpfl.experiments.aadp import build_table as aadp_table
+
+    (tmp_path / "runs").mkdir()
+    rec = {"cell": "mnist-mlp", "method": "fedavg", "seed": 0, "accuracy": 0.93,
+           "epsilon": {}, "verdict": "none: no DP mechanism", "accuracy-by-round": [0.93]}
+    (tmp_path / "runs" / "mnist-mlp__fedavg__seed0.json").write_text(json.dumps(rec))
+    row = next(l for l in aadp_table(tmp_path, "x").splitlines() if l.startswith("| FedAvg"))
+    assert "| 93.00 | 92.13 | — | — | none |" in row

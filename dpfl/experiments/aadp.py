@@ -107,7 +107,7 @@ def build_table(results: Path, command: str) -> str:
             if not rs:
                 continue
             acc = _median([100 * r["accuracy"] for r in rs])
-            eps = max(max(r["epsilon"].values()) for r in rs)
+            eps = max(max(r["epsilon"].values(), default=float("inf")) for r in rs)
             paper = PAPER[cell].get(method)
             verdict = rs[0]["verdict"].split(":")[0]
             table.setdefault(cell, {})[method] = {
@@ -165,6 +165,6 @@ def reproduce(root: Path, results: Path, work: Path, cells: list[str], methods: 
         t0 = time.time()
         rec = run_one(root, cell, method, seed, results, work)
         print(f"[{i}/{len(todo)}] {cell} {method} seed {seed}: accuracy {rec['accuracy']:.4f}, "
-              f"max eps {max(rec['epsilon'].values()):.3g}, {time.time() - t0:.0f} s", flush=True)
+              f"max eps {max(rec['epsilon'].values(), default=float('inf')):.3g}, {time.time() - t0:.0f} s", flush=True)
         build_table(results, command)
     return build_table(results, command)

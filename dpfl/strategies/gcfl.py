@@ -78,22 +78,27 @@ def gcfl_correct(updates: torch.Tensor, references: Sequence[int]) -> torch.Tens
 
 
 def _mean_and_cross(updates: torch.Tensor, weights: torch.Tensor, ref_rows: torch.Tensor,
-                    chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """w^T U and U ref_rows^T; for many rows in column blocks that stay in cache."""
-    if updates.shape[0] <= 16:  # a few rows: two direct products beat the loop's overhead
+                    chunk: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """w^T U and U ref_rows^T in one pass over U: column blocks small enough to stay in a
+    core's L2 cache are read once from memory and used by both products. Two out= products
+    per block, no allocation; the per-block cross products are summed in float64 at the end."""
+    m, d = updates.shape
+    if m <= 16 or not updates.is_contiguous():  # a few rows: two direct products are cheaper
         return weights @ updates, (updates @ ref_rows.T).to(torch.float64)
-    d = updates.shape[1]
-    cross = torch.zeros(updates.shape[0], ref_rows.shape[0], dtype=torch.float64)
+    if chunk is None:  # about 512 KiB of U per block
+        chunk = max(1024, 1 << max(0, (524288 // (m * updates.element_size())).bit_length() - 1))
+    blocks = range(0, d, chunk)
+    partial = torch.empty(len(blocks), m, ref_rows.shape[0], dtype=updates.dtype)
     mean = torch.empty(d, dtype=updates.dtype)
-    for s in range(0, d, chunk):
+    for k, s in enumerate(blocks):
         block = updates[:, s:s + chunk]
-        cross += (block @ ref_rows[:, s:s + chunk].T).to(torch.float64)
-        mean[s:s + chunk] = weights @ block
-    return mean, cross
+        torch.mm(block, ref_rows[:, s:s + chunk].T, out=partial[k])
+        torch.mv(block.T, weights, out=mean[s:s + chunk])
+    return mean, partial.to(torch.float64).sum(0)
 
 
 def gcfl_aggregate(updates: torch.Tensor, weights: torch.Tensor, references: Sequence[int],
-                   chunk: int = 65536, return_cross: bool = False):
+                   chunk: int | None = None, return_cross: bool = False):
     """Sample-count-weighted mean of the corrected updates, sum_i w_i g_i' / sum w.
 
     (w^T A) U = w^T U + beta^T U_refs with beta = w^T A - w^T, which is non-zero only at
