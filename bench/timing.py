@@ -6,7 +6,7 @@ import time
 from typing import Callable
 
 
-def best_time(fn: Callable[[], object], repeats: int = 3) -> float:
+def best_time(fn: Callable[[], object], repeats: int = 5) -> float:
     """Best wall time in seconds of ``repeats`` calls, after one warm-up call."""
     fn()
     best = float("inf")
