@@ -1,11 +1,11 @@
 """One aggregation of M client updates of d ~ 1.2M floats: FedAvg's weighted mean vs GCFL's
 projection correction + weighted mean, and the ratio GCFL / FedAvg per M.
 
-    python bench/aggregation.py [--dim 1200000] [--ms 2 10 50 100]
+    python bench/aggregation.py [--dim 1200000] [--ms 2 10 50 100] [--chunks 1024 16384 ...]
 
 Updates are a weak shared direction plus per-client noise (as DP-SGD updates are), so a
 realistic share of pairs has negative cosine (printed). GCFL is timed with 1 reference and
-with M/10 references.
+with M/10 references. ``--chunks`` adds a sweep of the column-block width (1 reference).
 """
 
 from __future__ import annotations
@@ -23,6 +23,8 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--dim", type=int, default=1_200_000)
     parser.add_argument("--ms", type=int, nargs="+", default=[2, 10, 50, 100])
+    parser.add_argument("--chunks", type=int, nargs="*", default=[],
+                        help="also time GCFL (1 reference) with these column-block widths")
     args = parser.parse_args()
     g = torch.Generator().manual_seed(0)
     shared = torch.randn(args.dim, generator=g)
@@ -42,6 +44,9 @@ def main() -> None:
         t_g10 = best_time(lambda: gcfl_aggregate(u, w, refs10))
         print(f"{m:>4} {neg:>8.2f} {1e3 * t_avg:>10.1f} {1e3 * t_g1:>11.1f} {t_g1 / t_avg:>6.2f} "
               f"{1e3 * t_g10:>14.1f} {t_g10 / t_avg:>6.2f}")
+        for chunk in args.chunks:
+            t = best_time(lambda: gcfl_aggregate(u, w, refs1, chunk=chunk))
+            print(f"{'':>4} chunk {chunk:>8}: GCFL(1) {1e3 * t:.1f} ms, ratio {t / t_avg:.2f}")
         del u, un
 
 
