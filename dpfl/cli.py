@@ -7,7 +7,7 @@
       print the guarantee and the per-client epsilon table of a finished run.
   dpfl reproduce gcfl [--seeds 0 1 2] [--cells eps2 ...] [--methods gcfl ...]
       run GCFL's MNIST grid (5 methods) and write results/gcfl/ (table beside the paper).
-  dpfl reproduce pegasus [--seeds 0]
+  dpfl reproduce pegasus [--seeds 0] [--cells calibrated common-sigma] [--methods pegasus]
       PEGASUS vs DP-FedAvg, 50 clients x 50 rounds; writes results/pegasus/.
   dpfl deploy up --clients N --state DIR [--image dpfl:0.1.0] [--insecure]
   dpfl deploy run --state DIR -- [flwr run options, e.g. --run-config "num-rounds=2"]
@@ -25,6 +25,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import signal
 import sys
@@ -99,6 +100,14 @@ def cmd_reproduce(args: argparse.Namespace) -> int:
     results = Path(args.results or root / "results" / args.paper)
     work = Path(args.work_dir or root / "runs" / f"reproduce-{args.paper}")
     command = "dpfl reproduce " + " ".join(sys.argv[2:] if argv_is_cli() else [args.paper])
+    module = importlib.import_module(f"dpfl.experiments.{args.paper}")
+    for kind, given, known in (("cell", args.cells, module.CELLS),
+                               ("method", args.methods, module.METHODS)):
+        unknown = sorted(set(given or ()) - set(known))
+        if unknown:  # before any run starts
+            print(f"unknown {args.paper} {kind}(s) {unknown}; known: {list(known)}",
+                  file=sys.stderr)
+            return 2
     if args.paper == "gcfl":
         from dpfl.experiments import gcfl
 
@@ -110,7 +119,10 @@ def cmd_reproduce(args: argparse.Namespace) -> int:
     if args.paper == "pegasus":
         from dpfl.experiments import pegasus
 
-        print(pegasus.reproduce(root, results, work, args.seeds, args.skip_existing, command))
+        cells = args.cells or list(pegasus.DEFAULT_CELLS)
+        methods = args.methods or list(pegasus.METHODS)
+        print(pegasus.reproduce(root, results, work, cells, methods, args.seeds,
+                                args.skip_existing, command))
         return 0
     if args.paper == "aadp":
         from dpfl.experiments import aadp

@@ -39,10 +39,48 @@ def test_pegasus_table_reduction(tmp_path):
         (tmp_path / "runs" / f"{method}__seed0.json").write_text(json.dumps(rec))
     from dpfl.privacy.ledger import Ledger
 
-    Ledger(1e-5).save(tmp_path / "ledger.json")  # the staircase plot reads the run's ledger
+    Ledger(1e-5).save(tmp_path / "ledger.json")  # old records: the staircase reads the ledger
     text = pegasus_table(tmp_path, "dpfl reproduce pegasus")
     assert "**62.5 %**" in text  # 1 - 3/8
-    assert json.loads((tmp_path / "table.json").read_text())["reduction-percent"] == 62.5
+    table = json.loads((tmp_path / "table.json").read_text())
+    assert table["calibrated"]["reduction-percent"] == 62.5  # records without a cell
+    assert "common-sigma" not in table
+
+
+def test_pegasus_cells_are_tabulated_apart(tmp_path):
+    from dpfl.experiments.pegasus import build_table as pegasus_table
+    from dpfl.experiments.pegasus import record_name
+
+    (tmp_path / "runs").mkdir()
+    for cell, peg_eps in (("calibrated", 6.0), ("common-sigma", 2.0)):
+        for method, eps in (("dpfedavg", 8.0), ("pegasus", peg_eps)):
+            rec = {"cell": cell, "method": method, "seed": 0, "accuracy": 0.9,
+                   "epsilon": {"client-0": eps, "client-1": eps}, "selected-by-round": [2, 1],
+                   "mean-epsilon-by-round": [eps / 2, eps],
+                   "epsilon-by-round": [{"client-0": eps / 2, "client-1": eps / 2},
+                                        {"client-0": eps, "client-1": eps}]}
+            name = record_name(cell, method, 0)
+            (tmp_path / "runs" / f"{name}.json").write_text(json.dumps(rec))
+    assert record_name("calibrated", "pegasus", 3) == "pegasus__seed3"
+    assert record_name("common-sigma", "pegasus", 3) == "common-sigma__pegasus__seed3"
+    pegasus_table(tmp_path, "dpfl reproduce pegasus --cells calibrated common-sigma")
+    table = json.loads((tmp_path / "table.json").read_text())
+    assert table["calibrated"]["reduction-percent"] == 25.0  # 1 - 6/8
+    assert table["common-sigma"]["reduction-percent"] == 75.0  # 1 - 2/8
+    assert table["common-sigma"]["pegasus"]["clients-per-round"] == [1.5]
+    assert (tmp_path / "epsilon.png").exists()
+
+
+def test_pegasus_staircase_picks_spread_clients():
+    from dpfl.experiments.pegasus import _staircases
+
+    final = {f"client-{i}": float(i) for i in range(20)}
+    rec = {"epsilon-by-round": [{c: e / 2 for c, e in final.items()}, final]}
+    picks = _staircases(rec, count=4)
+    # ranks 0, 6, 13, 19 of 20 clients sorted by final epsilon: lowest, two between, highest
+    assert list(picks) == ["client-0", "client-6", "client-13", "client-19"]
+    assert picks["client-6"] == [(1, 3.0), (2, 6.0)]
+    assert _staircases({"run-dir": "/nonexistent"}) == {}
 
 
 def test_aadp_table_median_and_units(tmp_path):
@@ -72,3 +110,13 @@ def test_aadp_table_non_private_row(tmp_path):
     (tmp_path / "runs" / "mnist-mlp__fedavg__seed0.json").write_text(json.dumps(rec))
     row = next(l for l in aadp_table(tmp_path, "x").splitlines() if l.startswith("| FedAvg"))
     assert "| 93.00 | 92.13 | — | — | none |" in row
+
+
+def test_reproduce_rejects_unknown_cells_before_running(tmp_path, capsys):
+    from dpfl.cli import main
+
+    for paper in ("gcfl", "pegasus", "aadp"):
+        for option in ("--cells", "--methods"):
+            assert main(["reproduce", paper, option, "nope", "--results", str(tmp_path)]) == 2
+            assert "unknown" in capsys.readouterr().err
+    assert not (tmp_path / "runs").exists()  # nothing ran, nothing written

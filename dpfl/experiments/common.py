@@ -11,7 +11,8 @@ from typing import Any
 def simulate_record(root: Path, clients: int, overrides: dict[str, Any],
                     work: Path) -> dict[str, Any]:
     """Run one real Flower simulation; return its key numbers (final metrics, per-client
-    epsilon, per-round accuracy / mean epsilon / selected clients, throughput)."""
+    epsilon, per-round accuracy / mean epsilon / per-client epsilon / selected clients,
+    throughput)."""
     from dpfl.launch import simulate
 
     t0 = time.time()
@@ -33,6 +34,7 @@ def simulate_record(root: Path, clients: int, overrides: dict[str, Any],
         "accuracy-by-round": [r["central"]["accuracy"] for r in rounds],
         "selected-by-round": [len(r["sampled-nodes"]) for r in rounds],
         "mean-epsilon-by-round": [sum(e.values()) / clients if e else 0.0 for e in eps_rounds],
+        "epsilon-by-round": eps_rounds,
     }
 
 

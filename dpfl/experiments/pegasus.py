@@ -1,9 +1,20 @@
 """`dpfl reproduce pegasus`: PEGASUS vs DP-FedAvg (all clients every round), seed 003.
 
-Writes ``results/pegasus/runs/<method>__seed<k>.json``, ``table.md`` / ``table.json`` (final
-accuracy, final mean and max epsilon, clients per round, the epsilon reduction beside the
-paper's ~97 % and "up to 58 %") and ``epsilon.png`` (mean epsilon by round, and the
-per-client staircase of the first PEGASUS run's clients).
+Two cells, one preset each, differing only in how sigma is chosen:
+
+- ``calibrated`` (``conf/pegasus/mnist.toml``): each client's sigma is calibrated so that
+  taking part in all 50 rounds ends at epsilon = 8. Every client's epsilon curve then has
+  nearly the same shape, and PEGASUS's "strictly below the mean" splits the federation on
+  small differences.
+- ``common-sigma`` (``conf/pegasus/mnist-common-sigma.toml``): one sigma for every client
+  (the usual DP-SGD set-up), so epsilon grows faster for clients with small shards (larger
+  sampling rate B/n, hence a larger per-round epsilon) and the epsilons spread.
+
+Writes ``results/pegasus/runs/[<cell>__]<method>__seed<k>.json`` (the ``calibrated`` cell's
+records keep their original names without the prefix), ``table.md`` / ``table.json`` (per
+cell: final accuracy, final mean and max epsilon, clients per round, the epsilon reduction
+beside the paper's ~97 % and "up to 58 %") and ``epsilon.png`` (per cell: mean epsilon by
+round, and the per-client staircase of PEGASUS's clients at spread-out final epsilons).
 """
 
 from __future__ import annotations
@@ -17,95 +28,149 @@ from typing import Any
 METHODS = ("dpfedavg", "pegasus")
 CLIENTS = 50
 PAPER = {"accuracy": 97.0, "reduction": 58.0}
+CELLS = {"calibrated": "mnist.toml", "common-sigma": "mnist-common-sigma.toml"}
+DEFAULT_CELLS = ("calibrated",)
 
 
-def run_one(root: Path, method: str, seed: int, results: Path, work: Path) -> dict[str, Any]:
+def record_name(cell: str, method: str, seed: int) -> str:
+    """``calibrated`` keeps the names its first records were written under."""
+    return f"{method}__seed{seed}" if cell == "calibrated" else f"{cell}__{method}__seed{seed}"
+
+
+def run_one(root: Path, cell: str, method: str, seed: int, results: Path,
+            work: Path) -> dict[str, Any]:
     from dpfl.experiments.common import simulate_record, write_record
 
-    preset = tomllib.loads((root / "conf" / "pegasus" / "mnist.toml").read_text())
-    name = f"{method}__seed{seed}"
-    record = {"method": method, "seed": seed,
+    preset = tomllib.loads((root / "conf" / "pegasus" / CELLS[cell]).read_text())
+    name = record_name(cell, method, seed)
+    record = {"cell": cell, "method": method, "seed": seed,
               **simulate_record(root, CLIENTS, {**preset, "strategy": method, "seed": seed,
                                                 "run-name": name}, work)}
     write_record(results, name, record)
     return record
 
 
-def build_table(results: Path, command: str) -> str:
-    runs = [json.loads(p.read_text()) for p in sorted((results / "runs").glob("*.json"))]
-    by = {m: [r for r in runs if r["method"] == m] for m in METHODS}
-    lines = ["# PEGASUS reproduction (MNIST, 50 clients, 50 rounds)", "",
-             f"Command: `{command}`", "",
-             "| method | n | final acc % | paper acc % | final mean ε | final max ε | "
-             "clients/round (mean) |", "|---|---|---|---|---|---|---|"]
+def reduction_percent(dpfedavg_mean_eps: list[float], pegasus_mean_eps: list[float]) -> float:
+    """1 - mean(PEGASUS final mean epsilon) / mean(DP-FedAvg final mean epsilon), in %."""
+    return 100 * (1 - statistics.fmean(pegasus_mean_eps) / statistics.fmean(dpfedavg_mean_eps))
+
+
+def _cell_rows(rs_by_method: dict[str, list[dict[str, Any]]]) -> tuple[dict[str, Any], list[str]]:
     table: dict[str, Any] = {}
+    lines = ["| method | n | final acc % | paper acc % | final mean ε | final max ε | "
+             "clients/round (mean) |", "|---|---|---|---|---|---|---|"]
     for m in METHODS:
-        rs = by[m]
+        rs = rs_by_method[m]
         if not rs:
             continue
         mean_eps = [statistics.fmean(r["epsilon"].values()) for r in rs]
         row = {"accuracy": [r["accuracy"] for r in rs], "mean-epsilon": mean_eps,
                "max-epsilon": [max(r["epsilon"].values()) for r in rs],
-               "clients-per-round": [statistics.fmean(r["selected-by-round"]) for r in rs]}
+               "clients-per-round": [statistics.fmean(r["selected-by-round"]) for r in rs],
+               "seeds": [r["seed"] for r in rs]}
         table[m] = row
         lines.append(f"| {m} | {len(rs)} | {100 * statistics.fmean(row['accuracy']):.2f} | "
                      f"{PAPER['accuracy']:.0f} | {statistics.fmean(mean_eps):.3f} | "
                      f"{statistics.fmean(row['max-epsilon']):.3f} | "
                      f"{statistics.fmean(row['clients-per-round']):.1f} |")
     if all(table.get(m) for m in METHODS):
-        red = 100 * (1 - statistics.fmean(table["pegasus"]["mean-epsilon"])
-                     / statistics.fmean(table["dpfedavg"]["mean-epsilon"]))
+        red = reduction_percent(table["dpfedavg"]["mean-epsilon"], table["pegasus"]["mean-epsilon"])
         table["reduction-percent"] = red
         lines += ["", f"Final mean ε reduction of PEGASUS vs DP-FedAvg: **{red:.1f} %** "
                       f"(paper: up to {PAPER['reduction']:.0f} %)."]
+    return table, lines
+
+
+def build_table(results: Path, command: str) -> str:
+    runs = [json.loads(p.read_text()) for p in sorted((results / "runs").glob("*.json"))]
+    lines = ["# PEGASUS reproduction (MNIST, 50 clients, 50 rounds)", "",
+             f"Command: `{command}`", "",
+             "Mean over seeds; final mean ε: the mean over all 50 clients of each client's "
+             "cumulative ε after the last round (RDP, δ = 1e-5).", ""]
+    table: dict[str, Any] = {}
+    by_cell: dict[str, dict[str, list[dict[str, Any]]]] = {}
+    for cell in CELLS:
+        cell_runs = [r for r in runs if r.get("cell", "calibrated") == cell]
+        if not cell_runs:
+            continue
+        by = {m: [r for r in cell_runs if r["method"] == m] for m in METHODS}
+        by_cell[cell] = by
+        table[cell], rows = _cell_rows(by)
+        lines += [f"## {cell}", "", *rows, ""]
     (results / "table.json").write_text(json.dumps(table, indent=1))
     text = "\n".join(lines) + "\n"
     (results / "table.md").write_text(text)
-    _plot(by, results / "epsilon.png")
+    _plot(by_cell, results / "epsilon.png")
     return text
 
 
-def _plot(by: dict[str, list[dict[str, Any]]], path: Path) -> None:
+def _staircases(record: dict[str, Any], count: int = 8) -> dict[str, list[tuple[int, float]]]:
+    """Per-client cumulative epsilon by round (from the record, or the run's ledger if the
+    record predates ``epsilon-by-round``) for ``count`` clients spread over the final
+    epsilons, lowest to highest."""
+    if record.get("epsilon-by-round"):
+        series: dict[str, list[tuple[int, float]]] = {}
+        for rnd, eps in enumerate(record["epsilon-by-round"], 1):
+            for client, e in eps.items():
+                series.setdefault(client, []).append((rnd, e))
+    else:
+        ledger_path = Path(record.get("run-dir", "")) / "ledger.json"
+        if not ledger_path.exists():
+            return {}
+        from dpfl.privacy.ledger import Ledger
+
+        ledger = Ledger.load(ledger_path)
+        series = {c: ledger.epsilon_by_round(c) for c in ledger.clients}
+    ranked = sorted((s for s in series.items() if s[1]), key=lambda kv: kv[1][-1][1])
+    if len(ranked) <= count:
+        return dict(ranked)
+    picks = sorted({round(i * (len(ranked) - 1) / (count - 1)) for i in range(count)})
+    return dict(ranked[i] for i in picks)
+
+
+def _plot(by_cell: dict[str, dict[str, list[dict[str, Any]]]], path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    if not any(by.values()):
+    if not by_cell:
         return
-    fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
-    for m, rs in by.items():
-        for r in rs[:1]:
-            axes[0].plot(range(1, len(r["mean-epsilon-by-round"]) + 1), r["mean-epsilon-by-round"],
-                         label=m)
-    axes[0].set_xlabel("round")
-    axes[0].set_ylabel("mean cumulative ε")
-    axes[0].legend()
-    peg = by.get("pegasus") or []
-    if peg:
-        from dpfl.privacy.ledger import Ledger
-
-        ledger = Ledger.load(Path(peg[0]["run-dir"]) / "ledger.json")
-        for client in list(ledger.clients)[:8]:
-            pts = [(0, 0.0)] + ledger.epsilon_by_round(client)
-            axes[1].step([p[0] for p in pts], [p[1] for p in pts], where="post", label=client)
-        axes[1].set_title("PEGASUS: ε per client (first 8)")
-        axes[1].set_xlabel("round")
-        axes[1].legend(fontsize=6)
+    fig, axes = plt.subplots(len(by_cell), 2, figsize=(10, 3.6 * len(by_cell)), squeeze=False)
+    for (cell, by), (ax_mean, ax_stairs) in zip(by_cell.items(), axes):
+        for m, rs in by.items():
+            for r in rs[:1]:
+                ax_mean.plot(range(1, len(r["mean-epsilon-by-round"]) + 1),
+                             r["mean-epsilon-by-round"], label=m)
+        ax_mean.set_title(f"{cell}: mean cumulative ε over 50 clients")
+        ax_mean.set_xlabel("round")
+        ax_mean.set_ylabel("ε")
+        ax_mean.legend()
+        stairs = next((s for s in map(_staircases, by.get("pegasus") or []) if s), {})
+        for client, pts in stairs.items():
+            pts = [(0, 0.0)] + list(pts)
+            ax_stairs.step([p[0] for p in pts], [p[1] for p in pts], where="post", label=client)
+        ax_stairs.set_title(f"{cell}: PEGASUS ε per client (8, low to high)")
+        ax_stairs.set_xlabel("round")
+        if stairs:
+            ax_stairs.legend(fontsize=6)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
 
-def reproduce(root: Path, results: Path, work: Path, seeds: list[int], skip_existing: bool,
-              command: str) -> str:
+def reproduce(root: Path, results: Path, work: Path, cells: list[str], methods: list[str],
+              seeds: list[int], skip_existing: bool, command: str) -> str:
+    """Run every (seed, cell, method) seed-major, rebuilding the table after each run."""
     results.mkdir(parents=True, exist_ok=True)
     for seed in seeds:
-        for method in METHODS:
-            if skip_existing and (results / "runs" / f"{method}__seed{seed}.json").exists():
-                continue
-            rec = run_one(root, method, seed, results, work)
-            print(f"{method} seed {seed}: accuracy {rec['accuracy']:.4f}, mean eps "
-                  f"{statistics.fmean(rec['epsilon'].values()):.3f}", flush=True)
-            build_table(results, command)
+        for cell in cells:
+            for method in methods:
+                name = record_name(cell, method, seed)
+                if skip_existing and (results / "runs" / f"{name}.json").exists():
+                    continue
+                rec = run_one(root, cell, method, seed, results, work)
+                print(f"{cell} {method} seed {seed}: accuracy {rec['accuracy']:.4f}, mean eps "
+                      f"{statistics.fmean(rec['epsilon'].values()):.3f}", flush=True)
+                build_table(results, command)
     return build_table(results, command)
