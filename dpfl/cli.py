@@ -128,8 +128,7 @@ def cmd_reproduce(args: argparse.Namespace) -> int:
         from dpfl.experiments import aadp
 
         cells = args.cells or list(aadp.DEFAULT_CELLS)
-        methods = args.methods or ["aadp", "aadp-paper-noise", "fedavg", "dpfedavg",
-                                   "dpscaffold"]
+        methods = args.methods or list(aadp.DEFAULT_METHODS)
         print(aadp.reproduce(root, results, work, cells, methods, args.seeds,
                              args.skip_existing, command))
         return 0

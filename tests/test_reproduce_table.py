@@ -120,3 +120,27 @@ def test_reproduce_rejects_unknown_cells_before_running(tmp_path, capsys):
             assert main(["reproduce", paper, option, "nope", "--results", str(tmp_path)]) == 2
             assert "unknown" in capsys.readouterr().err
     assert not (tmp_path / "runs").exists()  # nothing ran, nothing written
+
+
+def test_aadp_sweep_methods_are_calibrated_aadp_with_a_larger_budget(tmp_path):
+    """The eps sweep is the calibrated method with only the per-round budget changed; it has no
+    paper number, and the default grid does not run it."""
+    from pathlib import Path
+
+    from dpfl.experiments.aadp import DEFAULT_METHODS, METHODS, SWEEP_EPSILONS, overrides_for
+    from dpfl.experiments.aadp import build_table as aadp_table
+
+    root = Path(__file__).resolve().parents[1]
+    base = overrides_for(root, "mnist-mlp", "aadp", 0)
+    for eps in SWEEP_EPSILONS:
+        swept = overrides_for(root, "mnist-mlp", f"aadp-eps{eps}", 0)
+        assert swept["aadp-epsilon"] == float(eps) and "aadp-noise" not in METHODS[f"aadp-eps{eps}"]
+        differs = {k for k in swept if swept[k] != base.get(k)}
+        assert differs == {"aadp-epsilon", "target-epsilon", "run-name"}
+        assert f"aadp-eps{eps}" not in DEFAULT_METHODS
+    (tmp_path / "runs").mkdir()
+    rec = {"cell": "mnist-mlp", "method": "aadp-eps256", "seed": 0, "accuracy": 0.5,
+           "epsilon": {"client-0": 9e4}, "verdict": "formal", "accuracy-by-round": [0.5]}
+    (tmp_path / "runs" / "mnist-mlp__aadp-eps256__seed0.json").write_text(json.dumps(rec))
+    row = next(l for l in aadp_table(tmp_path, "x").splitlines() if "ε = 256" in l)
+    assert "| 1 | 50.00 | — | client, per round | 9.00e+04 | formal |" in row

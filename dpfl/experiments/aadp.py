@@ -44,11 +44,20 @@ METHODS: dict[str, dict[str, Any]] = {
     "aadp": _AADP,
     "aadp-paper-noise": {**_AADP, "aadp-noise": "paper", "target-epsilon": 1e15},
 }
+DEFAULT_METHODS = ("aadp", "aadp-paper-noise", "fedavg", "dpfedavg", "dpscaffold")
+# Evidence sweep (not in the default grid): calibrated AADP-FL with a larger per-round budget,
+# to find the eps at which properly calibrated client-side noise lets it reach the paper's
+# accuracy. ``--methods aadp-eps32 aadp-eps256 aadp-eps2048 aadp-eps16384``.
+SWEEP_EPSILONS = (32, 256, 2048, 16384)
+for _eps in SWEEP_EPSILONS:
+    METHODS[f"aadp-eps{_eps}"] = {**_AADP, "aadp-epsilon": float(_eps), "target-epsilon": 1e15}
 LABELS = {"fedavg": "FedAvg (no DP)", "dpfedavg": "DP-FedAvg (DP-SGD)",
           "dpscaffold": "DP-SCAFFOLD (DP-SGD)", "aadp": "AADP-FL (calibrated noise)",
-          "aadp-paper-noise": "AADP-FL, paper's noise (not DP)"}
+          "aadp-paper-noise": "AADP-FL, paper's noise (not DP)",
+          **{f"aadp-eps{e}": f"AADP-FL calibrated, ε = {e} (sweep)" for e in SWEEP_EPSILONS}}
 UNIT = {"fedavg": "—", "dpfedavg": "sample, whole run", "dpscaffold": "sample, whole run",
-        "aadp": "client, per round", "aadp-paper-noise": "client, per round (nominal)"}
+        "aadp": "client, per round", "aadp-paper-noise": "client, per round (nominal)",
+        **{f"aadp-eps{e}": "client, per round" for e in SWEEP_EPSILONS}}
 # Table 2, accuracy % at eps = 4 (PAPERS.md): FedAvg, DP-FedAvg, DP-SCAFFOLD, AADP-FL.
 PAPER: dict[str, dict[str, float]] = {
     "mnist-mlp": {"fedavg": 92.13, "dpfedavg": 89.88, "dpscaffold": 90.21, "aadp": 91.60},
