@@ -47,8 +47,8 @@ METHODS: dict[str, dict[str, Any]] = {
 DEFAULT_METHODS = ("aadp", "aadp-paper-noise", "fedavg", "dpfedavg", "dpscaffold")
 # Evidence sweep (not in the default grid): calibrated AADP-FL with a larger per-round budget,
 # to find the eps at which properly calibrated client-side noise lets it reach the paper's
-# accuracy. ``--methods aadp-eps32 aadp-eps256 aadp-eps2048 aadp-eps16384``.
-SWEEP_EPSILONS = (32, 256, 2048, 16384)
+# accuracy. ``--methods aadp-eps8 ... aadp-eps16384``.
+SWEEP_EPSILONS = (8, 16, 32, 64, 128, 256, 2048, 16384)
 for _eps in SWEEP_EPSILONS:
     METHODS[f"aadp-eps{_eps}"] = {**_AADP, "aadp-epsilon": float(_eps), "target-epsilon": 1e15}
 LABELS = {"fedavg": "FedAvg (no DP)", "dpfedavg": "DP-FedAvg (DP-SGD)",
