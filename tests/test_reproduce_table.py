@@ -144,3 +144,12 @@ def test_aadp_sweep_methods_are_calibrated_aadp_with_a_larger_budget(tmp_path):
     (tmp_path / "runs" / "mnist-mlp__aadp-eps256__seed0.json").write_text(json.dumps(rec))
     row = next(l for l in aadp_table(tmp_path, "x").splitlines() if "ε = 256" in l)
     assert "| 1 | 50.00 | — | client, per round | 9.00e+04 | formal |" in row
+
+
+def test_pegasus_epsilon_spread_is_min_and_max_over_clients_per_round():
+    from dpfl.experiments.pegasus import epsilon_spread
+
+    record = {"epsilon-by-round": [{"client-0": 1.0, "client-1": 3.0},
+                                   {"client-0": 2.5, "client-1": 3.0, "client-2": 0.5}]}
+    assert epsilon_spread(record) == ([1.0, 0.5], [3.0, 3.0])
+    assert epsilon_spread({"run-dir": "/old"}) == ([], [])

@@ -128,6 +128,14 @@ def _staircases(record: dict[str, Any], count: int = 8) -> dict[str, list[tuple[
     return dict(ranked[i] for i in picks)
 
 
+def epsilon_spread(record: dict[str, Any]) -> tuple[list[float], list[float]]:
+    """Smallest and largest cumulative epsilon over clients after each round (empty lists when
+    the record predates ``epsilon-by-round``); clients not yet charged count 0."""
+    rounds = record.get("epsilon-by-round") or []
+    return ([min(e.values(), default=0.0) for e in rounds],
+            [max(e.values(), default=0.0) for e in rounds])
+
+
 def _plot(by_cell: dict[str, dict[str, list[dict[str, Any]]]], path: Path) -> None:
     import matplotlib
 
@@ -140,9 +148,13 @@ def _plot(by_cell: dict[str, dict[str, list[dict[str, Any]]]], path: Path) -> No
     for (cell, by), (ax_mean, ax_stairs) in zip(by_cell.items(), axes):
         for m, rs in by.items():
             for r in rs[:1]:
-                ax_mean.plot(range(1, len(r["mean-epsilon-by-round"]) + 1),
-                             r["mean-epsilon-by-round"], label=m)
-        ax_mean.set_title(f"{cell}: mean cumulative ε over 50 clients")
+                line, = ax_mean.plot(range(1, len(r["mean-epsilon-by-round"]) + 1),
+                                     r["mean-epsilon-by-round"], label=f"{m} (mean)")
+                low, high = epsilon_spread(r)
+                if low:
+                    ax_mean.fill_between(range(1, len(low) + 1), low, high, alpha=0.2,
+                                         color=line.get_color(), label=f"{m} (min–max client)")
+        ax_mean.set_title(f"{cell}: cumulative ε over 50 clients")
         ax_mean.set_xlabel("round")
         ax_mean.set_ylabel("ε")
         ax_mean.legend()
