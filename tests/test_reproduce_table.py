@@ -153,3 +153,22 @@ def test_pegasus_epsilon_spread_is_min_and_max_over_clients_per_round():
                                    {"client-0": 2.5, "client-1": 3.0, "client-2": 0.5}]}
     assert epsilon_spread(record) == ([1.0, 0.5], [3.0, 3.0])
     assert epsilon_spread({"run-dir": "/old"}) == ([], [])
+
+
+def test_aadp_sweep_points_order_by_round_budget_and_take_medians(tmp_path):
+    from dpfl.experiments.aadp import build_table as aadp_table
+    from dpfl.experiments.aadp import sweep_points
+
+    def rec(method, seed, acc, eps):
+        return {"cell": "mnist-mlp", "method": method, "seed": seed, "accuracy": acc,
+                "epsilon": {"client-0": eps}, "verdict": "formal", "accuracy-by-round": [acc]}
+
+    runs = [rec("aadp-eps64", 0, 0.9, 1700.0), rec("aadp", 0, 0.2, 46.0),
+            rec("aadp", 1, 0.1, 47.0), rec("aadp", 2, 0.3, 45.0), rec("fedavg", 0, 0.95, 0.0)]
+    assert sweep_points(runs, "mnist-mlp") == [(4.0, 0.2, 47.0), (64.0, 0.9, 1700.0)]
+    assert sweep_points(runs, "mnist-cnn") == []
+    (tmp_path / "runs").mkdir()
+    for i, r in enumerate(runs):
+        (tmp_path / "runs" / f"r{i}.json").write_text(json.dumps(r))
+    aadp_table(tmp_path, "x")
+    assert (tmp_path / "sweep.png").exists() and (tmp_path / "accuracy.png").exists()

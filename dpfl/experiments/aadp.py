@@ -49,6 +49,7 @@ DEFAULT_METHODS = ("aadp", "aadp-paper-noise", "fedavg", "dpfedavg", "dpscaffold
 # to find the eps at which properly calibrated client-side noise lets it reach the paper's
 # accuracy. ``--methods aadp-eps8 ... aadp-eps16384``.
 SWEEP_EPSILONS = (8, 16, 32, 64, 128, 256, 2048, 16384)
+SWEEP_METHODS = tuple(f"aadp-eps{e}" for e in SWEEP_EPSILONS)
 for _eps in SWEEP_EPSILONS:
     METHODS[f"aadp-eps{_eps}"] = {**_AADP, "aadp-epsilon": float(_eps), "target-epsilon": 1e15}
 LABELS = {"fedavg": "FedAvg (no DP)", "dpfedavg": "DP-FedAvg (DP-SGD)",
@@ -134,8 +135,22 @@ def build_table(results: Path, command: str) -> str:
     (results / "table.json").write_text(json.dumps(table, indent=1, default=str))
     text = "\n".join(lines) + "\n"
     (results / "table.md").write_text(text)
-    _plot(runs, results / "accuracy.png")
+    _plot([r for r in runs if r["method"] not in SWEEP_METHODS], results / "accuracy.png")
+    _plot_sweep(runs, results / "sweep.png")
     return text
+
+
+def sweep_points(runs: list[dict[str, Any]], cell: str) -> list[tuple[float, float, float]]:
+    """(per-round eps_i, median final accuracy, largest whole-run eps) of calibrated AADP-FL in
+    ``cell``: the default method (eps_i = 4) and every sweep method, by increasing eps_i."""
+    points = []
+    for method, eps_i in (("aadp", METHODS["aadp"]["aadp-epsilon"]),
+                          *((m, METHODS[m]["aadp-epsilon"]) for m in SWEEP_METHODS)):
+        rs = [r for r in runs if r["cell"] == cell and r["method"] == method]
+        if rs:
+            points.append((float(eps_i), _median([r["accuracy"] for r in rs]),
+                           max(max(r["epsilon"].values()) for r in rs)))
+    return points
 
 
 def _plot(runs: list[dict[str, Any]], path: Path) -> None:
@@ -154,13 +169,62 @@ def _plot(runs: list[dict[str, Any]], path: Path) -> None:
             if rs:
                 acc = rs[0]["accuracy-by-round"]
                 ax.plot(range(1, len(acc) + 1), [100 * a for a in acc], label=LABELS[method])
-        ax.set_title(cell)
-        ax.set_xlabel("round")
-        ax.set_ylabel("test accuracy (%)")
-        ax.legend(fontsize=7)
+        _label_accuracy_axes(ax, cell, "round")
+    _save(fig, path)
+
+
+def _label_accuracy_axes(ax: Any, title: str, xlabel: str) -> None:
+    ax.set_title(title)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel("test accuracy (%)")
+    ax.legend(fontsize=7)
+
+
+def _save(fig: Any, path: Path) -> None:
+    import matplotlib.pyplot as plt
+
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def _plot_sweep(runs: list[dict[str, Any]], path: Path) -> None:
+    """Per cell with sweep runs: accuracy by round coloured by eps_i, and final accuracy
+    against eps_i beside the paper's AADP-FL number and the paper-noise run."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cells = [c for c in CELLS if any(r["cell"] == c and r["method"] in SWEEP_METHODS
+                                     for r in runs)]
+    if not cells:
+        return
+    fig, axes = plt.subplots(len(cells), 2, figsize=(11, 3.8 * len(cells)), squeeze=False)
+    for (ax_curve, ax_final), cell in zip(axes, cells):
+        points = sweep_points(runs, cell)
+        cmap = plt.get_cmap("viridis")
+        for i, (eps_i, _, _) in enumerate(points):
+            method = "aadp" if eps_i == METHODS["aadp"]["aadp-epsilon"] else f"aadp-eps{eps_i:g}"
+            r = next(r for r in runs if r["cell"] == cell and r["method"] == method)
+            acc = r["accuracy-by-round"]
+            ax_curve.plot(range(1, len(acc) + 1), [100 * a for a in acc],
+                          color=cmap(i / max(len(points) - 1, 1)), label=f"ε_i = {eps_i:g}")
+        _label_accuracy_axes(ax_curve, f"{cell}: calibrated AADP-FL, accuracy by round", "round")
+        ax_final.semilogx([p[0] for p in points], [100 * p[1] for p in points], "o-",
+                          label="calibrated (formal)")
+        for eps_i, acc, whole in points:
+            ax_final.annotate(f"{whole:.3g}", (eps_i, 100 * acc), fontsize=6,
+                              textcoords="offset points", xytext=(3, -9))
+        ax_final.axhline(PAPER[cell]["aadp"], color="k", ls="--", label="paper (AADP-FL)")
+        noise = [r["accuracy"] for r in runs if r["cell"] == cell
+                 and r["method"] == "aadp-paper-noise"]
+        if noise:
+            ax_final.axhline(100 * _median(noise), color="tab:purple", ls=":",
+                             label="paper's noise (not DP)")
+        _label_accuracy_axes(ax_final, f"{cell}: final accuracy vs ε_i per round "
+                             "(labels: whole-run ε)", "ε_i per round (log)")
+    _save(fig, path)
 
 
 def reproduce(root: Path, results: Path, work: Path, cells: list[str], methods: list[str],
