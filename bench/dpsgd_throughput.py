@@ -18,6 +18,7 @@ from dpfl.client.trainers import train_dpsgd, train_plain
 from dpfl.config import RunConfig
 from dpfl.data import ClientData, load_dataset, to_tensor
 from dpfl.models import build_model
+from dpfl.privacy.randomness import secret_generator
 
 MODES = ("hooks", "functorch", "ghost")
 
@@ -64,7 +65,8 @@ def main() -> None:
     for mode in MODES:
         def dp(d, mode=mode):
             cfg = RunConfig(batch_size=args.batch, lr=0.05, model=args.model, opacus_mode=mode)
-            train_dpsgd(build_model(args.model, (1, 28, 28), 10), d, cfg, 1.0, 0, dev)
+            gen = secret_generator()
+            train_dpsgd(build_model(args.model, (1, 28, 28), 10), d, cfg, 1.0, gen, gen, dev)
         try:
             rate = _time(dp, data, args.repeats)
         except Exception as exc:  # a mode unsupported for this model

@@ -59,6 +59,9 @@ class RunConfig:
     max_update_norm: float = 0.0
     round_timeout: float = 900.0
     seed: int = 42
+    # true = DP noise and Poisson sampling seeded from public values (bit-identical reruns,
+    # verdict none); false = secret OS entropy per client and round (dpfl.privacy.randomness)
+    reproducible: bool = False
     output_dir: str = "runs"
     run_name: str = ""
     resume: bool = False

@@ -3,7 +3,6 @@ to an independently built Opacus accountant, refusal at the budget edge, update-
 
 import math
 
-import numpy as np
 import pytest
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, RecordDict
@@ -11,12 +10,13 @@ from opacus.accountants import RDPAccountant
 from opacus.accountants.utils import get_noise_multiplier
 
 from dpfl.client.app import train
-from dpfl.client.trainers import clip_and_noise, gaussian_norm_bound, train_dpsgd
+from dpfl.client.trainers import clip_and_noise, train_dpsgd
 from dpfl.config import RunConfig
 from dpfl.data import ClientData, client_data
 from dpfl.models import build_model
 from dpfl.privacy.budget import PrivacyHistory
 from dpfl.privacy.events import PrivacyEvent
+from dpfl.privacy.plan import gaussian_norm_bound
 from dpfl.tensors import flatten
 from flower_helpers import context, message
 
@@ -49,7 +49,8 @@ def test_dpsgd_step_equals_mean_of_clipped_per_sample_gradients(mode):
         g = torch.cat([p.grad.reshape(-1) for p in ref_model.parameters()])
         clipped.append(g * min(1.0, 0.05 / float(g.norm())))
     expected = -torch.stack(clipped).mean(0)
-    result = train_dpsgd(model, data, cfg, noise_multiplier=0.0, seed=0, device=torch.device("cpu"))
+    gen = torch.Generator().manual_seed(0)
+    result = train_dpsgd(model, data, cfg, 0.0, gen, gen, torch.device("cpu"))
     assert result.steps == 1 and result.sample_rate == 1.0
     update = flatten(model.state_dict()) - before
     assert float(update.norm()) <= 0.05 + 1e-6
@@ -58,9 +59,10 @@ def test_dpsgd_step_equals_mean_of_clipped_per_sample_gradients(mode):
 
 def test_clip_and_noise_bound_and_noise_scale():
     u = torch.full((10_000,), 1.0)
-    assert float(clip_and_noise(u, 2.0, 0.0).norm()) == pytest.approx(2.0, rel=1e-5)
+    gen = torch.Generator().manual_seed(0)
+    assert float(clip_and_noise(u, 2.0, 0.0, gen).norm()) == pytest.approx(2.0, rel=1e-5)
     small = torch.full((4,), 0.1)
-    assert torch.equal(clip_and_noise(small, 2.0, 0.0), small)
+    assert torch.equal(clip_and_noise(small, 2.0, 0.0, gen), small)
     noisy = clip_and_noise(torch.zeros(100_000), 1.5, 0.8, torch.Generator().manual_seed(0))
     assert float(noisy.std()) == pytest.approx(1.2, rel=0.02)
     assert float(noisy.norm()) < gaussian_norm_bound(1.5, 0.8, 100_000)
@@ -111,22 +113,68 @@ def test_budget_edge_is_inclusive():
     assert h.would_exceed(e, exact * 0.999, 1e-5)[0] is True
 
 
-def test_update_dp_client_clips_noises_and_accounts_with_dp_accounting():
-    from dpfl.privacy.accounting import gaussian_epsilon
+def _client_level_epsilon(sigma: float, rounds: int, delta: float = 1e-5) -> float:
+    """Independent reference: dp-accounting, replace-one = sensitivity 2C = sigma / 2,
+    with the accountant the default run-config names for client-level events."""
+    import dp_accounting
+    from dp_accounting.pld import pld_privacy_accountant
+    from dp_accounting.rdp import rdp_privacy_accountant
 
+    acc = (rdp_privacy_accountant.RdpAccountant() if RunConfig().accountant == "rdp"
+           else pld_privacy_accountant.PLDAccountant())
+    acc.compose(dp_accounting.GaussianDpEvent(sigma / 2.0), rounds)
+    return acc.get_epsilon(delta)
+
+
+def test_update_dp_client_clips_noises_and_accounts_with_dp_accounting():
     run_config = {**DIGITS, "trainer": "update-dp", "clip-norm": 0.5, "noise-multiplier": 2.0,
-                  "target-epsilon": 10.0}
+                  "target-epsilon": 40.0}
     ctx = context(run_config, 1, 2)
     torch.manual_seed(0)
     arrays = ArrayRecord(build_model("mlp", (1, 8, 8), 10).state_dict())
     reply = _train_round(run_config, ctx, arrays, 1)
     m = reply.content["metrics"]
     assert m["num-examples"] == 1  # dataset size stays private
-    assert m["epsilon"] == pytest.approx(gaussian_epsilon(2.0, 1, 1e-5))
+    assert reply.content["privacy"]["relation"] == ["replace-one"]
+    assert m["epsilon"] == pytest.approx(_client_level_epsilon(2.0, 1), rel=1e-9)
     flat = torch.cat([torch.from_numpy(a.numpy()).reshape(-1)
                       for a in reply.content["arrays"].values()])
     d = flat.numel()
     # noise std sigma*C = 1.0 per coordinate dominates: the norm is about sqrt(d)
     assert float(flat.norm()) / math.sqrt(d) == pytest.approx(1.0, rel=0.05)
     reply = _train_round(run_config, ctx, arrays, 2)
-    assert reply.content["metrics"]["epsilon"] == pytest.approx(gaussian_epsilon(2.0, 2, 1e-5))
+    assert reply.content["metrics"]["epsilon"] == pytest.approx(_client_level_epsilon(2.0, 2),
+                                                                rel=1e-9)
+
+
+def test_dpsgd_noise_has_std_sigma_c_over_expected_batch():
+    """One DP-SGD step at lr 1 with q = 1 (batch = n = 16): the update is
+    -(sum of clipped gradients + N(0, sigma^2 C^2 I)) / 16. With sigma = 50, C = 0.05 the
+    clipped part has norm <= C, the noise per coordinate std sigma C / 16 = 0.15625."""
+    data = _tiny_data(16)
+    cfg = RunConfig(dataset="digits", model="mlp", batch_size=16, lr=1.0, max_grad_norm=0.05)
+    model = build_model("mlp", (1, 8, 8), 10)
+    before = flatten(model.state_dict())
+    gen = torch.Generator().manual_seed(3)
+    train_dpsgd(model, data, cfg, 50.0, gen, gen, torch.device("cpu"))
+    update = flatten(model.state_dict()) - before
+    d = update.numel()
+    expected = 50.0 * 0.05 / 16
+    # std of a sample std of d normals: expected / sqrt(2d); allow 5 of those + the signal
+    tol = 5 * expected / math.sqrt(2 * d) + 0.05 / math.sqrt(d)
+    assert abs(float(update.std()) - expected) < tol, (float(update.std()), expected, tol)
+
+
+@pytest.mark.parametrize("mode", ["ghost", "hooks"])
+def test_empty_poisson_batches_are_noise_only_steps(mode):
+    """n = 20, batch 1: q = 0.05, so about a third of the 20 steps get an empty batch
+    (which crashed Opacus' optimizer). Every step, empty or not, is taken and counted."""
+    data = _tiny_data(20)
+    cfg = RunConfig(dataset="digits", model="mlp", batch_size=1, lr=0.1, opacus_mode=mode)
+    model = build_model("mlp", (1, 8, 8), 10)
+    before = flatten(model.state_dict())
+    gen = torch.Generator().manual_seed(0)
+    result = train_dpsgd(model, data, cfg, 1.0, gen, gen, torch.device("cpu"))
+    after = flatten(model.state_dict())
+    assert result.steps == 20 and result.sample_rate == pytest.approx(0.05)
+    assert bool(torch.isfinite(after).all()) and not torch.equal(after, before)

@@ -125,12 +125,11 @@ def test_ledger_vectorised_persisted_and_restored(tmp_path):
     for c in range(3):
         for r in range(1, 4 + c):
             e = PrivacyEvent.dpsgd(r, 1.0, 0.02, 40)
-            rec = PrivacyHistory([e]).to_record()
             acc = RDPAccountant()
             acc.history = [(1.0, 0.02, 40 * r)]
-            ledger.record(f"client-{c}", r, rec, acc.get_epsilon(D))
+            ledger.record(f"client-{c}", r, [e], acc.get_epsilon(D))
     assert ledger.mismatches == []
-    ledger.record("client-0", 9, PrivacyHistory([PrivacyEvent.dpsgd(9, 1.0, 0.02, 40)]).to_record(),
+    ledger.record("client-0", 9, [PrivacyEvent.dpsgd(9, 1.0, 0.02, 40)],
                   0.1)  # a client that under-reports is flagged
     assert len(ledger.mismatches) == 1
     before = ledger.epsilons()

@@ -17,23 +17,23 @@ from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, 
 from flwr.clientapp import ClientApp
 
 from dpfl.client.methods import hooks_for
-from dpfl.client.trainers import (
-    clip_and_noise,
-    device_for,
-    dpsgd_sample_rate,
-    evaluate_model,
-    planned_dpsgd_steps,
-    train_dpsgd,
-    train_plain,
-)
+from dpfl.client.trainers import clip_and_noise, device_for, evaluate_model, train_dpsgd, train_plain
 from dpfl.config import RunConfig, parse_run_config
 from dpfl.data import ClientData, client_data
 from dpfl.models import build_model
-from dpfl.privacy.accounting import calibrate_dpsgd_noise, calibrate_noise
+from dpfl.privacy.accounting import calibrate_noise
 from dpfl.privacy.budget import PrivacyHistory
 from dpfl.privacy.events import PrivacyEvent
 from dpfl.privacy.ledger import prior_history
 from dpfl.privacy.longitudinal import longitudinal_clip
+from dpfl.privacy.plan import (
+    UPDATE_DP_RELATION,
+    client_accountant,
+    plan_from_record,
+    plan_problem,
+    planned_event,
+)
+from dpfl.privacy.randomness import mechanism_generator, public_seed
 from dpfl.strategies.aadp import paper_noise_multiplier, round_epsilon_for
 from dpfl.tensors import flatten, state_difference, unflatten
 
@@ -61,22 +61,21 @@ def _model(cfg: RunConfig, data: ClientData, arrays: ArrayRecord) -> torch.nn.Mo
     return model
 
 
-def noise_multiplier_for(cfg: RunConfig, num_examples: int) -> float:
-    """sigma: the configured one, or the smallest that keeps the client at
-    ``target-epsilon`` after ``num-rounds`` rounds of participation."""
-    if cfg.noise_multiplier > 0:
-        return cfg.noise_multiplier
-    if cfg.trainer == "dpsgd":
-        steps = cfg.num_rounds * planned_dpsgd_steps(num_examples, cfg)
-        return calibrate_dpsgd_noise(cfg.target_epsilon, cfg.delta,
-                                     dpsgd_sample_rate(num_examples, cfg.batch_size), steps,
-                                     cfg.accountant)
-    return calibrate_noise(cfg.target_epsilon, cfg.delta, cfg.num_rounds,
-                           accountant="rdp" if cfg.accountant == "rdp" else "pld")
-
-
 def _reply(msg: Message, **records) -> Message:
     return Message(RecordDict(records), reply_to=msg)
+
+
+def _client_sigma(cfg: RunConfig, msg: Message, pid: int, model: torch.nn.Module,
+                  n: int) -> float | None:
+    """This round's noise multiplier when a method sets it per round (else None)."""
+    if cfg.strategy != "aadp":
+        return None
+    eps_round = round_epsilon_for(msg.content["config"], pid)  # AADP-FL's eps_i^t
+    if cfg.aadp_noise == "paper":  # the published variance (ablation; verdict none)
+        return paper_noise_multiplier(cfg.clip_norm, cfg.aadp_threshold,
+                                      sum(p.numel() for p in model.parameters()), eps_round)
+    return calibrate_noise(eps_round, cfg.delta, 1, accountant=client_accountant(cfg),
+                           relation=UPDATE_DP_RELATION)
 
 
 @app.train()
@@ -84,19 +83,21 @@ def train(msg: Message, context: Context) -> Message:
     """One round of local training under the configured mechanism."""
     _threads()
     cfg = parse_run_config(context.run_config)
-    server_round = int(msg.content["config"].get("server-round", 0))
+    config = msg.content["config"]
+    server_round = int(config.get("server-round", 0))
     pid, nparts = _partition(context)
     data = client_data(cfg, pid, nparts)
     model = _model(cfg, data, msg.content["arrays"])
     received = {k: v.detach().clone() for k, v in model.state_dict().items()}
     device = device_for()
-    seed = cfg.seed * 100_003 + pid * 1_009 + server_round
+    # local shuffling of non-DP training: public seed (not part of any mechanism)
+    shuffle_seed = public_seed(cfg.seed, pid, server_round)
     n = len(data.y_train)
     base = {"partition-id": pid, "server-round": server_round, "delta": cfg.delta}
 
     hooks = hooks_for(cfg, msg, context, model)
     if cfg.trainer == "plain":
-        result = train_plain(model, data, cfg, seed, device, hooks.post_step)
+        result = train_plain(model, data, cfg, shuffle_seed, device, hooks.post_step)
         update = state_difference(model.state_dict(), received)
         metrics = {**base, "num-examples": n, "epsilon": float("inf"), "steps": result.steps}
         if cfg.report_train_loss:
@@ -106,52 +107,52 @@ def train(msg: Message, context: Context) -> Message:
 
     adaptive = cfg.strategy == "aadp"
     history = PrivacyHistory.load(context.state, adaptive=adaptive)
-    prior = prior_history(msg.content["config"], pid)
+    prior = prior_history(config, pid)
     if prior is not None and history.merge(prior):
         log.warning("client %d adopted privacy events recorded by the server (node state "
                     "was lost, e.g. after a restart)", pid)
         history.save(context.state)
-    if cfg.strategy == "aadp":  # per-round eps_i^t from the server, one release per round
-        eps_round = round_epsilon_for(msg.content["config"], pid)
-        if cfg.aadp_noise == "paper":  # the published variance (ablation; verdict none)
-            sigma = paper_noise_multiplier(cfg.clip_norm, cfg.aadp_threshold,
-                                           sum(p.numel() for p in model.parameters()), eps_round)
-        else:
-            sigma = calibrate_noise(eps_round, cfg.delta, 1)
-    else:
-        sigma = noise_multiplier_for(cfg, n)
-    if cfg.trainer == "dpsgd":
-        planned = PrivacyEvent.dpsgd(server_round, sigma, dpsgd_sample_rate(n, cfg.batch_size),
-                                     planned_dpsgd_steps(n, cfg))
-    else:
-        planned = PrivacyEvent.gaussian(server_round, sigma)
+    planned = planned_event(cfg, n, server_round, _client_sigma(cfg, msg, pid, model, n))
     eps_now = history.epsilon(cfg.delta, cfg.accountant)
+    server_plan = plan_from_record(config, server_round)
+    problem = plan_problem(planned, server_plan) if server_plan is not None else None
     refuse, eps_after = history.would_exceed(planned, cfg.target_epsilon, cfg.delta,
                                              cfg.accountant)
-    if refuse:
+    reason = None
+    if problem is not None:
+        reason = f"plan: the server's plan differs from this client's ({problem})"
+    elif refuse:
         reason = (f"budget: epsilon would reach {eps_after:.4f} > target-epsilon "
                   f"{cfg.target_epsilon} (spent {eps_now:.4f})")
+    if reason is not None:
         log.warning("client %d refuses round %d: %s", pid, server_round, reason)
         return _reply(msg, metrics=MetricRecord({**base, "epsilon": eps_now, "refused": 1}),
                       status=ConfigRecord({"status": "refused", "reason": reason}))
 
+    sigma = planned.sigma
+    noise_rng = mechanism_generator(cfg.reproducible, cfg.seed, pid, server_round, device)
     if cfg.trainer == "dpsgd":
-        result = train_dpsgd(model, data, cfg, sigma, seed, device, hooks.post_step)
+        sampling_rng = (noise_rng if device.type == "cpu" else
+                        mechanism_generator(cfg.reproducible, cfg.seed, pid, server_round))
+        result = train_dpsgd(model, data, cfg, sigma, sampling_rng, noise_rng, device,
+                             hooks.post_step)
         event = PrivacyEvent.dpsgd(server_round, sigma, result.sample_rate, result.steps)
         update = state_difference(model.state_dict(), received)
         num_examples = n
     else:
-        result = train_plain(model, data, cfg, seed, device, hooks.post_step)
+        result = train_plain(model, data, cfg, shuffle_seed, device, hooks.post_step)
         raw = flatten(state_difference(model.state_dict(), received))
-        gen = torch.Generator().manual_seed(seed)
+        if device.type != "cpu":  # the flat update lives on the CPU: so must its noise
+            noise_rng = mechanism_generator(cfg.reproducible, cfg.seed, pid, server_round)
         clip = longitudinal_clip if cfg.strategy == "aadp" else None
-        update = unflatten(clip_and_noise(raw, cfg.clip_norm, sigma, gen, clip), received)
+        update = unflatten(clip_and_noise(raw, cfg.clip_norm, sigma, noise_rng, clip), received)
         event = planned
         # The data set size is private under client-level DP: aggregate with equal weights.
         # (AADP-FL's allocation needs it: there it is reported and treated as public.)
         num_examples = 1
         if cfg.strategy == "aadp":
             base["train-size"] = n
+    del noise_rng
     history.charge(event)
     history.save(context.state)
     eps = history.epsilon(cfg.delta, cfg.accountant)

@@ -5,7 +5,6 @@ The math is in plain functions; the ClientApp (``dpfl.client.app``) wires them t
 
 from __future__ import annotations
 
-import math
 import warnings
 from dataclasses import dataclass
 from typing import Callable
@@ -40,21 +39,6 @@ def device_for() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
-def steps_per_epoch(num_examples: int, batch_size: int) -> int:
-    """Batches per epoch; Opacus' Poisson loader uses q = 1 / this."""
-    return max(1, math.ceil(num_examples / batch_size))
-
-
-def dpsgd_sample_rate(num_examples: int, batch_size: int) -> float:
-    """Opacus' Poisson sampling rate: 1 / len(data_loader)."""
-    return 1.0 / steps_per_epoch(num_examples, batch_size)
-
-
-def planned_dpsgd_steps(num_examples: int, cfg: RunConfig) -> int:
-    """DP-SGD steps of one round (local epochs x batches per epoch)."""
-    return cfg.local_epochs * steps_per_epoch(num_examples, cfg.batch_size)
-
-
 class BatchedTensors(Dataset):
     """(x, y) tensors that a DataLoader fetches a whole batch at a time (one gather per
     batch instead of one index per sample, then a stack): same batches, less overhead."""
@@ -77,10 +61,9 @@ def _first(batch: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor
     return batch[0]
 
 
-def _loader(data: ClientData, batch_size: int, seed: int) -> DataLoader:
-    g = torch.Generator().manual_seed(seed)
+def _loader(data: ClientData, batch_size: int, generator: torch.Generator) -> DataLoader:
     return DataLoader(BatchedTensors(data.x_train, data.y_train), batch_size=batch_size,
-                      shuffle=True, generator=g, collate_fn=_first)
+                      shuffle=True, generator=generator, collate_fn=_first)
 
 
 def _optimizer(model: nn.Module, cfg: RunConfig) -> torch.optim.Optimizer:
@@ -97,7 +80,7 @@ def train_plain(model: nn.Module, data: ClientData, cfg: RunConfig, seed: int,
     model.to(device).train()
     opt = _optimizer(model, cfg)
     criterion = nn.CrossEntropyLoss()
-    loader = _loader(data, cfg.batch_size, seed)
+    loader = _loader(data, cfg.batch_size, torch.Generator().manual_seed(seed))
     total, count, steps = 0.0, 0, 0
     for _ in range(cfg.local_epochs):
         for x, y in loader:
@@ -116,10 +99,14 @@ def train_plain(model: nn.Module, data: ClientData, cfg: RunConfig, seed: int,
 
 
 def train_dpsgd(model: nn.Module, data: ClientData, cfg: RunConfig, noise_multiplier: float,
-                seed: int, device: torch.device, post_step: PostStep | None = None
-                ) -> TrainResult:
+                sampling_rng: torch.Generator, noise_rng: torch.Generator, device: torch.device,
+                post_step: PostStep | None = None) -> TrainResult:
     """Sample-level DP-SGD with Opacus: Poisson sampling, per-sample clipping to
     ``max-grad-norm``, Gaussian noise ``noise_multiplier * max-grad-norm``.
+
+    ``sampling_rng`` (CPU) draws the Poisson batches and ``noise_rng`` (on ``device``) the
+    noise: both are part of the mechanism and must be secret
+    (:func:`dpfl.privacy.randomness.mechanism_generator`).
 
     ``post_step(model, lr)`` runs after every DP step: it may only use public or
     already-released values (the model itself, the global model, control variates), so it
@@ -138,10 +125,9 @@ def train_dpsgd(model: nn.Module, data: ClientData, cfg: RunConfig, noise_multip
         warnings.simplefilter("ignore")
         made = engine.make_private(
             module=model, optimizer=_optimizer(model, cfg), criterion=criterion,
-            data_loader=_loader(data, cfg.batch_size, seed), noise_multiplier=noise_multiplier,
-            max_grad_norm=cfg.max_grad_norm, poisson_sampling=True,
-            grad_sample_mode=cfg.opacus_mode,
-            noise_generator=torch.Generator(device=device).manual_seed(seed),
+            data_loader=_loader(data, cfg.batch_size, sampling_rng),
+            noise_multiplier=noise_multiplier, max_grad_norm=cfg.max_grad_norm,
+            poisson_sampling=True, grad_sample_mode=cfg.opacus_mode, noise_generator=noise_rng,
         )
     if cfg.opacus_mode == "ghost":
         dp_model, opt, dp_criterion, loader = made
@@ -155,7 +141,7 @@ def train_dpsgd(model: nn.Module, data: ClientData, cfg: RunConfig, noise_multip
             for x, y in loader:
                 opt.zero_grad(set_to_none=True)
                 if len(y) == 0:  # an empty Poisson batch still is a (noise-only) step
-                    opt.step()
+                    _noise_only_step(opt, model, cfg.opacus_mode)
                     if post_step is not None:
                         post_step(model, cfg.lr)
                     continue
@@ -169,6 +155,19 @@ def train_dpsgd(model: nn.Module, data: ClientData, cfg: RunConfig, noise_multip
                 count += len(y)
     steps = sum(n for _, _, n in engine.accountant.history)
     return TrainResult(len(data.y_train), total / max(count, 1), steps, sample_rate)
+
+
+def _noise_only_step(opt: torch.optim.Optimizer, model: nn.Module, mode: str) -> None:
+    """The DP-SGD step of an empty Poisson batch: zero clipped-gradient sum, plus the
+    noise N(0, sigma^2 C^2) divided by the expected batch size, as Opacus would apply it.
+    (Without a backward pass Opacus finds no per-sample gradients and raises.)"""
+    for p in model.parameters():
+        if not p.requires_grad:
+            continue
+        p.grad = torch.zeros_like(p)
+        if mode != "ghost":  # per-sample modes clip p.grad_sample: give it zero rows
+            p.grad_sample = torch.zeros((0, *p.shape), dtype=p.dtype, device=p.device)
+    opt.step()
 
 
 def proximal_step(global_params: list[torch.Tensor], mu: float) -> PostStep:
@@ -193,12 +192,13 @@ def scaffold_step(server_control: list[torch.Tensor], client_control: list[torch
 
 
 def clip_and_noise(update: torch.Tensor, clip_norm: float, noise_multiplier: float,
-                   generator: torch.Generator | None = None,
+                   generator: torch.Generator,
                    clip: Callable[[torch.Tensor, float], torch.Tensor] | None = None
                    ) -> torch.Tensor:
     """Client-level Gaussian mechanism on a flat update:
     clip(u, C) + N(0, (sigma C)^2 I), with clip = u * min(1, C / ||u||_2) unless another
-    clipping with output norm <= C is given (e.g. AADP-FL's longitudinal clipping)."""
+    clipping with output norm <= C is given (e.g. AADP-FL's longitudinal clipping).
+    ``generator`` draws the noise: it must be secret (see ``dpfl.privacy.randomness``)."""
     if clip is not None:
         clipped = clip(update, clip_norm)
     else:
@@ -206,13 +206,6 @@ def clip_and_noise(update: torch.Tensor, clip_norm: float, noise_multiplier: flo
         clipped = update * min(1.0, clip_norm / norm) if norm > 0 else update.clone()
     noise = torch.randn(update.shape, generator=generator, dtype=update.dtype)
     return clipped + noise.to(update.device) * (noise_multiplier * clip_norm)
-
-
-def gaussian_norm_bound(clip_norm: float, noise_multiplier: float, dim: int,
-                        tail: float = 10.0) -> float:
-    """A bound the norm of ``clip_and_noise``'s output exceeds with probability
-    < exp(-tail^2 / 2): C + sigma C (sqrt(d) + tail) (Gaussian norm concentration)."""
-    return clip_norm + noise_multiplier * clip_norm * (math.sqrt(dim) + tail)
 
 
 @torch.no_grad()

@@ -1,20 +1,25 @@
-"""The server's mirror of every client's privacy spend.
+"""The server's record of every client's privacy spend.
 
-The client is the authority on its own budget (it refuses to overspend). The server keeps
-a mirror: it recomputes each client's epsilon from the public parameters the client sent
-(the round's privacy events) with the same accountant, and flags any mismatch with the
-epsilon the client reported. Persisted as ``ledger.json`` in the run directory and in the
-checkpoint; on resume the server hands every client its recorded events back so a client
-whose node state was lost still counts them (:func:`ledger_config` / :func:`prior_history`).
+The client is the authority on its own budget (it refuses to overspend); the server's
+ledger is the record nobody can talk down. It charges every update the server received —
+accepted, rejected by validation, or arriving late — with the events the client reported
+when they match the plan the server computed, and at no less than the planned cost when
+they do not (:mod:`dpfl.privacy.charging`). It recomputes each client's epsilon with the
+same accountant, flags any mismatch with the epsilon the client reported, and never
+publishes a figure below the client's own report. Persisted as ``ledger.json`` in the run
+directory and in the checkpoint; on resume the server hands every client its recorded
+events back so a client whose node state was lost still counts them (:func:`ledger_config`
+/ :func:`prior_history`).
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 from dpfl.privacy.budget import _FIELDS, PrivacyHistory
 from dpfl.privacy.events import PrivacyEvent, histories_epsilon, history_rdp, rdp_to_epsilon
@@ -32,37 +37,51 @@ class Ledger:
     clients: dict[str, PrivacyHistory] = field(default_factory=dict)
     reported: dict[str, float] = field(default_factory=dict)
     mismatches: list[dict[str, Any]] = field(default_factory=list)
+    charges: list[dict[str, Any]] = field(default_factory=list)
 
-    def record(self, client: str, server_round: int, privacy: Mapping[str, Any],
-               reported_epsilon: float) -> float:
-        """Add the events of one accepted reply; return the recomputed epsilon."""
-        if str(privacy.get("mechanism", "")) == "none" or "round" not in privacy:
-            return float("inf")
-        events = PrivacyHistory.from_record(privacy).events
-        history = self.clients.setdefault(client, PrivacyHistory(
-            adaptive=bool(privacy.get("adaptive", False))))
+    def record(self, client: str, server_round: int, events: Sequence[PrivacyEvent],
+               reported_epsilon: float | None = None, note: str = "",
+               adaptive: bool = False) -> float:
+        """Charge ``events`` to ``client`` (every update the server received, accepted or
+        not); return the client's epsilon figure. ``note`` says why this charge (kept in
+        :attr:`charges`). A reported epsilon that differs from the recomputed one is
+        flagged in :attr:`mismatches`; the figure is never below the client's report."""
+        history = self.clients.setdefault(client, PrivacyHistory(adaptive=adaptive))
         for e in events:
             history.charge(e)
+        self.charges.append({"client": client, "round": server_round, "note": note,
+                             "events": [e.to_dict() for e in events]})
         eps = history.epsilon(self.delta, self.accountant)
-        self.reported[client] = float(reported_epsilon)
-        if abs(eps - reported_epsilon) > MISMATCH_RTOL * max(1.0, eps):
-            entry = {"client": client, "round": server_round, "reported": reported_epsilon,
-                     "recomputed": eps}
-            self.mismatches.append(entry)
-            log.warning("ledger mismatch: %s", entry)
-        return eps
+        if reported_epsilon is not None and math.isfinite(reported_epsilon):
+            self.reported[client] = max(float(reported_epsilon), self.reported.get(client, 0.0))
+            if abs(eps - reported_epsilon) > MISMATCH_RTOL * max(1.0, eps):
+                entry = {"client": client, "round": server_round,
+                         "reported": float(reported_epsilon), "recomputed": eps}
+                self.mismatches.append(entry)
+                log.warning("ledger mismatch: %s", entry)
+        return max(eps, self.reported.get(client, 0.0))
 
-    def epsilon(self, client: str) -> float:
+    def recomputed(self, client: str) -> float:
+        """Epsilon recomputed from the charged events alone."""
         history = self.clients.get(client)
         return history.epsilon(self.delta, self.accountant) if history else 0.0
 
+    def epsilon(self, client: str) -> float:
+        """The client's figure: the recomputed epsilon, or the client's own report when
+        that is higher (a mismatch, flagged)."""
+        return max(self.recomputed(client), self.reported.get(client, 0.0))
+
     def epsilons(self) -> dict[str, float]:
-        """Every client's epsilon (RDP: all clients in one vectorised pass)."""
+        """Every client's figure (RDP: all clients in one vectorised pass)."""
         names = sorted(self.clients, key=client_order)
         if self.accountant == "rdp":
             eps = histories_epsilon({n: self.clients[n].events for n in names}, self.delta)
-            return {n: eps[n] for n in names}
-        return {n: self.epsilon(n) for n in names}
+        else:
+            eps = {n: self.recomputed(n) for n in names}
+        return {n: max(eps[n], self.reported.get(n, 0.0)) for n in names}
+
+    def mismatches_in(self, server_round: int) -> list[dict[str, Any]]:
+        return [m for m in self.mismatches if m["round"] == server_round]
 
     def would_exceed(self, client: str, event: PrivacyEvent, budget: float) -> bool:
         """Would charging ``event`` to ``client`` pass ``budget``? (for selection)"""
@@ -89,13 +108,17 @@ class Ledger:
 
     def to_json(self) -> dict[str, Any]:
         eps = self.epsilons()
+        recomputed = ({c: self.recomputed(c) for c in eps} if self.accountant != "rdp" else
+                      histories_epsilon({c: self.clients[c].events for c in eps}, self.delta))
         return {
             "delta": self.delta, "accountant": self.accountant,
             "clients": {c: {"unit": h.unit, "adaptive": h.adaptive, "epsilon": eps[c],
+                            "recomputed-epsilon": recomputed[c],
                             "reported-epsilon": self.reported.get(c), "rounds": h.rounds,
                             "events": [e.to_dict() for e in h.events]}
                         for c, h in ((c, self.clients[c]) for c in eps)},
             "mismatches": self.mismatches,
+            "charges": self.charges,
         }
 
     @classmethod
@@ -107,6 +130,7 @@ class Ledger:
             if d.get("reported-epsilon") is not None:
                 ledger.reported[c] = float(d["reported-epsilon"])
         ledger.mismatches = list(data.get("mismatches", []))
+        ledger.charges = list(data.get("charges", []))
         return ledger
 
     def save(self, path: Path) -> None:

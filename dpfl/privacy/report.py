@@ -33,9 +33,16 @@ def privacy_report(run_dir: Path, plot: bool = True) -> str:
     console = Console(file=buf, width=120, color_system=None)
     console.print(f"verdict: {verdict}")
     console.print(f"scope: {g['scope']}")
-    console.print(f"accountant: {ledger.accountant}; server-recomputed epsilon; "
-                  f"{len(ledger.mismatches)} mismatch(es) with client reports")
+    off_plan = [c for c in ledger.charges if c["note"] != "reported = plan"]
+    console.print(f"accountant: {ledger.accountant}; server-recomputed epsilon (never below a "
+                  f"client's own report); {len(ledger.mismatches)} mismatch(es) with client "
+                  f"reports; {len(off_plan)} charge(s) not matching the plan")
     console.print(table)
+    for m in ledger.mismatches:
+        console.print(f"MISMATCH {m['client']} round {m['round']}: reported "
+                      f"{m['reported']:.6g}, recomputed {m['recomputed']:.6g}")
+    for c in off_plan:
+        console.print(f"CHARGE {c['client']} round {c['round']}: {c['note']}")
     if plot and eps:
         from dpfl.server.plots import plot_epsilon
 

@@ -20,6 +20,7 @@ from dpfl.models import build_model
 from dpfl.privacy.ledger import Ledger, ledger_config
 from dpfl.privacy.verdict import guarantee_for
 from dpfl.server.evaluation import classification_metrics
+from dpfl.server.exchange import ReplyExchange
 from dpfl.server.plots import plot_accuracy, plot_epsilon
 from dpfl.server.report import epsilon_table
 from dpfl.server.rundir import RunDir
@@ -49,6 +50,16 @@ def _epsilon_series(rounds: list[dict[str, Any]]) -> dict[str, list[tuple[int, f
         for client, eps in r.get("epsilon", {}).items():
             series.setdefault(client, []).append((r["round"], eps))
     return series
+
+
+def _charge_late(strategy: DPFLStrategy, record, late) -> None:
+    """Charge replies to earlier rounds that arrived during this one (never aggregated)."""
+    for sent, msg in late:
+        charge = strategy.charge_late_reply(msg, sent)
+        if charge is not None:
+            record.late.append(charge)
+            log.warning("round %d: late reply to round %d from %s charged", record.server_round,
+                        sent, charge.client)
 
 
 def budgets_exhausted(record, num_nodes: int) -> bool:
@@ -81,8 +92,8 @@ def run(grid: Grid, cfg: RunConfig) -> dict[str, Any]:
              guarantee.verdict, guarantee.unit, guarantee.relation, guarantee.sampling, cfg.delta)
     run_dir.write_json("config.json", {**cfg.to_dict(), "num-clients": num_nodes})
     splits = list(splits_for(cfg, num_nodes))
-    if hasattr(strategy, "bind_partition_sizes"):  # AADP-FL's data-volume allocation
-        strategy.bind_partition_sizes({i: len(s.train) for i, s in enumerate(splits)})
+    # public sizes: the server plans each client's release (and AADP-FL allocates by them)
+    strategy.bind_partition_sizes({i: len(s.train) for i, s in enumerate(splits)})
     counts = label_counts(ds.y_train, splits, ds.num_classes)
     plot_label_counts(counts, run_dir.file("labels.png"),
                       f"{cfg.dataset}, {cfg.partitioning}, {num_nodes} clients")
@@ -111,18 +122,17 @@ def run(grid: Grid, cfg: RunConfig) -> dict[str, Any]:
         initial = classification_metrics(model, x_test, y_test, device)
         log.info("round 0 (initial model): accuracy %.4f", initial["accuracy"])
 
+    exchange = ReplyExchange(grid)
     for rnd in range(start, cfg.num_rounds + 1):
         t0 = time.time()
         messages = strategy.configure_train(rnd, arrays, ConfigRecord(), grid)
-        replies = grid.send_and_receive(messages=messages, timeout=cfg.round_timeout)
+        replies, late = exchange.send_and_receive(messages, rnd, cfg.round_timeout)
         new_arrays, train_metrics = strategy.aggregate_train(rnd, replies)
         if new_arrays is not None:
             arrays = new_arrays
         record = strategy.last_round
         assert record is not None
-        for u in record.accepted:
-            ledger.record(f"client-{u.partition_id}", rnd, u.privacy,
-                          float(u.metrics.get("epsilon", float("inf"))))
+        _charge_late(strategy, record, late)
         fed_eval = _federated_evaluation(strategy, grid, rnd, arrays, cfg)
         model.load_state_dict(arrays.to_torch_state_dict())
         central = classification_metrics(model, x_test, y_test, device)
@@ -133,6 +143,9 @@ def run(grid: Grid, cfg: RunConfig) -> dict[str, Any]:
             "clients": record.client_metrics(),
             "epsilon": ledger.epsilons() if cfg.is_private else {},
         }
+        if cfg.is_private:
+            line["charges"] = record.charge_lines()
+            line["ledger-mismatches"] = ledger.mismatches_in(rnd)
         if fed_eval is not None:
             line["federated-evaluation"] = fed_eval
         rounds.append(line)
@@ -153,6 +166,11 @@ def run(grid: Grid, cfg: RunConfig) -> dict[str, Any]:
             log.info("every client refused at its privacy budget: stopping after round %d", rnd)
             break
 
+    late_at_end = exchange.drain()
+    if late_at_end and rounds:
+        for sent, msg in late_at_end:
+            strategy.charge_late_reply(msg, sent)
+        log.info("%d late replies charged after the last round", len(late_at_end))
     ledger.save(run_dir.file("ledger.json"))
     final = rounds[-1]["central"] if rounds else {}
     summary = {
@@ -163,10 +181,13 @@ def run(grid: Grid, cfg: RunConfig) -> dict[str, Any]:
         "initial": initial or (checkpoint or {}).get("initial", {}),
         "final": final,
         "epsilon-budget": cfg.target_epsilon if cfg.is_private else None,
-        "clients": {c: {"epsilon": e, "rounds": ledger.rounds(c),
-                        "reported-epsilon": ledger.reported.get(c)}
+        "clients": {c: {"epsilon": e, "recomputed-epsilon": ledger.recomputed(c),
+                        "rounds": ledger.rounds(c), "reported-epsilon": ledger.reported.get(c)}
                     for c, e in ledger.epsilons().items()},
         "ledger-mismatches": len(ledger.mismatches),
+        "mismatches": ledger.mismatches,
+        "charges-not-matching-plan": sum(1 for c in ledger.charges
+                                         if c["note"] != "reported = plan"),
         "wall-seconds": round(time.time() - t_start, 2),
         "run-dir": str(run_dir.path),
     }

@@ -36,6 +36,14 @@ from typing import Any, Mapping
 import torch
 from flwr.serverapp import Grid
 
+from dpfl.privacy.accounting import calibrate_noise
+from dpfl.privacy.events import PrivacyEvent
+from dpfl.privacy.plan import (
+    UPDATE_DP_RELATION,
+    client_accountant,
+    gaussian_norm_bound,
+    planned_event,
+)
 from dpfl.strategies.base import DPFLStrategy
 from dpfl.strategies.validation import ClientUpdate
 
@@ -105,11 +113,32 @@ class AADPStrategy(DPFLStrategy):
         self.budgets: dict[int, float] = {}
         self.partition_sizes: dict[int, int] = {}
         self.raised_at: list[int] = []
+        self.num_params = 0
+        self.sent_budgets: dict[int, dict[int, float]] = {}  # round -> eps_i^t sent
+
+    def bind_model(self, model: torch.nn.Module) -> None:
+        self.num_params = sum(p.numel() for p in model.parameters())
 
     def bind_partition_sizes(self, sizes: Mapping[int, int]) -> None:
-        """Training-set sizes per partition id (known up front in simulation)."""
-        self.partition_sizes = dict(sizes)
+        """Training-set sizes per partition id (public: derived from the run-config)."""
+        super().bind_partition_sizes(sizes)
         self.budgets = allocate_budgets(self.partition_sizes, self.cfg.aadp_epsilon)
+
+    def round_sigma(self, epsilon: float) -> float:
+        """The noise multiplier of one release at the per-round eps_i^t: calibrated for
+        sensitivity 2S (replace-one) and (eps_i^t, delta), or the published variance."""
+        if self.cfg.aadp_noise == "paper":
+            return paper_noise_multiplier(self.cfg.clip_norm, self.cfg.aadp_threshold,
+                                          self.num_params, epsilon)
+        return calibrate_noise(epsilon, self.cfg.delta, 1,
+                               accountant=client_accountant(self.cfg),
+                               relation=UPDATE_DP_RELATION)
+
+    def planned_event(self, partition_id: int, server_round: int) -> PrivacyEvent:
+        sent = self.sent_budgets.get(server_round, self.budgets)
+        eps = sent.get(partition_id, self.cfg.aadp_epsilon)
+        return planned_event(self.cfg, self.partition_sizes[partition_id], server_round,
+                             self.round_sigma(eps))
 
     def select_nodes(self, server_round: int, grid: Grid) -> list[int]:
         """Each node joins independently with probability ``fraction-train`` (at least
@@ -129,17 +158,15 @@ class AADPStrategy(DPFLStrategy):
                 "aadp-default-epsilon": float(self.cfg.aadp_epsilon)}
 
     def configure_train(self, server_round, arrays, config, grid):
+        self.sent_budgets[server_round] = dict(self.budgets)
         self.next_round_config = {**self.next_round_config, **self.round_config(server_round)}
         return super().configure_train(server_round, arrays, config, grid)
 
     def update_norm_bound(self, dim: int) -> float | None:
         """C + sigma_max C (sqrt(d) + 10), sigma_max from the smallest per-round budget
         (the noisiest honest client); an honest update exceeds it w.p. < exp(-50)."""
-        from dpfl.client.trainers import gaussian_norm_bound
-        from dpfl.privacy.accounting import calibrate_noise
-
         smallest = min(self.budgets.values()) if self.budgets else self.cfg.aadp_epsilon
-        sigma = calibrate_noise(smallest, self.cfg.delta, 1)
+        sigma = self.round_sigma(smallest)
         bound = gaussian_norm_bound(self.cfg.clip_norm, sigma, dim)
         user = super().update_norm_bound(dim)
         return min(bound, user) if user else bound

@@ -15,7 +15,7 @@ import random
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Mapping
 
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
@@ -23,6 +23,10 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg
 
 from dpfl.config import RunConfig
+from dpfl.privacy.budget import PrivacyHistory
+from dpfl.privacy.charging import Charge, charge_for
+from dpfl.privacy.events import PrivacyEvent
+from dpfl.privacy.plan import plan_to_record, planned_event
 from dpfl.strategies.aggregation import server_sgd_step, weighted_mean
 from dpfl.strategies.validation import (
     ClientUpdate,
@@ -44,6 +48,8 @@ class RoundRecord:
     sampled: list[int] = field(default_factory=list)
     accepted: list[ClientUpdate] = field(default_factory=list)
     rejected: list[Rejection] = field(default_factory=list)
+    charges: list[Charge] = field(default_factory=list)   # every received update's charge
+    late: list[Charge] = field(default_factory=list)      # replies of earlier rounds
 
     def client_metrics(self) -> dict[str, dict[str, Any]]:
         """Reported metrics keyed by client name (``client-<partition-id>``)."""
@@ -54,6 +60,12 @@ class RoundRecord:
             name = f"client-{r.partition_id}" if r.partition_id is not None else f"node-{r.node_id}"
             out[name] = {**r.metrics, "status": r.kind, "reason": r.reason}
         return out
+
+    def charge_lines(self) -> list[dict[str, Any]]:
+        """The round's charges (this round's replies and late ones) for ``rounds.jsonl``."""
+        return [{"client": c.client, "round": c.round, "note": c.note,
+                 "late": c in self.late, "events": [e.to_dict() for e in c.events]}
+                for c in self.charges + self.late]
 
 
 class DPFLStrategy(FedAvg):
@@ -79,6 +91,20 @@ class DPFLStrategy(FedAvg):
         self.num_nodes = 0
         self.ledger = None                      # the server's privacy ledger (bind_ledger)
         self.node_client: dict[int, str] = {}   # node id -> client-<partition-id>
+        self.node_partition: dict[int, int] = {}  # node id -> partition id, pinned on 1st reply
+        self.partition_sizes: dict[int, int] = {}  # partition id -> training-set size
+
+    def bind_partition_sizes(self, sizes: Mapping[int, int]) -> None:
+        """Training-set sizes per partition id (public: derived from the run-config), so
+        the server can compute each client's planned privacy release."""
+        self.partition_sizes = dict(sizes)
+
+    def planned_event(self, partition_id: int, server_round: int) -> PrivacyEvent:
+        """The release the server asks of ``partition_id`` in ``server_round``."""
+        return planned_event(self.cfg, self.partition_sizes[partition_id], server_round)
+
+    def planned_clip(self) -> float:
+        return self.cfg.max_grad_norm if self.cfg.trainer == "dpsgd" else self.cfg.clip_norm
 
     def bind_ledger(self, ledger) -> None:
         """Give the strategy read access to the server's privacy ledger (for selection)."""
@@ -130,7 +156,11 @@ class DPFLStrategy(FedAvg):
         once, self.next_round_config = self.next_round_config, {}
         extra = self.extra_records(server_round)  # built once, shared by every message
         for node_id in node_ids:
-            cfg = ConfigRecord({**dict(config), **once, "server-round": server_round,
+            plan = {}
+            pid = self.node_partition.get(node_id)
+            if self.cfg.is_private and pid in self.partition_sizes:
+                plan = plan_to_record(self.planned_event(pid, server_round))
+            cfg = ConfigRecord({**dict(config), **once, "server-round": server_round, **plan,
                                 **self.client_config(server_round, node_id)})
             record = RecordDict({self.arrayrecord_key: arrays, self.configrecord_key: cfg,
                                  **extra})
@@ -165,6 +195,12 @@ class DPFLStrategy(FedAvg):
         extra = self.extra_reply_arrays()
         for msg in replies:
             checked = validate_train_reply(msg, self._template, bound, extra)
+            charge = self.charge_reply(msg, checked, server_round)
+            if charge is not None:
+                record.charges.append(charge)
+                if charge.problem is not None and isinstance(checked, ClientUpdate):
+                    checked = Rejection(checked.node_id, checked.partition_id, "invalid",
+                                        charge.problem, checked.metrics)
             if checked.partition_id is not None and checked.partition_id >= 0:
                 self.node_client[checked.node_id] = f"client-{checked.partition_id}"
             if isinstance(checked, Rejection):
@@ -187,6 +223,68 @@ class DPFLStrategy(FedAvg):
         self.after_aggregation(record.accepted)
         return new_arrays, MetricRecord(self.round_metrics(record))
 
+    # -- privacy charging ------------------------------------------------------------
+    def charge_reply(self, msg: Message, checked: ClientUpdate | Rejection,
+                     sent_round: int) -> Charge | None:
+        """Charge the ledger for a reply that carries an update (accepted or not, on time
+        or late); None when nothing was released (error, refusal without arrays) or the
+        run is not private. A node's partition id is pinned on its first update: a reply
+        claiming another one is charged to the pinned client and rejected."""
+        if (not self.cfg.is_private or self.ledger is None or msg.has_error()
+                or "arrays" not in msg.content.array_records):
+            return None
+        node = checked.node_id
+        claimed = checked.partition_id if checked.partition_id is not None else -1
+        pinned = self.node_partition.get(node)
+        pid = pinned if pinned is not None else claimed
+        identity_problem = None
+        if pinned is not None and claimed != pinned:
+            identity_problem = f"partition-id {claimed} differs from this node's {pinned}"
+        if pid in self.partition_sizes:
+            client, plan = f"client-{pid}", self.planned_event(pid, sent_round)
+            self.node_partition.setdefault(node, pid)
+        else:  # unknown sender: charge the node at the costliest plan of any partition
+            client = f"node-{node}"
+            plan = self._costliest_plan(client, sent_round)
+            identity_problem = identity_problem or f"unknown partition-id {claimed}"
+        content = msg.content
+        privacy = dict(content["privacy"]) if "privacy" in content.config_records else None
+        metrics = dict(content["metrics"]) if "metrics" in content.metric_records else {}
+        reported = metrics.get("epsilon")
+        reported = (float(reported) if isinstance(reported, (int, float))
+                    and not isinstance(reported, bool) else None)
+        history = self.ledger.clients.get(client, PrivacyHistory())
+        charge = charge_for(client, sent_round, privacy, plan, self.planned_clip(), history,
+                            self.ledger.delta, self.ledger.accountant, reported)
+        if identity_problem is not None:
+            charge.problem = identity_problem if charge.problem is None else (
+                f"{identity_problem}; {charge.problem}")
+            charge.note = f"{charge.note} ({identity_problem})"
+        adaptive = charge.adaptive or self.cfg.strategy == "aadp"
+        self.ledger.record(client, sent_round, charge.events, charge.reported_epsilon,
+                           charge.note, adaptive=adaptive)
+        if charge.problem is not None:
+            log.warning("round %d: %s charged %s: %s", sent_round, client,
+                        [e.to_dict() for e in charge.events], charge.note)
+        return charge
+
+    def charge_late_reply(self, msg: Message, sent_round: int) -> Charge | None:
+        """A reply to an earlier round's instruction: charged now, never aggregated."""
+        extra = self.extra_reply_arrays()
+        checked = validate_train_reply(msg, self._template, None, extra)
+        charge = self.charge_reply(msg, checked, sent_round)
+        if charge is not None:
+            charge.note = f"late reply to round {sent_round}: {charge.note}"
+        return charge
+
+    def _costliest_plan(self, client: str, server_round: int) -> PrivacyEvent:
+        history = self.ledger.clients.get(client, PrivacyHistory())
+        plans = [self.planned_event(p, server_round) for p in sorted(self.partition_sizes)]
+        if not plans:
+            raise RuntimeError("no partition sizes bound: the server cannot plan charges")
+        return max(plans, key=lambda e: PrivacyHistory(history.events + [e]).epsilon(
+            self.ledger.delta, self.ledger.accountant))
+
     def round_metrics(self, record: RoundRecord) -> dict[str, float]:
         """Weighted train loss and counts of the round."""
         out: dict[str, float] = {"accepted": len(record.accepted),
@@ -200,8 +298,10 @@ class DPFLStrategy(FedAvg):
     # -- persistence across restarts -------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """Strategy state to checkpoint (the sampling RNG; methods add theirs)."""
-        return {"rng": self.rng.getstate()}
+        return {"rng": self.rng.getstate(), "node-partition": dict(self.node_partition)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if "rng" in state:
             self.rng.setstate(state["rng"])
+        self.node_partition.update({int(k): int(v) for k, v in
+                                    state.get("node-partition", {}).items()})

@@ -11,7 +11,7 @@ import warnings
 
 import torch
 
-from dpfl.client.app import noise_multiplier_for
+from dpfl.privacy.plan import noise_multiplier_for
 from dpfl.client.trainers import train_dpsgd
 from dpfl.config import RunConfig
 from dpfl.data import client_data
@@ -34,8 +34,9 @@ for r in range(1, cfg.num_rounds + 1):
     for i in range(2):
         m = build_model(cfg.model, (1, 28, 28), 10)
         m.load_state_dict(g)
+        gen = torch.Generator().manual_seed(r * 10 + i)  # public seed: a probe, not a release
         train_dpsgd(m, data[i], cfg, noise_multiplier_for(cfg, len(data[i].y_train)),
-                    r * 10 + i, torch.device("cpu"))
+                    gen, gen, torch.device("cpu"))
         ups.append(flatten(state_difference(m.state_dict(), g)))
     cos = float(torch.nn.functional.cosine_similarity(ups[0], ups[1], dim=0))
     print(f"{cfg.partitioning} round {r}: cos(update_0, update_1) = {cos:+.4f}", flush=True)

@@ -11,7 +11,7 @@ warnings.simplefilter("ignore")
 from dpfl.config import RunConfig
 from dpfl.data import client_data
 from dpfl.models import build_model
-from dpfl.client.app import noise_multiplier_for
+from dpfl.privacy.plan import noise_multiplier_for
 from dpfl.client.trainers import train_dpsgd, evaluate_model
 from dpfl.tensors import flatten, unflatten, state_difference
 torch.set_num_threads(1)
@@ -29,7 +29,8 @@ for r in range(1, cfg.num_rounds + 1):
     for i in range(N):
         sigma = noise_multiplier_for(cfg, len(data[i].y_train))
         m = build_model(cfg.model, (1, 28, 28), 10); m.load_state_dict(g)
-        train_dpsgd(m, data[i], cfg, sigma, r * 10 + i, torch.device("cpu"))
+        train_dpsgd(m, data[i], cfg, sigma, *[torch.Generator().manual_seed(r * 10 + i)] * 2,
+                    torch.device("cpu"))  # public seeds: a probe, not a private release
         ups.append(flatten(state_difference(m.state_dict(), g)))
     g = unflatten(flatten(g) + torch.stack(ups).mean(0), g); model.load_state_dict(g)
     _, p = evaluate_model(model, xv, yv, torch.device("cpu"))

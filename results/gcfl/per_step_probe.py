@@ -28,8 +28,9 @@ import warnings
 import torch
 from torch.func import functional_call, grad, vmap
 
-from dpfl.client.app import noise_multiplier_for
-from dpfl.client.trainers import evaluate_model, steps_per_epoch
+from dpfl.privacy.plan import noise_multiplier_for
+from dpfl.client.trainers import evaluate_model
+from dpfl.privacy.plan import steps_per_epoch
 from dpfl.config import RunConfig
 from dpfl.data import client_data, test_tensors
 from dpfl.models import build_model

@@ -1,0 +1,111 @@
+"""The planned privacy release of one client in one round, computed from public values.
+
+Client and server compute the same plan independently: the client to check its budget
+before it trains, the server to check what the client says it did and to charge the
+planned cost when a reply misreports it (a received update was released either way).
+
+A plan is a :class:`~dpfl.privacy.events.PrivacyEvent`:
+
+- ``trainer=dpsgd`` (sample level, add/remove, Poisson): sigma, q = 1 / ceil(n / B),
+  steps = E ceil(n / B), where n is the client's training-set size (public, as in Opacus).
+- ``trainer=update-dp`` (client level, noise added on the client): one Gaussian release of
+  the update clipped to C, accounted under **replace-one** (sensitivity 2C): the server sees
+  each client's message, so the natural neighbouring datasets are "this client's data" vs
+  "any other data of this client", not "present" vs "absent". Add/remove belongs to trust
+  models that hide presence (central or distributed noise with client sampling).
+"""
+
+from __future__ import annotations
+
+import math
+
+from dpfl.config import RunConfig
+from dpfl.privacy.accounting import calibrate_dpsgd_noise, calibrate_noise
+from dpfl.privacy.events import PrivacyEvent
+
+UPDATE_DP_RELATION = "replace-one"
+
+
+def steps_per_epoch(num_examples: int, batch_size: int) -> int:
+    """Batches per epoch; Opacus' Poisson loader uses q = 1 / this."""
+    return max(1, math.ceil(num_examples / batch_size))
+
+
+def dpsgd_sample_rate(num_examples: int, batch_size: int) -> float:
+    """Opacus' Poisson sampling rate: 1 / len(data_loader)."""
+    return 1.0 / steps_per_epoch(num_examples, batch_size)
+
+
+def planned_dpsgd_steps(num_examples: int, cfg: RunConfig) -> int:
+    """DP-SGD steps of one round (local epochs x batches per epoch)."""
+    return cfg.local_epochs * steps_per_epoch(num_examples, cfg.batch_size)
+
+
+def client_accountant(cfg: RunConfig) -> str:
+    """dp-accounting's accountant name for client-level events ('prv' is DP-SGD only)."""
+    return "rdp" if cfg.accountant == "rdp" else "pld"
+
+
+def noise_multiplier_for(cfg: RunConfig, num_examples: int) -> float:
+    """sigma: the configured one, or the smallest that keeps the client at
+    ``target-epsilon`` after ``num-rounds`` rounds of participation."""
+    if cfg.noise_multiplier > 0:
+        return cfg.noise_multiplier
+    if cfg.trainer == "dpsgd":
+        steps = cfg.num_rounds * planned_dpsgd_steps(num_examples, cfg)
+        return calibrate_dpsgd_noise(cfg.target_epsilon, cfg.delta,
+                                     dpsgd_sample_rate(num_examples, cfg.batch_size), steps,
+                                     cfg.accountant)
+    return calibrate_noise(cfg.target_epsilon, cfg.delta, cfg.num_rounds,
+                           accountant=client_accountant(cfg), relation=UPDATE_DP_RELATION)
+
+
+def planned_event(cfg: RunConfig, num_examples: int, server_round: int,
+                  sigma: float | None = None) -> PrivacyEvent:
+    """The release a client with ``num_examples`` training samples makes in a round
+    (``sigma`` overrides the run's noise multiplier, e.g. a method's per-round budget)."""
+    if sigma is None:
+        sigma = noise_multiplier_for(cfg, num_examples)
+    if cfg.trainer == "dpsgd":
+        return PrivacyEvent.dpsgd(server_round, sigma,
+                                  dpsgd_sample_rate(num_examples, cfg.batch_size),
+                                  planned_dpsgd_steps(num_examples, cfg))
+    return PrivacyEvent.gaussian(server_round, sigma, relation=UPDATE_DP_RELATION)
+
+
+def plan_problem(reported: PrivacyEvent, plan: PrivacyEvent, rtol: float = 1e-9) -> str | None:
+    """Why a reported event differs from the plan (None when it matches)."""
+    if reported.mechanism != plan.mechanism or reported.relation != plan.relation:
+        return (f"mechanism {reported.mechanism}/{reported.relation} differs from the plan "
+                f"{plan.mechanism}/{plan.relation}")
+    for name in ("sigma", "rate", "epsilon"):
+        a, b = float(getattr(reported, name)), float(getattr(plan, name))
+        if abs(a - b) > rtol * max(abs(a), abs(b), 1e-300):
+            return f"{name} {a:.6g} differs from the plan {b:.6g}"
+    if int(reported.steps) != int(plan.steps) or int(reported.round) != int(plan.round):
+        return (f"steps/round {reported.steps}/{reported.round} differ from the plan "
+                f"{plan.steps}/{plan.round}")
+    return None
+
+
+def gaussian_norm_bound(clip_norm: float, noise_multiplier: float, dim: int,
+                        tail: float = 10.0) -> float:
+    """A bound the norm of a clipped-and-noised update (clip C, noise N(0, sigma^2 C^2 I_d))
+    exceeds with probability < exp(-tail^2 / 2): C + sigma C (sqrt(d) + tail) (Gaussian norm
+    concentration). The server rejects updates above it."""
+    return clip_norm + noise_multiplier * clip_norm * (math.sqrt(dim) + tail)
+
+
+_PLAN_FIELDS = ("mechanism", "sigma", "rate", "steps", "epsilon", "relation")
+
+
+def plan_to_record(event: PrivacyEvent) -> dict[str, object]:
+    """The plan as ``plan-*`` keys of a round's ConfigRecord (what the server asks for)."""
+    return {f"plan-{name}": getattr(event, name) for name in _PLAN_FIELDS}
+
+
+def plan_from_record(config, server_round: int) -> PrivacyEvent | None:
+    """The plan the server sent in a ConfigRecord (None when it sent none)."""
+    if "plan-mechanism" not in config:
+        return None
+    return PrivacyEvent(server_round, **{name: config[f"plan-{name}"] for name in _PLAN_FIELDS})

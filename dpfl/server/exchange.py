@@ -1,0 +1,64 @@
+"""Send a round's instructions and collect the replies, including late ones.
+
+Flower's ``Grid.send_and_receive`` returns what arrived before the timeout and forgets the
+rest (and polls every 3 s). An update that arrives after its round closed was still
+released to the server, so it must be charged: :class:`ReplyExchange` keeps the ids of
+unanswered instructions and pulls them again with every later round (and once more at the
+end of the run), handing late replies back with the round they answer.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+
+from flwr.app import Message
+from flwr.serverapp import Grid
+
+
+class ReplyExchange:
+    """Push/pull over a Grid that remembers unanswered instructions across rounds."""
+
+    def __init__(self, grid: Grid, poll_seconds: float = 0.25) -> None:
+        self.grid = grid
+        self.poll_seconds = poll_seconds
+        self.outstanding: dict[str, int] = {}   # instruction id -> round it was sent in
+
+    def _pull(self, ids: set[str]) -> list[Message]:
+        return list(self.grid.pull_messages(ids)) if ids else []
+
+    def send_and_receive(self, messages: Iterable[Message], server_round: int,
+                         timeout: float) -> tuple[list[Message], list[tuple[int, Message]]]:
+        """(this round's replies, [(round, late reply), ...]) within ``timeout`` seconds."""
+        current = set(self.grid.push_messages(messages))
+        for mid in current:
+            self.outstanding[mid] = server_round
+        replies: list[Message] = []
+        late: list[tuple[int, Message]] = []
+        deadline = time.monotonic() + timeout
+        while True:
+            for msg in self._pull(set(self.outstanding)):
+                sent = self.outstanding.pop(msg.metadata.reply_to_message_id, None)
+                if sent is None:
+                    continue
+                if sent == server_round:
+                    replies.append(msg)
+                else:
+                    late.append((sent, msg))
+            if not current & set(self.outstanding) or time.monotonic() >= deadline:
+                return replies, late
+            time.sleep(self.poll_seconds)
+
+    def drain(self, wait: float = 0.0) -> list[tuple[int, Message]]:
+        """Late replies that arrive within ``wait`` seconds (e.g. at the end of the run)."""
+        late: list[tuple[int, Message]] = []
+        deadline = time.monotonic() + wait
+        while self.outstanding:
+            for msg in self._pull(set(self.outstanding)):
+                sent = self.outstanding.pop(msg.metadata.reply_to_message_id, None)
+                if sent is not None:
+                    late.append((sent, msg))
+            if time.monotonic() >= deadline:
+                break
+            time.sleep(self.poll_seconds)
+        return late
