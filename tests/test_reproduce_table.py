@@ -140,10 +140,17 @@ def test_aadp_sweep_methods_are_calibrated_aadp_with_a_larger_budget(tmp_path):
         assert f"aadp-eps{eps}" not in DEFAULT_METHODS
     (tmp_path / "runs").mkdir()
     rec = {"cell": "mnist-mlp", "method": "aadp-eps256", "seed": 0, "accuracy": 0.5,
-           "epsilon": {"client-0": 9e4}, "verdict": "formal", "accuracy-by-round": [0.5]}
+           "epsilon": {"client-0": 9e4}, "verdict": "formal", "accuracy-by-round": [0.5],
+           "randomness": "secret (OS entropy)"}
     (tmp_path / "runs" / "mnist-mlp__aadp-eps256__seed0.json").write_text(json.dumps(rec))
     row = next(l for l in aadp_table(tmp_path, "x").splitlines() if "ε = 256" in l)
     assert "| 1 | 50.00 | — | client, per round | 9.00e+04 | formal |" in row
+    # a record made before DP randomness was secret cannot keep its 'formal' verdict
+    del rec["randomness"]
+    (tmp_path / "runs" / "mnist-mlp__aadp-eps256__seed0.json").write_text(json.dumps(rec))
+    text = aadp_table(tmp_path, "x")
+    row = next(l for l in text.splitlines() if "ε = 256" in l)
+    assert row.endswith("| none |") and "1 run(s) public-seeded" in text
 
 
 def test_pegasus_epsilon_spread_is_min_and_max_over_clients_per_round():

@@ -21,9 +21,12 @@ from __future__ import annotations
 
 import json
 import statistics
-import tomllib
 from pathlib import Path
 from typing import Any
+
+import tomllib
+
+from dpfl.experiments.common import honest_verdict, randomness_note
 
 CLIENTS = 20
 CELLS = {  # cell -> (preset file, model)
@@ -107,6 +110,7 @@ def build_table(results: Path, command: str) -> str:
              "Test accuracy % (median over seeds, n = seeds run) beside the paper's Table 2; "
              "ε column: the largest whole-run ε any client reached, from dpfl's accountant "
              "(δ = 1e-5).", ""]
+    lines += [randomness_note(runs), ""]
     table: dict[str, Any] = {}
     for cell in CELLS:
         cell_runs = [r for r in runs if r["cell"] == cell]
@@ -121,10 +125,11 @@ def build_table(results: Path, command: str) -> str:
             acc = _median([100 * r["accuracy"] for r in rs])
             eps = max(max(r["epsilon"].values(), default=float("inf")) for r in rs)
             paper = PAPER[cell].get(method)
-            verdict = rs[0]["verdict"].split(":")[0]
+            verdicts = {honest_verdict(r) for r in rs}
+            verdict = "; ".join(sorted(v.split(":")[0] for v in verdicts))
             table.setdefault(cell, {})[method] = {
                 "accuracy": [r["accuracy"] for r in rs], "median-accuracy": acc,
-                "paper": paper, "max-epsilon": eps, "verdict": rs[0]["verdict"],
+                "paper": paper, "max-epsilon": eps, "verdict": sorted(verdicts),
                 "seeds": [r["seed"] for r in rs],
                 "raised-at-rounds": rs[0].get("raised-at-rounds")}
             eps_text = "—" if eps == float("inf") else (f"{eps:.3g}" if eps < 1e4 else f"{eps:.2e}")

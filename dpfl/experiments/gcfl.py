@@ -12,9 +12,12 @@ from __future__ import annotations
 import json
 import statistics
 import time
-import tomllib
 from pathlib import Path
 from typing import Any
+
+import tomllib
+
+from dpfl.experiments.common import randomness_note
 
 METHODS = ("dpfedavg", "dpfedprox", "dpscaffold", "dpfedexp", "gcfl")
 LABELS = {"dpfedavg": "DP-FedAvg", "dpfedprox": "DP-FedProx", "dpscaffold": "DP-SCAFFOLD",
@@ -80,6 +83,7 @@ def build_table(results: Path, command: str) -> str:
     lines = ["# GCFL reproduction (MNIST)", "", f"Command: `{command}`", "",
              "Accuracy / macro recall / macro F1 in % on the MNIST test set (10,000 images), "
              "mean ± std over seeds (n = seeds run); paper = seed 000's Tables III-IV.", ""]
+    lines += [randomness_note(runs), ""]
     table: dict[str, Any] = {}
     for cell in CELLS:
         cell_runs = [r for r in runs if r["cell"] == cell]

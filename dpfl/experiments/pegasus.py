@@ -21,9 +21,12 @@ from __future__ import annotations
 
 import json
 import statistics
-import tomllib
 from pathlib import Path
 from typing import Any
+
+import tomllib
+
+from dpfl.experiments.common import randomness_note
 
 METHODS = ("dpfedavg", "pegasus")
 CLIENTS = 50
@@ -87,6 +90,7 @@ def build_table(results: Path, command: str) -> str:
              f"Command: `{command}`", "",
              "Mean over seeds; final mean ε: the mean over all 50 clients of each client's "
              "cumulative ε after the last round (RDP, δ = 1e-5).", ""]
+    lines += [randomness_note(runs), ""]
     table: dict[str, Any] = {}
     by_cell: dict[str, dict[str, list[dict[str, Any]]]] = {}
     for cell in CELLS:
