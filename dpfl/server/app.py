@@ -28,6 +28,9 @@ from dpfl.strategies import build_strategy
 from dpfl.strategies.base import DPFLStrategy
 
 log = logging.getLogger("flwr.dpfl.server")
+# After the last round, how long the server waits for replies still in flight (each is a
+# release that must be charged); only spent when some instruction is still unanswered.
+LATE_REPLY_WAIT = 60.0
 app = ServerApp()
 
 
@@ -50,6 +53,21 @@ def _epsilon_series(rounds: list[dict[str, Any]]) -> dict[str, list[tuple[int, f
         for client, eps in r.get("epsilon", {}).items():
             series.setdefault(client, []).append((r["round"], eps))
     return series
+
+
+def _skip_busy(strategy: DPFLStrategy, exchange: ReplyExchange, rnd: int,
+               messages) -> list:
+    """Drop instructions to nodes still training on an earlier one (a second concurrent
+    training of one node would start from the same privacy history and lose a charge)."""
+    busy = exchange.busy_nodes()
+    kept = [m for m in messages if m.metadata.dst_node_id not in busy]
+    skipped = sorted({int(m.metadata.dst_node_id) for m in messages} & busy)
+    if skipped and strategy.last_round is not None:
+        strategy.last_round.sampled = [n for n in strategy.last_round.sampled
+                                       if n not in skipped]
+        log.warning("round %d: nodes %s still busy with an earlier round: not asked", rnd,
+                    skipped)
+    return kept
 
 
 def _charge_late(strategy: DPFLStrategy, record, late) -> None:
@@ -125,7 +143,8 @@ def run(grid: Grid, cfg: RunConfig) -> dict[str, Any]:
     exchange = ReplyExchange(grid)
     for rnd in range(start, cfg.num_rounds + 1):
         t0 = time.time()
-        messages = strategy.configure_train(rnd, arrays, ConfigRecord(), grid)
+        messages = _skip_busy(strategy, exchange, rnd,
+                              strategy.configure_train(rnd, arrays, ConfigRecord(), grid))
         replies, late = exchange.send_and_receive(messages, rnd, cfg.round_timeout)
         new_arrays, train_metrics = strategy.aggregate_train(rnd, replies)
         if new_arrays is not None:
@@ -166,11 +185,15 @@ def run(grid: Grid, cfg: RunConfig) -> dict[str, Any]:
             log.info("every client refused at its privacy budget: stopping after round %d", rnd)
             break
 
-    late_at_end = exchange.drain()
-    if late_at_end and rounds:
-        for sent, msg in late_at_end:
-            strategy.charge_late_reply(msg, sent)
-        log.info("%d late replies charged after the last round", len(late_at_end))
+    # replies still in flight were released to the server too: wait for them (bounded)
+    if exchange.outstanding:
+        log.info("waiting up to %.0f s for %d replies still in flight", LATE_REPLY_WAIT,
+                 len(exchange.outstanding))
+    late_at_end = exchange.drain(wait=LATE_REPLY_WAIT)
+    for sent, msg in late_at_end:
+        strategy.charge_late_reply(msg, sent)
+    if late_at_end:
+        log.warning("%d late replies charged after the last round", len(late_at_end))
     ledger.save(run_dir.file("ledger.json"))
     final = rounds[-1]["central"] if rounds else {}
     summary = {
@@ -184,6 +207,7 @@ def run(grid: Grid, cfg: RunConfig) -> dict[str, Any]:
         "clients": {c: {"epsilon": e, "recomputed-epsilon": ledger.recomputed(c),
                         "rounds": ledger.rounds(c), "reported-epsilon": ledger.reported.get(c)}
                     for c, e in ledger.epsilons().items()},
+        "late-replies-after-last-round": len(late_at_end),
         "ledger-mismatches": len(ledger.mismatches),
         "mismatches": ledger.mismatches,
         "charges-not-matching-plan": sum(1 for c in ledger.charges

@@ -23,22 +23,44 @@ class ReplyExchange:
         self.grid = grid
         self.poll_seconds = poll_seconds
         self.outstanding: dict[str, int] = {}   # instruction id -> round it was sent in
+        self.busy: dict[str, int] = {}          # instruction id -> destination node
+
+    def busy_nodes(self) -> set[int]:
+        """Nodes that still hold an unanswered instruction."""
+        return set(self.busy.values())
+
+    def _settle(self, msg: Message) -> int | None:
+        mid = msg.metadata.reply_to_message_id
+        self.busy.pop(mid, None)
+        return self.outstanding.pop(mid, None)
 
     def _pull(self, ids: set[str]) -> list[Message]:
         return list(self.grid.pull_messages(ids)) if ids else []
 
     def send_and_receive(self, messages: Iterable[Message], server_round: int,
                          timeout: float) -> tuple[list[Message], list[tuple[int, Message]]]:
-        """(this round's replies, [(round, late reply), ...]) within ``timeout`` seconds."""
-        current = set(self.grid.push_messages(messages))
-        for mid in current:
-            self.outstanding[mid] = server_round
+        """(this round's replies, [(round, late reply), ...]) within ``timeout`` seconds.
+
+        A node still busy with an earlier instruction must not get a second one: two
+        concurrent trainings of one node both start from the same privacy history in its
+        state, and one charge is lost. The caller drops those messages first
+        (:meth:`busy_nodes`)."""
+        messages = list(messages)
+        busy = self.busy_nodes()
+        if any(m.metadata.dst_node_id in busy for m in messages):
+            raise ValueError("a message is addressed to a node that is still busy")
+        current = {str(mid) for mid in self.grid.push_messages(messages) if mid}
+        for msg in messages:
+            mid = msg.metadata.message_id  # set by push_messages
+            if mid in current:
+                self.outstanding[mid] = server_round
+                self.busy[mid] = int(msg.metadata.dst_node_id)
         replies: list[Message] = []
         late: list[tuple[int, Message]] = []
         deadline = time.monotonic() + timeout
         while True:
             for msg in self._pull(set(self.outstanding)):
-                sent = self.outstanding.pop(msg.metadata.reply_to_message_id, None)
+                sent = self._settle(msg)
                 if sent is None:
                     continue
                 if sent == server_round:
@@ -55,7 +77,7 @@ class ReplyExchange:
         deadline = time.monotonic() + wait
         while self.outstanding:
             for msg in self._pull(set(self.outstanding)):
-                sent = self.outstanding.pop(msg.metadata.reply_to_message_id, None)
+                sent = self._settle(msg)
                 if sent is not None:
                     late.append((sent, msg))
             if time.monotonic() >= deadline:

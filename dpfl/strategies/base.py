@@ -225,7 +225,7 @@ class DPFLStrategy(FedAvg):
 
     # -- privacy charging ------------------------------------------------------------
     def charge_reply(self, msg: Message, checked: ClientUpdate | Rejection,
-                     sent_round: int) -> Charge | None:
+                     sent_round: int, late: bool = False) -> Charge | None:
         """Charge the ledger for a reply that carries an update (accepted or not, on time
         or late); None when nothing was released (error, refusal without arrays) or the
         run is not private. A node's partition id is pinned on its first update: a reply
@@ -260,6 +260,8 @@ class DPFLStrategy(FedAvg):
             charge.problem = identity_problem if charge.problem is None else (
                 f"{identity_problem}; {charge.problem}")
             charge.note = f"{charge.note} ({identity_problem})"
+        if late:
+            charge.note = f"late reply to round {sent_round}: {charge.note}"
         adaptive = charge.adaptive or self.cfg.strategy == "aadp"
         self.ledger.record(client, sent_round, charge.events, charge.reported_epsilon,
                            charge.note, adaptive=adaptive)
@@ -272,10 +274,7 @@ class DPFLStrategy(FedAvg):
         """A reply to an earlier round's instruction: charged now, never aggregated."""
         extra = self.extra_reply_arrays()
         checked = validate_train_reply(msg, self._template, None, extra)
-        charge = self.charge_reply(msg, checked, sent_round)
-        if charge is not None:
-            charge.note = f"late reply to round {sent_round}: {charge.note}"
-        return charge
+        return self.charge_reply(msg, checked, sent_round, late=True)
 
     def _costliest_plan(self, client: str, server_round: int) -> PrivacyEvent:
         history = self.ledger.clients.get(client, PrivacyHistory())

@@ -54,6 +54,19 @@ def test_dpsgd_federation_runs_end_to_end(tmp_path):
         assert info["epsilon"] <= 8.0
         assert [e["round"] for e in info["events"]] == [1, 2]
     assert "privacy per client" in proc.stdout and "client-2" in proc.stdout
+    # every received update was charged, each at its plan
+    charges = [c for r in rounds for c in r["charges"]]
+    assert len(charges) == 6 and all(c["note"] == "reported = plan" for c in charges)
+    assert summary["charges-not-matching-plan"] == 0
+    # the DP randomness stays on the clients: the checkpoint holds the server's state only,
+    # and no file records a generator state, a secret seed or the client's node state
+    import torch
+
+    ckpt = torch.load(run / "checkpoint.pt", weights_only=False)
+    assert set(ckpt) == {"round", "model", "strategy", "initial", "ledger"}
+    for name in ("config.json", "rounds.jsonl", "ledger.json", "summary.json"):
+        text = (run / name).read_text().lower()
+        assert not any(w in text for w in ("urandom", "generator", "dpfl.privacy\"", "entropy\":"))
     # the launcher stopped the SuperLink it started
     pid = int((run / ".flwr" / "superlink.pid").read_text())
     assert not _pid_alive(pid)
@@ -100,3 +113,31 @@ def test_invalid_config_stops_before_anything_starts(tmp_path):
     assert proc.returncode == 2
     assert "target-epsilon" in proc.stderr
     assert not any(tmp_path.iterdir())
+
+
+def test_late_replies_are_charged_when_they_arrive(tmp_path):
+    """round-timeout = 2 s: the first round's replies come after the round closed (the
+    simulation's workers take longer than that to start). They are never aggregated, but
+    each is charged to its client when it arrives; every update the server received is in
+    the ledger, and nothing is charged twice."""
+    proc = _dpfl("simulate", "--clients", "2", "--output-dir", str(tmp_path), "dataset=digits",
+                 "num-rounds=3", "batch-size=32", "lr=0.5", "target-epsilon=20.0",
+                 "noise-multiplier=1.0", "round-timeout=2", "run-name=late")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    run = tmp_path / "late"
+    rounds = [json.loads(l) for l in (run / "rounds.jsonl").read_text().splitlines()]
+    ledger = json.loads((run / "ledger.json").read_text())
+    assert rounds[0]["train"] == {} or rounds[0]["train"].get("accepted", 0) == 0
+    summary = json.loads((run / "summary.json").read_text())
+    # the late ones are charged as they arrive: during later rounds or after the last one
+    late = [c for c in ledger["charges"] if "late reply to round" in c["note"]]
+    in_rounds = [c for r in rounds for c in r["charges"] if c["late"]]
+    assert len(late) == len(in_rounds) + summary["late-replies-after-last-round"]
+    assert ("client-0", 1) in {(c["client"], c["round"]) for c in late}
+    # every charge in the ledger is one received update; (client, round) never repeats
+    charged = [(c["client"], c["round"]) for c in ledger["charges"]]
+    assert len(charged) == len(set(charged))
+    assert ("client-0", 1) in charged and ("client-1", 1) in charged
+    for name, info in ledger["clients"].items():
+        assert sorted(e["round"] for e in info["events"]) == sorted(
+            r for c, r in charged if c == name)
