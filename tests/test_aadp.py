@@ -1,13 +1,10 @@
-"""AADP-FL: longitudinal clipping against a naive loop, budget allocation, the Nadam step
-by hand, and the epsilon schedule firing exactly when its condition holds."""
-
-import math
+"""AADP-FL: budget allocation, the Nadam step by hand, and the epsilon schedule firing
+exactly when its condition holds (longitudinal clipping: tests/test_longitudinal.py)."""
 
 import pytest
 import torch
 
 from dpfl.config import RunConfig
-from dpfl.privacy.longitudinal import longitudinal_clip
 from dpfl.strategies import build_strategy
 from dpfl.strategies.aadp import (
     NadamState,
@@ -17,43 +14,6 @@ from dpfl.strategies.aadp import (
     raise_budgets,
     round_epsilon_for,
 )
-
-
-def naive_longitudinal(theta, s):
-    """Algorithm 2 literally: zero the smallest non-zero |coordinate| while ||theta|| > S."""
-    x = theta.clone().double()
-    while float(x.norm()) > s:
-        nz = torch.nonzero(x).flatten()
-        k = nz[torch.argmin(x[nz].abs())]
-        x[k] = 0
-    return x.float()
-
-
-@pytest.mark.parametrize("seed", range(6))
-def test_matches_the_naive_loop_on_random_vectors(seed):
-    g = torch.Generator().manual_seed(seed)
-    theta = torch.randn(300, generator=g) * torch.rand(300, generator=g)
-    s = float(theta.norm()) * (0.2 + 0.1 * seed)
-    out = longitudinal_clip(theta, s)
-    assert torch.equal(longitudinal_clip(theta, s, literal=True), naive_longitudinal(theta, s))
-    if float(theta.abs().max()) <= s:  # otherwise the documented edge case applies
-        assert torch.equal(out, naive_longitudinal(theta, s))
-    assert float(out.norm()) <= s + 1e-6
-    kept = out != 0
-    if kept.any() and (~kept).any():  # the kept coordinates are the largest ones
-        assert float(theta[kept].abs().min()) >= float(theta[~kept].abs().max())
-    assert torch.equal(longitudinal_clip(out, s), out)  # idempotent
-
-
-def test_edge_cases():
-    z = torch.zeros(10)
-    assert torch.equal(longitudinal_clip(z, 1.0), z)
-    small = torch.tensor([0.1, -0.2, 0.3])
-    assert torch.equal(longitudinal_clip(small, 1.0), small)  # norm already <= S
-    huge = torch.tensor([0.5, -10.0, 0.2])  # the largest alone exceeds S = 1
-    assert torch.equal(longitudinal_clip(huge, 1.0), torch.tensor([0.0, -1.0, 0.0]))
-    assert torch.equal(longitudinal_clip(huge, 1.0, literal=True), torch.zeros(3))
-    assert torch.equal(naive_longitudinal(huge, 1.0), torch.zeros(3))  # the paper's literal result
 
 
 def test_budget_allocation_sums_and_proportions():
@@ -105,14 +65,6 @@ def test_strategy_raises_budgets_only_when_stable():
     assert round_epsilon_for(cfg_round, 1) == 40.0
     s.server_step(torch.zeros(3), torch.full((3,), 1e-2))
     assert s.budgets == {0: 40.0, 1: 40.0}  # >= eps_max: no further raise
-
-
-def test_ties_are_zeroed_in_index_order():
-    theta = torch.tensor([0.5, -0.5, 0.5, 2.0, -0.5])
-    s = math.sqrt(4.0 + 0.25 * 2) + 1e-9  # keep 2.0 and two of the four 0.5s
-    out = longitudinal_clip(theta, s)
-    assert torch.equal(out, naive_longitudinal(theta, s))
-    assert out.tolist() == [0.0, 0.0, 0.5, 2.0, -0.5]
 
 
 def test_paper_noise_multiplier_closed_form_and_verdict():
