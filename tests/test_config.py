@@ -43,3 +43,88 @@ def test_fedavg_requires_plain_trainer():
         parse_run_config({**DEFAULTS, "strategy": "fedavg"})
     cfg = parse_run_config({**DEFAULTS, "strategy": "fedavg", "trainer": "plain"})
     assert not cfg.is_private
+
+
+# -- the rules that guard privacy -----------------------------------------------------------
+
+# The trainers each strategy accepts: the non-private reference only without DP, DP methods
+# never without it; DP-SCAFFOLD's control variates are post-processing of DP-SGD outputs
+# only; AADP-FL is client-level DP by construction.
+ACCEPTED_TRAINERS = {"fedavg": {"plain"}, "dpscaffold": {"dpsgd"}, "aadp": {"update-dp"}}
+DP_TRAINERS = {"dpsgd", "update-dp"}
+
+
+def _strategies():
+    from dpfl.strategies import STRATEGIES
+
+    return sorted(STRATEGIES)
+
+
+def _parse(**changes):
+    return parse_run_config({**DEFAULTS, **{k.replace("_", "-"): v for k, v in changes.items()}})
+
+
+@pytest.mark.parametrize("strategy", _strategies())
+@pytest.mark.parametrize("trainer", ["plain", "dpsgd", "update-dp"])
+def test_trainer_rules_per_strategy(strategy, trainer):
+    allowed = ACCEPTED_TRAINERS.get(strategy, DP_TRAINERS)
+    if trainer in allowed:
+        cfg = _parse(strategy=strategy, trainer=trainer)
+        assert cfg.is_private == (trainer != "plain")
+    else:
+        with pytest.raises(ConfigError, match="'(trainer|strategy)'"):
+            _parse(strategy=strategy, trainer=trainer)
+
+
+@pytest.mark.parametrize("strategy", [s for s in _strategies() if s != "fedavg"])
+def test_every_dp_strategy_refuses_the_plain_trainer(strategy):
+    with pytest.raises(ConfigError, match="run-config key '(trainer|strategy)'"):
+        _parse(strategy=strategy, trainer="plain")
+
+
+def test_dpscaffold_needs_dpsgd_and_aadp_needs_update_dp():
+    with pytest.raises(ConfigError, match="'trainer'.*dpscaffold needs trainer 'dpsgd'"):
+        _parse(strategy="dpscaffold", trainer="update-dp")
+    assert _parse(strategy="dpscaffold", trainer="dpsgd").trainer == "dpsgd"
+    with pytest.raises(ConfigError, match="'trainer'.*update-dp"):
+        _parse(strategy="aadp", trainer="dpsgd")
+    assert _parse(strategy="aadp", trainer="update-dp").trainer == "update-dp"
+
+
+def test_fedavg_refuses_both_dp_trainers():
+    for trainer in ("dpsgd", "update-dp"):
+        with pytest.raises(ConfigError, match="'trainer'.*needs trainer 'plain'"):
+            _parse(strategy="fedavg", trainer=trainer)
+
+
+def _dp_pairs():
+    return [(s, t) for s in _strategies() if s != "fedavg"
+            for t in sorted(ACCEPTED_TRAINERS.get(s, DP_TRAINERS))]
+
+
+@pytest.mark.parametrize("strategy,trainer", _dp_pairs())
+def test_guarantee_verdict_of_dp_methods(strategy, trainer):
+    """formal as configured by default; released-in-the-clear settings drop it to none."""
+    from dpfl.privacy.verdict import guarantee_for
+
+    base = guarantee_for(_parse(strategy=strategy, trainer=trainer))
+    assert base.verdict == "formal" and base.formal
+    assert base.unit == ("sample" if trainer == "dpsgd" else "client")
+    loss = guarantee_for(_parse(strategy=strategy, trainer=trainer, report_train_loss=True))
+    assert loss.verdict.startswith("none: ") and "train-loss" in loss.verdict
+    assert not loss.formal
+    for fraction in (0.5, 1.0):
+        ev = guarantee_for(_parse(strategy=strategy, trainer=trainer, fraction_evaluate=fraction))
+        assert ev.verdict.startswith("none: ") and "evaluation" in ev.verdict, ev.verdict
+    both = guarantee_for(_parse(strategy=strategy, trainer=trainer, report_train_loss=True,
+                                fraction_evaluate=0.5))
+    assert both.verdict.startswith("none: ")
+    assert "train-loss" in both.verdict and "evaluation" in both.verdict
+
+
+def test_guarantee_verdict_of_the_plain_reference():
+    from dpfl.privacy.verdict import guarantee_for
+
+    for changes in ({}, {"report_train_loss": True}, {"fraction_evaluate": 0.5}):
+        g = guarantee_for(_parse(strategy="fedavg", trainer="plain", **changes))
+        assert g.verdict.startswith("none") and not g.formal, g.verdict

@@ -1,18 +1,26 @@
-"""GCFL's projection against hand-worked and naive references; FedExP's step size;
-SCAFFOLD's control variates on a tiny quadratic; FedProx's proximal step."""
+"""GCFL's projection against hand-worked and naive references; FedExP's step size on
+hand-worked numbers and applied by the strategy; SCAFFOLD's control variates on a tiny
+quadratic and the server's c through the strategy; FedProx's proximal step; what each
+strategy reports in its round metrics."""
 
+import math
 from collections import OrderedDict
 
 import pytest
 import torch
+from flwr.app import ArrayRecord, ConfigRecord, MetricRecord, RecordDict
+from flwr.supercore.task_identity import TaskIdentity
 
 from dpfl.client.methods import scaffold_control_update
 from dpfl.client.trainers import proximal_step, scaffold_step
 from dpfl.config import RunConfig
 from dpfl.strategies import build_strategy
+from dpfl.strategies.aggregation import weighted_mean
+from dpfl.strategies.base import RoundRecord
 from dpfl.strategies.dpfedexp import fedexp_step_size
 from dpfl.strategies.dpscaffold import scaffold_server_control
 from dpfl.strategies.gcfl import gcfl_aggregate, gcfl_correct
+from flower_helpers import message
 
 
 def naive_gcfl(updates, references):
@@ -97,20 +105,172 @@ def test_strategy_draws_seeded_references():
     a = build_strategy(RunConfig(strategy="gcfl", gcfl_references=2))
     b = build_strategy(RunConfig(strategy="gcfl", gcfl_references=2))
     assert [a.draw_references(10) for _ in range(3)] == [b.draw_references(10) for _ in range(3)]
-    assert build_strategy(RunConfig(strategy="gcfl", gcfl_references=5)).draw_references(2) == [0] \
-        or build_strategy(RunConfig(strategy="gcfl", gcfl_references=5)).draw_references(2) == [1]
+    # size min(R, max(m - 1, 1)): at least one update is left to correct when m >= 2
+    for r in (1, 3, 5):
+        s = build_strategy(RunConfig(strategy="gcfl", gcfl_references=r))
+        for m in range(1, 12):
+            refs = s.draw_references(m)
+            assert refs == sorted(set(refs)) and set(refs) <= set(range(m)), (r, m, refs)
+            assert len(refs) == min(r, max(m - 1, 1)), (r, m, refs)
+    # the draw is random, not a fixed subset: over 60 draws every row is a reference
+    # sometimes and the subsets differ
+    s = build_strategy(RunConfig(strategy="gcfl", gcfl_references=2))
+    draws = [tuple(s.draw_references(6)) for _ in range(60)]
+    assert {i for d in draws for i in d} == set(range(6))
+    assert len(set(draws)) > 1
 
 
 def test_fedexp_step_size_closed_form():
+    """eta_g = max(1, sum_i ||Delta_i||^2 / (2 M (||mean Delta||^2 + eps))), worked by hand."""
+    # M = 3: ||(1, 2)||^2 + ||(3, 0)||^2 + ||(-1, 1)||^2 = 5 + 9 + 2 = 16; mean (1, 1) -> 2;
+    # eps = 1/3: 16 / (2 * 3 * (2 + 1/3)) = 16 / 14 = 8/7 > 1: extrapolation
+    u = torch.tensor([[1.0, 2.0], [3.0, 0.0], [-1.0, 1.0]])
+    assert fedexp_step_size(u, 1 / 3) == pytest.approx(8 / 7, rel=1e-12)
+    assert fedexp_step_size(-u, 1 / 3) == pytest.approx(8 / 7, rel=1e-12)  # Delta = -u
+    # M = 2: (3, 0), (-1, 0): 9 + 1 = 10; mean (1, 0) -> 1; eps = 1/4: 10 / (4 * 5/4) = 2
+    assert fedexp_step_size(torch.tensor([[3.0, 0.0], [-1.0, 0.0]]), 0.25) == pytest.approx(2.0)
+    # opposed updates: mean 0, only eps in the denominator: 2 / (2 * 2 * 1e-3) = 500
     opposed = torch.tensor([[1.0, 0.0], [-1.0, 0.0]])
-    assert fedexp_step_size(opposed, 1e-3) == pytest.approx(2.0 / (2 * 2 * 1e-3))
-    same = torch.tensor([[1.0, 0.0], [1.0, 0.0]])
-    assert fedexp_step_size(same, 1e-3) == 1.0  # 2 / (4 (1 + eps)) < 1 -> clipped to 1
-    g = torch.Generator().manual_seed(0)
-    for _ in range(20):
-        assert fedexp_step_size(torch.randn(5, 30, generator=g), 1e-3) >= 1.0
-    u = torch.tensor([[3.0, 0.0], [0.0, 4.0]])  # sum ||.||^2 = 25, mean (1.5, 2) -> 6.25
-    assert fedexp_step_size(u, 0.0 + 1e-12) == pytest.approx(25 / (2 * 2 * 6.25), rel=1e-9)
+    assert fedexp_step_size(opposed, 1e-3) == pytest.approx(500.0)
+    # clamps to 1: (3, 1), (1, 3): 10 + 10 = 20; mean (2, 2) -> 8; eps = 2:
+    # 20 / (2 * 2 * (8 + 2)) = 0.5 < 1 -> 1
+    assert fedexp_step_size(torch.tensor([[3.0, 1.0], [1.0, 3.0]]), 2.0) == 1.0
+    # identical updates: 2 / (2 * 2 * (1 + eps)) < 1/2 -> 1
+    assert fedexp_step_size(torch.tensor([[1.0, 0.0], [1.0, 0.0]]), 1e-3) == 1.0
+    # one client: ||u||^2 / (2 (||u||^2 + eps)) < 1/2 -> 1 (no extrapolation from one update)
+    assert fedexp_step_size(torch.tensor([[5.0, -7.0]]), 1e-3) == 1.0
+
+
+# -- the strategies, driven through configure_train / aggregate_train ----------------------
+
+
+class FakeGrid:
+    def __init__(self, nodes):
+        self.nodes = nodes
+
+    def get_node_ids(self):
+        return list(self.nodes)
+
+
+@pytest.fixture
+def server_identity():
+    """configure_train builds real Messages, which need the process's task identity."""
+    saved = (TaskIdentity._run_id, TaskIdentity._node_id, TaskIdentity._task_id)
+    TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 0, 1
+    yield
+    TaskIdentity._run_id, TaskIdentity._node_id, TaskIdentity._task_id = saved
+
+
+def _two_param_model(w):
+    model = torch.nn.Linear(2, 1, bias=False)
+    with torch.no_grad():
+        model.weight.copy_(torch.tensor([w]))
+    return model
+
+
+def _reply(node, pid, update, control_delta=None):
+    content = {"arrays": ArrayRecord({"weight": torch.tensor([update])}),
+               "metrics": MetricRecord({"num-examples": 10, "partition-id": pid})}
+    if control_delta is not None:
+        content["control-delta"] = ArrayRecord({"weight": torch.tensor([control_delta])})
+    return message(RecordDict(content), src_node_id=node)
+
+
+def _weight(arrays):
+    return arrays.to_torch_state_dict()["weight"].view(-1)
+
+
+def test_fedexp_strategy_applies_the_step(server_identity):
+    """w <- w + server-lr eta_g mean(u), with eta_g from eq. 9, and the round metrics
+    carry eta_g and the quantities it is computed from."""
+    cfg = RunConfig(strategy="dpfedexp", fedexp_epsilon=1 / 3, server_lr=0.5)
+    strategy = build_strategy(cfg)
+    arrays = ArrayRecord(_two_param_model([1.0, 1.0]).state_dict())
+    list(strategy.configure_train(1, arrays, ConfigRecord(), FakeGrid([1, 2, 3])))
+    new, metrics = strategy.aggregate_train(1, [
+        _reply(1, 0, [1.0, 2.0]), _reply(2, 1, [3.0, 0.0]), _reply(3, 2, [-1.0, 1.0])])
+    # eta = 8/7 (worked above); mean u = (1, 1): w = (1, 1) + 0.5 * 8/7 * (1, 1)
+    assert torch.allclose(_weight(new), torch.full((2,), 1 + 4 / 7), atol=1e-6)
+    assert metrics["server-step-size"] == pytest.approx(8 / 7)
+    assert metrics["fedexp-sum-sq-norm"] == pytest.approx(16.0)
+    assert metrics["fedexp-mean-sq-norm"] == pytest.approx(2.0)
+    assert metrics["fedexp-clients"] == 3
+    # clamped round: (3, 1), (1, 3) with eps = 1/3: 20 / (4 (8 + 1/3)) < 1 -> plain mean
+    list(strategy.configure_train(2, new, ConfigRecord(), FakeGrid([1, 2])))
+    newer, metrics = strategy.aggregate_train(2, [_reply(1, 0, [3.0, 1.0]),
+                                                  _reply(2, 1, [1.0, 3.0])])
+    assert metrics["server-step-size"] == 1.0
+    assert torch.allclose(_weight(newer), _weight(new) + 0.5 * torch.tensor([2.0, 2.0]))
+
+
+def test_scaffold_strategy_moves_its_control_variate(server_identity):
+    """c <- c + (|S|/N) mean Delta c_i through aggregate_train, sent to the clients with the
+    next round, and reported in the round metrics."""
+    strategy = build_strategy(RunConfig(strategy="dpscaffold"))
+    model = _two_param_model([0.0, 0.0])
+    strategy.bind_model(model)
+    arrays = ArrayRecord(model.state_dict())
+    grid = FakeGrid([1, 2, 3, 4])  # N = 4, two of them reply: |S|/N = 1/2
+    msgs = list(strategy.configure_train(1, arrays, ConfigRecord(), grid))
+    assert torch.equal(_weight(msgs[0].content["control"]), torch.zeros(2))
+    _, metrics = strategy.aggregate_train(1, [_reply(1, 0, [0.1, 0.1], [1.0, 0.0]),
+                                              _reply(2, 1, [0.1, 0.1], [0.0, 2.0])])
+    # mean Delta c = (0.5, 1); c = 0 + 1/2 (0.5, 1) = (0.25, 0.5)
+    assert torch.allclose(strategy.control, torch.tensor([0.25, 0.5]))
+    assert metrics["scaffold-control-norm"] == pytest.approx(math.sqrt(0.3125))
+    assert metrics["scaffold-control-step-norm"] == pytest.approx(math.sqrt(0.3125))
+    assert metrics["scaffold-delta-norm"] == pytest.approx(math.sqrt(1.25))
+    assert metrics["scaffold-participation"] == 0.5
+    msgs = list(strategy.configure_train(2, arrays, ConfigRecord(), grid))
+    assert all(torch.allclose(_weight(m.content["control"]), torch.tensor([0.25, 0.5]))
+               for m in msgs)
+    _, metrics = strategy.aggregate_train(2, [_reply(3, 2, [0.0, 0.0], [-0.5, -1.0])])
+    # one of four: c = (0.25, 0.5) + 1/4 (-0.5, -1) = (0.125, 0.25)
+    assert torch.allclose(strategy.control, torch.tensor([0.125, 0.25]))
+    assert metrics["scaffold-control-step-norm"] == pytest.approx(math.sqrt(0.125 ** 2 + 0.25 ** 2))
+    assert metrics["scaffold-control-norm"] == pytest.approx(math.sqrt(0.125 ** 2 + 0.25 ** 2))
+    assert metrics["scaffold-participation"] == 0.25
+
+
+def test_gcfl_round_metrics_report_the_projection():
+    strategy = build_strategy(RunConfig(strategy="gcfl"))
+    strategy.draw_references = lambda m: [0]
+    # the hand-worked case above: g1 = (-1, 1, 0) conflicts with g0 = (1, 0, 0) -> (0, 1, 0)
+    u = torch.tensor([[1.0, 0, 0], [-1.0, 1, 0], [2.0, 0, 1]])
+    w = torch.ones(3)
+    out = strategy.aggregate_updates(u, w)
+    assert torch.allclose(out, torch.tensor([1.0, 1 / 3, 1 / 3]))  # (3, 1, 1) / 3
+    plain = weighted_mean(u, w)  # (2, 1, 1) / 3: the projection moved it by (1/3, 0, 0)
+    metrics = strategy.round_metrics(RoundRecord(1))
+    assert metrics["gcfl-references"] == 1
+    assert metrics["gcfl-conflicts"] == 1 and metrics["gcfl-corrected"] == 1
+    assert metrics["gcfl-min-cosine"] == pytest.approx(-1 / math.sqrt(2))
+    assert metrics["gcfl-correction-norm"] == pytest.approx(float((out - plain).norm()))
+    assert metrics["gcfl-correction-norm"] == pytest.approx(1 / 3)
+    # random rows, three references: the reported norm is the distance to the plain mean
+    strategy = build_strategy(RunConfig(strategy="gcfl", gcfl_references=3))
+    g = torch.Generator().manual_seed(11)
+    u = torch.randn(9, 40, generator=g).double()
+    w = (torch.rand(9, generator=g) + 0.5).double()
+    out = strategy.aggregate_updates(u, w)
+    metrics = strategy.round_metrics(RoundRecord(1))
+    assert metrics["gcfl-references"] == 3
+    assert metrics["gcfl-correction-norm"] == pytest.approx(
+        float((out - weighted_mean(u, w)).norm()), rel=1e-9)
+    refs = strategy.last_references
+    changed = (gcfl_correct(u, refs) - u).abs().sum(dim=1) > 0
+    assert metrics["gcfl-corrected"] == int(changed.sum()) > 0
+    # no conflict (non-negative rows): nothing corrected, the aggregate is the plain mean,
+    # and nothing of the previous round is carried over
+    u = torch.rand(4, 5, generator=g)
+    out = strategy.aggregate_updates(u, torch.ones(4))
+    metrics = strategy.round_metrics(RoundRecord(2))
+    assert torch.allclose(out, u.mean(0))
+    assert (metrics["gcfl-conflicts"], metrics["gcfl-corrected"]) == (0, 0)
+    assert metrics["gcfl-correction-norm"] == 0.0 and metrics["gcfl-min-cosine"] >= 0.0
+    strategy.aggregate_updates(torch.tensor([[1.0, -1.0]]), torch.ones(1))  # one update
+    metrics = strategy.round_metrics(RoundRecord(3))
+    assert (metrics["gcfl-conflicts"], metrics["gcfl-correction-norm"]) == (0, 0.0)
 
 
 def test_scaffold_control_variates_on_a_quadratic():

@@ -1,7 +1,18 @@
 """PEGASUS selection on hand-made epsilon vectors: strictly below the mean, the tie rule,
-clients not seen yet, and a refusing client."""
+clients not seen yet; and a refusing client in a whole federation run in this process (the
+server's ``run`` with dpfl's real ClientApp behind an in-process Grid)."""
 
-from dpfl.config import RunConfig
+import itertools
+import json
+from pathlib import Path
+
+import pytest
+from flwr.app import Context, Message, RecordDict
+from flwr.serverapp import Grid
+from flwr.supercore.task_identity import TaskIdentity
+from opacus.accountants import RDPAccountant
+
+from dpfl.config import RunConfig, parse_run_config
 from dpfl.privacy.budget import PrivacyHistory
 from dpfl.privacy.events import PrivacyEvent
 from dpfl.privacy.ledger import Ledger
@@ -52,14 +63,147 @@ def test_strategy_selects_from_the_ledger_and_counts_unseen_clients_as_zero():
     assert 10 not in expected and 13 in expected
 
 
-def test_refused_clients_spend_nothing_and_the_rule_uses_the_ledger():
-    # a refusal is not recorded in the ledger, so the refusing client's epsilon stays as it
-    # was and it is judged by the same rule next round
-    strategy = build_strategy(RunConfig(strategy="pegasus", min_train_nodes=2))
-    ledger = _ledger({"client-0": 100, "client-1": 100})
-    strategy.bind_ledger(ledger)
-    strategy.node_client = {1: "client-0", 2: "client-1"}
-    before = ledger.epsilons()
-    # (client-1 refused in round 2: nothing is charged)
-    assert ledger.epsilons() == before
-    assert strategy.select_nodes(3, FakeGrid([1, 2])) == [1, 2]  # tie -> all
+class InProcessGrid(Grid):
+    """Flower's Grid answered in this process by dpfl's real ClientApp: every node has its
+    own Context (partition, run-config, persistent state), as a SuperNode would."""
+
+    def __init__(self, run_config, num_nodes):
+        from dpfl.client.app import app
+
+        self.client_app = app
+        self.contexts = {100 + i: Context(run_id=1, node_id=100 + i,
+                                          node_config={"partition-id": i,
+                                                       "num-partitions": num_nodes},
+                                          state=RecordDict(), run_config=dict(run_config))
+                         for i in range(num_nodes)}
+        self._ids = itertools.count(1)
+        self._replies: dict[str, Message] = {}
+        self._run = None
+
+    def set_run(self, run):
+        self._run = run
+
+    @property
+    def run(self):
+        return self._run
+
+    def create_message(self, content, message_type, dst_node_id, group_id, ttl=None):
+        return Message(content=content, message_type=message_type, dst_node_id=dst_node_id,
+                       group_id=group_id, ttl=ttl)
+
+    def get_node_ids(self):
+        return list(self.contexts)
+
+    def push_messages(self, messages):
+        ids = []
+        for msg in messages:
+            mid = f"m{next(self._ids)}"
+            self._replies[mid] = self.client_app(msg, self.contexts[msg.metadata.dst_node_id])
+            ids.append(mid)
+        return ids
+
+    def pull_messages(self, message_ids):
+        return [self._replies.pop(i) for i in message_ids if i in self._replies]
+
+    def send_and_receive(self, messages, *, timeout=None):
+        return self.pull_messages(self.push_messages(messages))
+
+
+@pytest.fixture
+def server_identity():
+    """The ServerApp builds real Messages, which need the process's task identity."""
+    saved = (TaskIdentity._run_id, TaskIdentity._node_id, TaskIdentity._task_id)
+    TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 0, 1
+    yield
+    TaskIdentity._run_id, TaskIdentity._node_id, TaskIdentity._task_id = saved
+
+
+@pytest.fixture
+def one_thread(monkeypatch):
+    """The in-process clients train on one torch thread (DPFL_NUM_THREADS); restored after."""
+    import torch
+
+    threads = torch.get_num_threads()
+    monkeypatch.setenv("DPFL_NUM_THREADS", "1")
+    yield
+    torch.set_num_threads(threads)
+
+
+def _federation(tmp_path: Path, name: str, **overrides) -> Path:
+    """A 2-client PEGASUS federation on digits through the server's ``run``."""
+    from dpfl.server.app import run
+
+    run_config = {"strategy": "pegasus", "trainer": "dpsgd", "dataset": "digits",
+                  "model": "mlp", "batch-size": 32, "lr": 0.5, "noise-multiplier": 1.0,
+                  "accountant": "rdp", "output-dir": str(tmp_path), "run-name": name,
+                  **overrides}
+    summary = run(InProcessGrid(run_config, 2), parse_run_config(run_config))
+    return Path(summary["run-dir"])
+
+
+def _opacus_epsilon(events, delta) -> float:
+    """Epsilon of DP-SGD events straight from Opacus (independent of dpfl's ledger)."""
+    acc = RDPAccountant()
+    acc.history = [(e["sigma"], e["rate"], e["steps"]) for e in events]
+    return acc.get_epsilon(delta)
+
+
+def test_refused_clients_spend_nothing_and_the_rule_uses_the_ledger(tmp_path, server_identity,
+                                                                    one_thread):
+    """A budget that admits one round but not two: in round 2 the selected clients refuse.
+    The refusal goes through the strategy's aggregate_train and the server's ledger
+    bookkeeping like any reply: it must be charged nothing (the ledger keeps exactly the
+    events of the accepted rounds, its epsilon equals Opacus' over them), the refusal must
+    be warranted (one more round would pass the budget), and later selections still follow
+    the rule on the recorded (unchanged) epsilons."""
+    delta = 1e-5
+    # 1. one round with an ample budget, to learn each client's per-round DP-SGD event
+    probe = json.loads((_federation(tmp_path, "probe", **{"num-rounds": 1,
+                                                          "target-epsilon": 1e3})
+                        / "ledger.json").read_text())
+    first = {c: info["events"][0] for c, info in probe["clients"].items()}
+    assert sorted(first) == ["client-0", "client-1"]
+    one = max(_opacus_epsilon([e], delta) for e in first.values())
+    two = min(_opacus_epsilon([e, {**e, "round": 2}], delta) for e in first.values())
+    assert one < two, (one, two)
+    budget = (one + two) / 2  # every client can train once, none twice
+
+    # 2. the federation under that budget
+    run_dir = _federation(tmp_path, "refuse", **{"num-rounds": 3, "target-epsilon": budget})
+    rounds = [json.loads(line) for line in (run_dir / "rounds.jsonl").read_text().splitlines()]
+    ledger = json.loads((run_dir / "ledger.json").read_text())
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert ledger["mismatches"] == []
+    assert {c["status"] for c in rounds[0]["clients"].values()} == {"accepted"}
+    refusals = [(r["round"], c, info) for r in rounds for c, info in r["clients"].items()
+                if info["status"] == "refused"]
+    assert refusals, f"no client refused at budget {budget}: {rounds}"
+    assert {r for r, _, _ in refusals} >= {2}
+    # selection from round 2 on: strictly below the mean of the recorded epsilons (a client
+    # with nothing recorded counts as 0; tie: all)
+    for prev, cur in zip(rounds, rounds[1:]):
+        eps = {c: prev["epsilon"].get(c, 0.0) for c in first}
+        mean = sum(eps.values()) / len(eps)
+        assert set(cur["clients"]) == ({c for c, e in eps.items() if e < mean} or set(eps))
+    for client, info in ledger["clients"].items():
+        accepted = [r["round"] for r in rounds
+                    if r["clients"].get(client, {}).get("status") == "accepted"]
+        # charged exactly for the rounds it trained in, never for a refused one
+        assert [e["round"] for e in info["events"]] == accepted, client
+        independent = _opacus_epsilon(info["events"], delta)
+        assert info["epsilon"] == pytest.approx(independent, rel=1e-9)
+        assert summary["clients"][client]["epsilon"] == pytest.approx(independent, rel=1e-9)
+        assert independent <= budget
+    for rnd, client, info in refusals:
+        assert info["reason"].startswith("budget"), info
+        events = ledger["clients"].get(client, {"events": []})["events"]
+        assert all(e["round"] != rnd for e in events)
+        before = [e for e in events if e["round"] < rnd]
+        spent = _opacus_epsilon(before, delta) if before else 0.0
+        after = next(r for r in rounds if r["round"] == rnd)
+        # the round's recorded epsilon, and what the client reported, did not move
+        assert after["epsilon"].get(client, 0.0) == pytest.approx(spent, rel=1e-9)
+        assert info["epsilon"] == pytest.approx(spent, rel=1e-9)
+        # warranted: the planned round (same public parameters) would pass the budget
+        planned = {**first[client], "round": rnd}
+        assert _opacus_epsilon(before + [planned], delta) > budget

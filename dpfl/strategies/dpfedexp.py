@@ -22,12 +22,18 @@ from dpfl.strategies.dpfedavg import DPFedAvgStrategy
 from dpfl.strategies.validation import ClientUpdate
 
 
-def fedexp_step_size(updates: torch.Tensor, epsilon: float) -> float:
-    """FedExP's eta_g for an M x d matrix of client updates (sign-invariant)."""
+def fedexp_statistics(updates: torch.Tensor) -> tuple[float, float, int]:
+    """(sum_i ||Delta_i||^2, ||Delta_bar||^2, M) of an M x d matrix of client updates."""
     m = updates.shape[0]
     mean = updates.mean(0)
     total = float((updates.to(torch.float64) ** 2).sum())
-    return max(1.0, total / (2.0 * m * (float((mean.to(torch.float64) ** 2).sum()) + epsilon)))
+    return total, float((mean.to(torch.float64) ** 2).sum()), m
+
+
+def fedexp_step_size(updates: torch.Tensor, epsilon: float) -> float:
+    """FedExP's eta_g for an M x d matrix of client updates (sign-invariant)."""
+    total, mean_sq, m = fedexp_statistics(updates)
+    return max(1.0, total / (2.0 * m * (mean_sq + epsilon)))
 
 
 class DPFedExPStrategy(DPFedAvgStrategy):
@@ -35,16 +41,24 @@ class DPFedExPStrategy(DPFedAvgStrategy):
 
     name = "dpfedexp"
     last_step_size = 1.0
+    last_statistics: tuple[float, float, int] = (0.0, 0.0, 0)
 
     def aggregation_weights(self, accepted: list[ClientUpdate]) -> torch.Tensor:
         return torch.ones(len(accepted))
 
     def aggregate_updates(self, updates: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         self.last_step_size = fedexp_step_size(updates, self.cfg.fedexp_epsilon)
+        self.last_statistics = fedexp_statistics(updates)
         return super().aggregate_updates(updates, weights)
 
     def server_step(self, global_flat: torch.Tensor, aggregated: torch.Tensor) -> torch.Tensor:
         return server_sgd_step(global_flat, aggregated, self.last_step_size * self.cfg.server_lr)
 
     def round_metrics(self, record) -> dict[str, float]:
-        return {**super().round_metrics(record), "server-step-size": self.last_step_size}
+        """The step size and the quantities it was computed from (eq. 9), so that the
+        record can be checked: ``fedexp-sum-sq-norm`` = sum_i ||Delta_i||^2,
+        ``fedexp-mean-sq-norm`` = ||Delta_bar||^2, ``fedexp-clients`` = M."""
+        total, mean_sq, m = self.last_statistics
+        return {**super().round_metrics(record), "server-step-size": self.last_step_size,
+                "fedexp-sum-sq-norm": total, "fedexp-mean-sq-norm": mean_sq,
+                "fedexp-clients": m}

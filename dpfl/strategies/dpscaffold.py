@@ -54,10 +54,31 @@ class DPScaffoldStrategy(DPFedAvgStrategy):
     def aggregation_weights(self, accepted: list[ClientUpdate]) -> torch.Tensor:
         return torch.ones(len(accepted))
 
+    # what the last aggregation did to c, reported by round_metrics
+    last_control_step = 0.0
+    last_delta_norm = 0.0
+    last_participation = 0.0
+
     def after_aggregation(self, accepted: list[ClientUpdate]) -> None:
+        self.last_control_step = self.last_delta_norm = self.last_participation = 0.0
         if accepted:
             deltas = torch.stack([u.extras["control-delta"] for u in accepted])
+            previous = self.control
             self.control = scaffold_server_control(self.control, deltas, self.num_nodes)
+            self.last_control_step = float((self.control - previous).norm())
+            self.last_delta_norm = float(deltas.mean(0).norm())
+            self.last_participation = len(accepted) / max(self.num_nodes, len(accepted))
+
+    def round_metrics(self, record) -> dict[str, float]:
+        """The server control variate after the round: ``scaffold-control-norm`` = ||c||,
+        ``scaffold-control-step-norm`` = ||c_new - c_old||, ``scaffold-delta-norm`` =
+        ||mean_i Delta c_i|| and ``scaffold-participation`` = |S| / N (so step = |S|/N x
+        delta norm)."""
+        return {**super().round_metrics(record),
+                "scaffold-control-norm": float(self.control.norm()),
+                "scaffold-control-step-norm": self.last_control_step,
+                "scaffold-delta-norm": self.last_delta_norm,
+                "scaffold-participation": self.last_participation}
 
     def state_dict(self) -> dict:
         return {**super().state_dict(), "control": self.control.clone()}

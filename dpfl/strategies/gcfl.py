@@ -135,12 +135,19 @@ class GCFLStrategy(DPFLStrategy):
         k = min(self.cfg.gcfl_references, max(m - 1, 1))
         return sorted(self.rng.sample(range(m), k))
 
+    # diagnostics of the last aggregation, reported by round_metrics
+    last_references: Sequence[int] = ()
     last_corrections = 0
+    last_corrected = 0
     last_min_cosine = 1.0
+    last_correction_norm = 0.0
 
     def aggregate_updates(self, updates: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         refs = self.draw_references(updates.shape[0])
         self.last_references = refs
+        # reset, so a round that corrects nothing never reports the previous round's values
+        self.last_corrections, self.last_corrected = 0, 0
+        self.last_min_cosine, self.last_correction_norm = 1.0, 0.0
         if updates.shape[0] < 2:
             return weighted_mean(updates, weights)
         out, cross = gcfl_aggregate(updates, weights, refs, return_cross=True)
@@ -150,8 +157,24 @@ class GCFLStrategy(DPFLStrategy):
         others = [i for i in range(updates.shape[0]) if i not in refs]
         self.last_corrections = int((cross[others] < 0).sum())
         self.last_min_cosine = float(cos[others].min()) if others else 1.0
+        # what the projection did: rows it changed, and how far it moved the aggregate from
+        # the plain weighted mean, ||sum_r beta_r u_r|| = sqrt(beta^T G_RR beta) (M x R only)
+        a = gcfl_coefficients(cross, refs)
+        off = a[:, refs].clone()
+        off[refs, range(len(refs))] = 0.0
+        self.last_corrected = int((off != 0).any(dim=1).sum())
+        w64 = weights.to(torch.float64) / float(weights.sum())
+        beta = (w64 @ a - w64)[refs]
+        self.last_correction_norm = max(0.0, float(beta @ cross[refs] @ beta)) ** 0.5
         return out
 
     def round_metrics(self, record) -> dict[str, float]:
-        return {**super().round_metrics(record), "gcfl-conflicts": self.last_corrections,
-                "gcfl-min-cosine": self.last_min_cosine}
+        """Besides the counts: ``gcfl-references`` (R), ``gcfl-conflicts`` (pairs of a
+        non-reference update and a reference with a negative dot product, before
+        correction), ``gcfl-min-cosine`` (their smallest cosine, 1 if none),
+        ``gcfl-corrected`` (updates the projection changed) and ``gcfl-correction-norm``
+        (L2 distance between the corrected aggregate and the plain weighted mean)."""
+        return {**super().round_metrics(record), "gcfl-references": len(self.last_references),
+                "gcfl-conflicts": self.last_corrections,
+                "gcfl-min-cosine": self.last_min_cosine, "gcfl-corrected": self.last_corrected,
+                "gcfl-correction-norm": self.last_correction_norm}

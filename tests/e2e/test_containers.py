@@ -5,6 +5,9 @@ completes a DP round with four distinct partitions.
 The session starts its own ``dockerd`` (own data-root, exec-root and socket, no iptables
 rules, no default bridge), builds the base image locally with debootstrap (no registry is
 reachable) and the dpfl image once (deploy/image.sh), and stops the daemon by PID at the end.
+
+Without root and the tools below a test skips, or fails under CI=true naming what is
+missing (see ``requirements.py``; .ci/run installs them).
 """
 
 from __future__ import annotations
@@ -21,14 +24,31 @@ from pathlib import Path
 
 import pytest
 
+from requirements import missing_requirements, require
+
 ROOT = Path(__file__).resolve().parents[2]
 NEEDED = ("dockerd", "docker", "docker-compose", "debootstrap", "openssl", "ssh-keygen")
-pytestmark = [pytest.mark.e2e, pytest.mark.skipif(
-    os.geteuid() != 0 or any(shutil.which(b) is None for b in NEEDED),
-    reason=f"needs root and {', '.join(NEEDED)} (.ci/run installs them)")]
 IMAGE = "dpfl:test"
 BASE = "dpfl-local/python:3.11"
 RUN_CONFIG = 'dataset="digits" batch-size=32 lr=0.5 target-epsilon=8.0 '
+
+
+def _require_engine(environ=None) -> None:
+    """Root and every tool the private Docker engine, the images and the federations need."""
+    require(tools=NEEDED, root=True, what="the container test", environ=environ)
+
+
+def test_missing_engine_tools_fail_under_ci_and_skip_outside(monkeypatch):
+    """The check these tests start with (quick: no engine is started)."""
+    monkeypatch.setenv("PATH", "")
+    names = ", ".join(f"'{t}' on PATH" for t in NEEDED)
+    with pytest.raises(pytest.fail.Exception, match=f"container test needs {names}.*CI=true"):
+        _require_engine({"CI": "true"})
+    with pytest.raises(pytest.skip.Exception, match="'dockerd' on PATH"):
+        _require_engine({})
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    with pytest.raises(pytest.fail.Exception, match="root"):
+        _require_engine({"CI": "true"})
 
 
 def _free_port() -> int:
@@ -46,7 +66,11 @@ def _run(cmd: list[str], env: dict[str, str], timeout: float = 900) -> str:
 
 @pytest.fixture(scope="session")
 def docker_env(tmp_path_factory):
-    """A private Docker engine with the base and dpfl images built; yields the environment."""
+    """A private Docker engine with the base and dpfl images built; yields the environment
+    (None when a requirement is missing: each test then skips or fails on its own)."""
+    if missing_requirements(NEEDED, root=True):
+        yield None
+        return
     home = Path("/tmp") / f"dpfl-docker-{os.getpid()}"  # short: the socket path is limited
     home.mkdir(parents=True, exist_ok=True)
     sock = home / "docker.sock"
@@ -81,8 +105,10 @@ def docker_env(tmp_path_factory):
         shutil.rmtree(home, ignore_errors=True)
 
 
+@pytest.mark.e2e
 def test_compose_files_validate():
     """The compose file and its overrides are valid for Debian's docker-compose."""
+    require(tools=("docker-compose",), what="the compose file check")
     for extra in ([], ["-f", "deploy/compose.insecure.yml"], ["-f", "deploy/compose.gpu.yml"]):
         proc = subprocess.run(["docker-compose", "-f", "docker-compose.yml", *extra, "config",
                                "-q"], cwd=ROOT, capture_output=True, text=True)
@@ -93,8 +119,10 @@ def test_compose_files_validate():
     assert gpu.count("driver: nvidia") == 2  # both SuperNodes, not the SuperLink
 
 
+@pytest.mark.e2e
 def test_image_has_every_role(docker_env):
     """One image: each role name maps to its Flower binary (the version proves it runs)."""
+    _require_engine()
     for role in ("superlink", "supernode"):
         out = _run(["docker", "run", "--rm", IMAGE, role, "--version"], docker_env)
         assert "1.39.0" in out
@@ -108,9 +136,11 @@ def test_image_has_every_role(docker_env):
     assert out.split() == ["None", "None"]  # optional: the image stays small
 
 
+@pytest.mark.e2e
 def test_compose_federation_tls_auth(docker_env, tmp_path):
     """`deploy/compose.sh up/run/down` (docker-compose.yml, TLS + SuperNode auth): a
     SuperLink, a ServerApp SuperExec and two SuperNodes in containers run two DP rounds."""
+    _require_engine()
     state = tmp_path / "compose"
     script = str(ROOT / "deploy" / "compose.sh")
     try:
@@ -137,9 +167,11 @@ def test_compose_federation_tls_auth(docker_env, tmp_path):
     assert left.strip() == ""
 
 
+@pytest.mark.e2e
 def test_launcher_four_clients(docker_env, tmp_path):
     """`dpfl deploy up --clients 4` (Docker SDK) creates four SuperNodes with partitions
     0..3 of 4; one DP round completes with all four; `down` removes everything it made."""
+    _require_engine()
     state = tmp_path / "n4"
     dpfl = [sys.executable, "-m", "dpfl.cli", "deploy"]
     try:

@@ -1,4 +1,7 @@
-"""Every DP method runs from `flwr run` by name: 2 clients, 2 rounds, real simulation."""
+"""Every DP method runs from `flwr run` by name (2 clients, 2-3 rounds, real simulation) and
+does what the method does, read back from its run directory: GCFL's conflict counts and the
+projection they cause, DP-SCAFFOLD's server control variate, FedExP's step size against its
+closed form, PEGASUS' selection rule, AADP-FL's Rényi filter stopping a client."""
 
 import json
 import subprocess
@@ -11,8 +14,26 @@ pytestmark = pytest.mark.e2e
 ROOT = Path(__file__).resolve().parents[2]
 
 
+def _simulate(tmp_path: Path, name: str, *overrides: str, clients: int = 2) -> Path:
+    """`dpfl simulate` on digits; returns the run directory."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "dpfl.cli", "simulate", "--clients", str(clients),
+         "--output-dir", str(tmp_path), "dataset=digits", "batch-size=32", f"run-name={name}",
+         *overrides],
+        cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return tmp_path / name
+
+
+def _read(run: Path) -> tuple[list[dict], dict, dict, dict]:
+    """rounds.jsonl, ledger.json, summary.json, config.json of a run."""
+    rounds = [json.loads(l) for l in (run / "rounds.jsonl").read_text().splitlines()]
+    return (rounds, *(json.loads((run / f).read_text())
+                      for f in ("ledger.json", "summary.json", "config.json")))
+
+
 @pytest.mark.parametrize("strategy,extra", [
-    ("gcfl", []), ("dpfedprox", ["prox-mu=0.1"]), ("dpscaffold", []), ("dpfedexp", []),
+    ("dpfedprox", ["prox-mu=0.1"]),
     ("dpfedavg", ["trainer=update-dp", "clip-norm=0.5", "lr=0.1", "local-epochs=2"]),
 ])
 def test_method_runs_by_name(tmp_path, strategy, extra):
@@ -28,6 +49,84 @@ def test_method_runs_by_name(tmp_path, strategy, extra):
     assert [r["train"]["accepted"] for r in rounds] == [2, 2]
     assert summary["final"]["accuracy"] > summary["initial"]["accuracy"]
     assert all(c["epsilon"] <= 8.0 for c in summary["clients"].values())
+
+
+def test_gcfl_records_conflicts_and_projects_them(tmp_path):
+    """Each round GCFL draws one reference among the two updates and projects the other one
+    when their cosine is negative. The record must say so consistently: a conflict <=>
+    a negative smallest cosine <=> one corrected update <=> an aggregate moved away from
+    the plain weighted mean (correction norm > 0); no conflict <=> none of these. (With DP
+    noise the sign of the cosine is a coin flip per round: both branches are valid.)"""
+    run = _simulate(tmp_path, "g", "strategy=gcfl", "num-rounds=3", "lr=0.5",
+                    "target-epsilon=8.0")
+    rounds, ledger, summary, _ = _read(run)
+    assert summary["guarantee"]["verdict"] == "formal"
+    assert ledger["mismatches"] == []
+    assert [r["round"] for r in rounds] == [1, 2, 3]
+    for r in rounds:
+        t = r["train"]
+        print(f"round {r['round']}: conflicts {t['gcfl-conflicts']}, min cosine "
+              f"{t['gcfl-min-cosine']:.4g}, correction norm {t['gcfl-correction-norm']:.4g}")
+        assert t["accepted"] == 2 and t["gcfl-references"] == 1
+        assert t["gcfl-conflicts"] in (0, 1)  # one non-reference update x one reference
+        assert -1.0 <= t["gcfl-min-cosine"] <= 1.0
+        conflict = t["gcfl-conflicts"] == 1
+        assert (t["gcfl-min-cosine"] < 0) == conflict, t
+        assert t["gcfl-corrected"] == t["gcfl-conflicts"], t
+        assert (t["gcfl-correction-norm"] > 0) == conflict, t
+    assert summary["final"]["accuracy"] > summary["initial"]["accuracy"]
+    assert all(c["epsilon"] <= 8.0 for c in summary["clients"].values())
+
+
+def test_dpscaffold_server_control_variate_moves(tmp_path):
+    """c starts at 0 and moves every round by (|S|/N) mean_i Delta c_i; the recorded norms
+    agree with each other and with the control variate saved in the checkpoint."""
+    import torch
+
+    run = _simulate(tmp_path, "s", "strategy=dpscaffold", "num-rounds=2", "lr=0.5",
+                    "target-epsilon=8.0")
+    rounds, ledger, summary, _ = _read(run)
+    assert summary["guarantee"]["verdict"] == "formal"
+    assert ledger["mismatches"] == []
+    t1, t2 = rounds[0]["train"], rounds[1]["train"]
+    for t in (t1, t2):
+        assert t["accepted"] == 2 and t["scaffold-participation"] == 1.0  # 2 of 2 clients
+        assert t["scaffold-delta-norm"] > 0 and t["scaffold-control-step-norm"] > 0
+        assert t["scaffold-control-step-norm"] == pytest.approx(
+            t["scaffold-participation"] * t["scaffold-delta-norm"], rel=1e-4)
+    # from c = 0, round 1's step is the whole control variate: non-zero after round 1
+    assert t1["scaffold-control-norm"] > 0
+    assert t1["scaffold-control-norm"] == pytest.approx(t1["scaffold-control-step-norm"],
+                                                        rel=1e-4)
+    assert t2["scaffold-control-norm"] != t1["scaffold-control-norm"]
+    checkpoint = torch.load(run / "checkpoint.pt", weights_only=False)
+    control = checkpoint["strategy"]["control"]
+    assert float(control.norm()) == pytest.approx(t2["scaffold-control-norm"], rel=1e-6)
+    params = sum(v.numel() for k, v in checkpoint["model"].items()
+                 if not k.endswith(("running_mean", "running_var", "num_batches_tracked")))
+    assert control.numel() == params
+
+
+def test_dpfedexp_step_size_follows_the_closed_form(tmp_path):
+    """The recorded server step size is eta_g = max(1, sum_i ||Delta_i||^2 /
+    (2 M (||Delta_bar||^2 + eps))) of the recorded quantities (eps = fedexp-epsilon)."""
+    run = _simulate(tmp_path, "x", "strategy=dpfedexp", "num-rounds=2", "lr=0.5",
+                    "target-epsilon=8.0")
+    rounds, ledger, summary, config = _read(run)
+    assert summary["guarantee"]["verdict"] == "formal"
+    assert ledger["mismatches"] == []
+    eps = config["fedexp-epsilon"]
+    for r in rounds:
+        t = r["train"]
+        m, total, mean_sq = t["fedexp-clients"], t["fedexp-sum-sq-norm"], t["fedexp-mean-sq-norm"]
+        print(f"round {r['round']}: eta_g {t['server-step-size']:.6g}, sum {total:.6g}, "
+              f"mean^2 {mean_sq:.6g}")
+        assert m == t["accepted"] == 2
+        assert total >= m * mean_sq * (1 - 1e-9)  # sum ||D_i||^2 >= M ||mean D||^2
+        assert t["server-step-size"] == pytest.approx(
+            max(1.0, total / (2 * m * (mean_sq + eps))), rel=1e-9)
+        assert t["server-step-size"] >= 1.0
+    assert summary["final"]["accuracy"] > summary["initial"]["accuracy"]
 
 
 def test_pegasus_selects_below_mean_clients(tmp_path):
@@ -52,23 +151,56 @@ def test_pegasus_selects_below_mean_clients(tmp_path):
     assert summary["guarantee"]["verdict"] == "formal"
 
 
-def test_aadp_runs_with_a_renyi_filter(tmp_path):
-    """AADP-FL: longitudinal clipping + per-round calibrated noise, Nadam server, adaptive
-    per-round budgets; each client's history is adaptive and bounded by the filter."""
-    proc = subprocess.run(
-        [sys.executable, "-m", "dpfl.cli", "simulate", "--clients", "2", "--output-dir",
-         str(tmp_path), "strategy=aadp", "trainer=update-dp", "dataset=digits",
-         "partitioning=size", "num-rounds=3", "batch-size=32", "lr=0.05", "clip-norm=1.0",
-         "server-lr=0.01", "target-epsilon=30.0", "aadp-epsilon=4.0", "run-name=a"],
-        cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    ledger = json.loads((tmp_path / "a" / "ledger.json").read_text())
-    summary = json.loads((tmp_path / "a" / "summary.json").read_text())
+def test_aadp_renyi_filter_stops_a_client(tmp_path):
+    """AADP-FL: longitudinal clipping + per-round calibrated noise, Nadam server, per-round
+    budgets proportional to data. Each client's history is adaptive and bounded by a Rényi
+    filter at target-epsilon: with a budget of 8 and per-round budgets 4 x (2/3, 4/3), some
+    client's filter refuses a round. The refusal is recorded with a budget reason, charges
+    nothing, and is exactly the filter's verdict on the recorded events (derived here from
+    ledger.json with dpfl.privacy.filter, not from hard-coded numbers).
+    aadp-threshold is tiny so the per-round budgets never rise: the planned event of a
+    refused round then has the public parameters of the client's earlier ones."""
+    from dpfl.privacy.events import PrivacyEvent, history_rdp
+    from dpfl.privacy.filter import RenyiFilter
+
+    run = _simulate(tmp_path, "a", "strategy=aadp", "trainer=update-dp", "partitioning=size",
+                    "num-rounds=3", "lr=0.05", "clip-norm=1.0", "server-lr=0.01",
+                    "target-epsilon=8.0", "aadp-epsilon=4.0", "aadp-threshold=1e-12")
+    rounds, ledger, summary, config = _read(run)
     assert summary["guarantee"]["verdict"] == "formal"
     assert "Rényi filter" in summary["guarantee"]["scope"]
+    assert ledger["mismatches"] == []
+    flt = RenyiFilter(config["target-epsilon"], config["delta"], "client")
     sigmas = {}
     for name, info in ledger["clients"].items():
         assert info["adaptive"] and info["unit"] == "client"
-        sigmas[name] = info["events"][0]["sigma"]
+        events = [PrivacyEvent(**e) for e in info["events"]]
+        # budgets never rose: one sigma per client; and every prefix stayed inside the filter
+        assert len({e.sigma for e in events}) == 1, info["events"]
+        sigmas[name] = events[0].sigma
+        for k in range(1, len(events) + 1):
+            assert flt.admits(history_rdp(events[:k])), (name, k)
     # size-skewed data: the bigger client gets the bigger per-round epsilon, less noise
     assert sigmas["client-1"] < sigmas["client-0"]
+    assert len({r["train"]["mean-round-epsilon"] for r in rounds if r["train"]}) == 1
+
+    refusals = [(r["round"], c, info) for r in rounds for c, info in r["clients"].items()
+                if info["status"] == "refused"]
+    assert refusals, f"no client was refused: {[r['clients'] for r in rounds]}"
+    checked = 0
+    for rnd, client, info in refusals:
+        assert info["reason"].startswith("budget"), info
+        recorded = ledger["clients"].get(client, {"events": []})["events"]
+        assert all(e["round"] != rnd for e in recorded), (client, rnd)  # charged nothing
+        before = [PrivacyEvent(**e) for e in recorded if e["round"] < rnd]
+        prev = [r for r in rounds if r["round"] == rnd - 1]
+        if prev and client in prev[0]["epsilon"]:  # the round's epsilon did not move
+            now = next(r for r in rounds if r["round"] == rnd)["epsilon"][client]
+            assert now == pytest.approx(prev[0]["epsilon"][client], rel=1e-12)
+        if not before:
+            continue
+        planned = PrivacyEvent(**{**recorded[-1], "round": rnd})
+        assert flt.admits(history_rdp(before)), (client, rnd)
+        assert flt.would_exceed(before, planned), (client, rnd)
+        checked += 1
+    assert checked, "no refusal came after at least one admitted round"

@@ -1,22 +1,79 @@
 """Multi-host deployment on this machine: network namespaces as hosts, the SuperLink's gRPC
 Fleet API over TLS with SuperNode authentication, a real DP strategy for two rounds; a
-SuperNode with an unregistered key, and one without the CA, are refused."""
+SuperNode with an unregistered key, and one without the CA, are refused.
+
+They need root, iproute2 with network namespaces, openssl and ssh-keygen: without them a
+test skips, or fails under CI=true (see ``requirements.py``)."""
 
 import json
 import os
-import shutil
 import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
 
-pytestmark = [pytest.mark.e2e, pytest.mark.skipif(
-    os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("openssl") is None,
-    reason="needs root, iproute2 and openssl (network namespaces)")]
+from requirements import command_works, missing_requirements, require
+
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "deploy" / "netns.sh"
 PREFIX = "dpflt"  # test namespaces: dpflt-*, dpflf-*
+TOOLS = ("ip", "openssl", "ssh-keygen")  # deploy/netns.sh, deploy/certs.sh
+
+
+def _require(environ=None) -> None:
+    require(tools=TOOLS, root=True, probes={"ip netns": command_works("ip", "netns", "list")},
+            what="the network-namespace deployment test", environ=environ)
+
+
+# -- the requirement check itself (quick, no namespaces) --------------------------------------
+
+
+def test_missing_requirements_fail_under_ci_and_skip_outside(monkeypatch):
+    monkeypatch.setenv("PATH", "")  # nothing on PATH: every tool is missing
+    with pytest.raises(pytest.fail.Exception,
+                       match="'ip' on PATH, 'openssl' on PATH, 'ssh-keygen' on PATH, "
+                             "a working 'ip netns'.*CI=true"):
+        _require({"CI": "true"})
+    for env in ({}, {"CI": "false"}, {"CI": ""}):
+        with pytest.raises(pytest.skip.Exception, match="'ip' on PATH"):
+            _require(env)
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    with pytest.raises(pytest.fail.Exception, match="root"):
+        require(root=True, environ={"CI": "1"})
+    monkeypatch.undo()
+    with pytest.raises(pytest.fail.Exception, match="'dpfl-no-such-tool' on PATH"):
+        require(tools=("sh", "dpfl-no-such-tool"), environ={"CI": "TRUE"})
+    with pytest.raises(pytest.skip.Exception, match="a working 'probe'"):
+        require(probes={"probe": lambda: False}, environ={})
+    assert missing_requirements(tools=("sh",), probes={"true": command_works("true")}) == []
+    require(tools=("sh",), environ={"CI": "true"})  # nothing missing: returns
+
+
+@pytest.mark.parametrize("ci,outcome", [("true", "1 failed"), (None, "1 skipped")])
+def test_missing_tool_is_a_failed_test_under_ci(tmp_path, ci, outcome):
+    """In a real pytest run: CI=true turns the missing tool into a FAILED test whose report
+    names the tool; without CI the test is skipped with the same message."""
+    (tmp_path / "pytest.ini").write_text("[pytest]\n")
+    (tmp_path / "test_needs_tool.py").write_text(
+        "from requirements import require\n\n"
+        "def test_needs_tool():\n"
+        "    require(tools=('dpfl-no-such-tool',), what='the probe test')\n")
+    env = {k: v for k, v in os.environ.items() if k != "CI"}
+    env["PYTHONPATH"] = str(Path(__file__).parent)
+    if ci is not None:
+        env["CI"] = ci
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-rfs", "-p", "no:cacheprovider",
+                           "test_needs_tool.py"], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=120)
+    out = proc.stdout + proc.stderr
+    assert outcome in out, out
+    assert "the probe test needs 'dpfl-no-such-tool' on PATH" in out, out
+    assert proc.returncode == (1 if ci else 0), out
+
+
+# -- the deployment tests -------------------------------------------------------------------
 
 
 def _sh(*args, timeout=300, check=True):
@@ -59,9 +116,11 @@ def _wait_first_round(rounds_file: Path, timeout: float = 300.0) -> Path:
     return rounds_file
 
 
+@pytest.mark.e2e
 def test_tls_authenticated_federation_across_namespaces(tmp_path):
     """Intruders first (unregistered key, no CA, plaintext): all refused; then the
     federation carries on and runs two DP rounds over TLS with authenticated nodes."""
+    _require()
     state = tmp_path / "fed"
     try:
         up = _sh("up", str(state), "--nodes", "2", "--prefix", PREFIX)
@@ -97,10 +156,12 @@ def test_tls_authenticated_federation_across_namespaces(tmp_path):
     assert f"{PREFIX}-" not in listed
 
 
+@pytest.mark.e2e
 def test_supernode_killed_mid_round(tmp_path):
     """Three SuperNodes; one is killed (by PID, with its ClientApp processes) while round 2
     trains. The round completes with the other two after the round timeout, the run
     finishes, and the ledger charges the dead node nothing for its unfinished round."""
+    _require()
     from dpfl.launch import descendants
 
     state = tmp_path / "fed"
@@ -137,12 +198,14 @@ def test_supernode_killed_mid_round(tmp_path):
         _sh("down", str(state), check=False)
 
 
+@pytest.mark.e2e
 def test_superlink_restarted_mid_run_resumes_from_checkpoint(tmp_path):
     """The SuperLink (and with it the ServerApp) is restarted while round 2 trains; the run
     is resumed from its last checkpoint: every round appears once, each client's ledger holds
     one event per round (nothing lost, nothing double-counted) and its epsilon equals an
     Opacus accountant over those rounds; the clients, whose run state is new, get their
     recorded events back from the server and report the same epsilon."""
+    _require()
     from opacus.accountants import RDPAccountant
 
     state = tmp_path / "fed"
