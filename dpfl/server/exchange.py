@@ -49,12 +49,13 @@ class ReplyExchange:
         busy = self.busy_nodes()
         if any(m.metadata.dst_node_id in busy for m in messages):
             raise ValueError("a message is addressed to a node that is still busy")
-        current = {str(mid) for mid in self.grid.push_messages(messages) if mid}
-        for msg in messages:
-            mid = msg.metadata.message_id  # set by push_messages
-            if mid in current:
-                self.outstanding[mid] = server_round
-                self.busy[mid] = int(msg.metadata.dst_node_id)
+        ids = list(self.grid.push_messages(messages))  # in message order (None = not pushed)
+        current = set()
+        for msg, mid in zip(messages, ids):
+            if mid:
+                current.add(str(mid))
+                self.outstanding[str(mid)] = server_round
+                self.busy[str(mid)] = int(msg.metadata.dst_node_id)
         replies: list[Message] = []
         late: list[tuple[int, Message]] = []
         deadline = time.monotonic() + timeout
