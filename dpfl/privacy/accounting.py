@@ -11,26 +11,76 @@ No home-made accountant: every epsilon below comes from ``opacus.accountants`` o
 - Sampling ``poisson``: each unit joins a round independently with probability q (the
   Opacus DP-SGD model, add-remove only). ``fixed``: a fixed-size sample without
   replacement (analysed under replace-one, as in Wang, Balle & Kasiviswanathan 2019).
-  ``none``: every round uses the unit.
+  ``none``: every round uses the unit (a ``sampling_rate`` below 1 is then refused rather
+  than silently dropped).
+
+Accountants:
+
+- ``rdp``: Rényi DP (Opacus' for DP-SGD, dp-accounting's otherwise). A valid upper bound,
+  the loosest of the three.
+- ``prv``: Opacus' PRV accountant, DP-SGD (sample-level) histories only.
+- ``pld``: dp-accounting's ``PLDAccountant`` (privacy loss distributions, pessimistic
+  discretisation: an upper bound at every discretisation interval) for both DP-SGD steps
+  (``PoissonSampledDpEvent(q, GaussianDpEvent(sigma))`` composed ``steps`` times,
+  add-remove) and client-level events. The tightest of the three. Each distinct event is
+  composed once with its count, plain Gaussians of different sigmas are merged exactly
+  into one (:func:`_merge_gaussians`), and results are cached by the composition's
+  canonical signature. When the grid at the default interval (1e-4) would be too large
+  (very long or low-noise histories) it falls back to a coarser interval, then to RDP
+  (both still upper bounds), logs a warning on ``flwr.dpfl.accounting`` and says which it
+  used (:func:`events_epsilon_detail`).
 """
 
 from __future__ import annotations
 
+import logging
 import math
 from functools import lru_cache
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 import dp_accounting
 from dp_accounting import dp_event
 from dp_accounting.pld import pld_privacy_accountant
 from dp_accounting.rdp import rdp_privacy_accountant
 
+log = logging.getLogger("flwr.dpfl.accounting")
+
 RELATIONS = ("add-remove", "replace-one")
 SAMPLINGS = ("none", "poisson", "fixed")
+DPSGD_ACCOUNTANTS = ("rdp", "prv", "pld")
+EVENT_ACCOUNTANTS = ("rdp", "pld")
 NeighborRel = dp_accounting.NeighboringRelation
+
+# PLD discretisation intervals, finest first: the first whose grid fits is used, then RDP.
+PLD_INTERVALS = (1e-4, 1e-3, 1e-2)
+# Largest PLD grid (estimated number of points, see _pld_points) we try to build. ~4e6
+# points keep every array of the FFT composition at ~64 MB and the build at a few seconds.
+PLD_MAX_POINTS = 4_000_000
+# Tail probability for the size estimate: dp-accounting truncates composed PLDs at 1e-15.
+_PLD_TAIL_DELTA = 1e-15
+# Integer RDP orders for the size estimate: several times faster than the default grid
+# (no fractional series) and a subset of it, so their epsilon is never below the default
+# one and the estimate only errs on the large side.
+_PLD_SIZE_ORDERS = (2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 48, 63, 128, 256, 512, 1024)
 
 # (noise_multiplier, sample_rate, steps): Opacus' own history format for DP-SGD.
 DpsgdHistory = Sequence[tuple[float, float, int]]
+EventCounts = Iterable[tuple[dp_event.DpEvent, int]]
+
+
+def _check_delta(delta: float) -> None:
+    if not 0.0 < delta < 1.0:
+        raise ValueError(f"delta must be in (0, 1), got {delta}")
+
+
+def _interval_label(interval: float) -> str:
+    """1e-4 -> '1e-4' (method descriptions)."""
+    mantissa, exponent = f"{interval:.0e}".split("e")
+    return f"{mantissa}e{int(exponent)}"
+
+
+# ---------------------------------------------------------------------------------------
+# DP-SGD (sample-level)
 
 
 def _opacus_accountant(accountant: str):
@@ -40,65 +90,116 @@ def _opacus_accountant(accountant: str):
         return RDPAccountant()
     if accountant == "prv":
         return PRVAccountant()
-    raise ValueError(f"accountant must be 'rdp' or 'prv', got {accountant!r}")
+    raise ValueError(f"accountant must be one of {DPSGD_ACCOUNTANTS}, got {accountant!r}")
+
+
+def dpsgd_event(noise_multiplier: float, sample_rate: float) -> dp_event.DpEvent:
+    """The dp-accounting event of ONE DP-SGD step: a Gaussian of multiplier sigma on a
+    Poisson(q) sample (add-remove, the Opacus model); q = 1 is the plain Gaussian."""
+    sigma, q = float(noise_multiplier), float(sample_rate)
+    if not sigma > 0:
+        raise ValueError("noise_multiplier must be > 0")
+    if not 0.0 < q <= 1.0:
+        raise ValueError(f"sample_rate must be in (0, 1], got {sample_rate}")
+    base = dp_event.GaussianDpEvent(sigma)
+    return base if q >= 1.0 else dp_event.PoissonSampledDpEvent(q, base)
+
+
+def dpsgd_history_epsilon_detail(history: DpsgdHistory, delta: float,
+                                 accountant: str = "rdp") -> tuple[float, str]:
+    """(epsilon, method) of a DP-SGD history [(sigma, q, steps), ...].
+
+    Sample-level, add-remove, Poisson sampling (the Opacus model). ``rdp``/``prv``:
+    Opacus' accountants; ``pld``: dp-accounting's PLD accountant (method says which
+    discretisation, or the RDP fallback, was used).
+    """
+    _check_delta(delta)
+    if accountant not in DPSGD_ACCOUNTANTS:
+        raise ValueError(f"accountant must be one of {DPSGD_ACCOUNTANTS}, got {accountant!r}")
+    entries = [(float(s), float(q), int(n)) for s, q, n in history if int(n) > 0]
+    if not entries:
+        return 0.0, accountant
+    if accountant == "pld":
+        return events_epsilon_detail([(dpsgd_event(s, q), n) for s, q, n in entries], delta,
+                                     "pld")
+    acc = _opacus_accountant(accountant)
+    acc.history = entries
+    return float(acc.get_epsilon(delta=delta)), accountant
 
 
 def dpsgd_history_epsilon(history: DpsgdHistory, delta: float, accountant: str = "rdp") -> float:
-    """Epsilon of a DP-SGD history [(sigma, q, steps), ...] with Opacus' accountant.
-
-    Sample-level, add-remove, Poisson sampling (the Opacus model).
-    """
-    _check_delta(delta)
-    entries = [(float(s), float(q), int(n)) for s, q, n in history if int(n) > 0]
-    if not entries:
-        return 0.0
-    acc = _opacus_accountant(accountant)
-    acc.history = entries
-    return float(acc.get_epsilon(delta=delta))
+    """Epsilon of a DP-SGD history [(sigma, q, steps), ...] (Opacus RDP/PRV or
+    dp-accounting PLD); see :func:`dpsgd_history_epsilon_detail`."""
+    return dpsgd_history_epsilon_detail(history, delta, accountant)[0]
 
 
 def dpsgd_epsilon(sample_rate: float, noise_multiplier: float, steps: int, delta: float,
                   accountant: str = "rdp") -> float:
-    """Epsilon after ``steps`` Poisson-subsampled Gaussian steps (Opacus RDP or PRV)."""
+    """Epsilon after ``steps`` Poisson-subsampled Gaussian steps (RDP, PRV or PLD)."""
     return dpsgd_history_epsilon([(noise_multiplier, sample_rate, steps)], delta, accountant)
 
 
 @lru_cache(maxsize=256)
 def calibrate_dpsgd_noise(target_epsilon: float, delta: float, sample_rate: float, steps: int,
-                          accountant: str = "rdp", tolerance: float = 0.01) -> float:
-    """Smallest sigma (within ``tolerance`` in epsilon) whose DP-SGD epsilon <= target
-    (Opacus' ``get_noise_multiplier``)."""
-    from opacus.accountants.utils import get_noise_multiplier
+                          accountant: str = "rdp", tolerance: float = 0.01,
+                          rel_tol: float = 1e-3) -> float:
+    """Smallest sigma whose DP-SGD epsilon after ``steps`` steps is <= ``target_epsilon``.
 
+    ``rdp``/``prv``: Opacus' ``get_noise_multiplier`` (epsilon in
+    [target - ``tolerance``, target]). ``pld``: bisection in sigma on
+    :func:`dpsgd_epsilon` (the very function the history is later accounted with, so a
+    calibrated run never overshoots by rounding): returns sigma with epsilon(sigma) <=
+    target < epsilon(sigma * (1 - ``rel_tol``)).
+    """
     if target_epsilon <= 0:
         raise ValueError("target_epsilon must be > 0")
+    _check_delta(delta)
+    if accountant == "pld":
+        def items(sigma: float):
+            return ((dpsgd_event(sigma, sample_rate), int(steps)),)
+
+        return _calibrate_pld(items, delta, target_epsilon, rel_tol)
+    if accountant not in DPSGD_ACCOUNTANTS:
+        raise ValueError(f"accountant must be one of {DPSGD_ACCOUNTANTS}, got {accountant!r}")
+    from opacus.accountants.utils import get_noise_multiplier
+
     return float(get_noise_multiplier(target_epsilon=target_epsilon, target_delta=delta,
                                       sample_rate=sample_rate, steps=steps,
                                       accountant=accountant, epsilon_tolerance=tolerance))
 
 
-def _check_delta(delta: float) -> None:
-    if not 0.0 < delta < 1.0:
-        raise ValueError(f"delta must be in (0, 1), got {delta}")
+# ---------------------------------------------------------------------------------------
+# dp-accounting events (client-level, and DP-SGD steps for PLD)
 
 
 def gaussian_event(noise_multiplier: float, sampling_rate: float = 1.0, sampling: str = "none",
                    relation: str = "add-remove", population_size: int | None = None
                    ) -> dp_event.DpEvent:
-    """The dp-accounting event of one Gaussian release under the given sampling/relation."""
+    """The dp-accounting event of one Gaussian release under the given sampling/relation.
+
+    ``sampling='none'`` means every round uses the unit: a ``sampling_rate`` below 1 is
+    then refused (ValueError) instead of being dropped, since the resulting sigma would be
+    calibrated for an unsampled mechanism while the caller meant a sampled one.
+    """
     if relation not in RELATIONS:
         raise ValueError(f"relation must be one of {RELATIONS}, got {relation!r}")
     if sampling not in SAMPLINGS:
         raise ValueError(f"sampling must be one of {SAMPLINGS}, got {sampling!r}")
     if noise_multiplier <= 0:
         raise ValueError("noise_multiplier must be > 0")
+    if not 0.0 < sampling_rate <= 1.0:
+        raise ValueError(f"sampling_rate must be in (0, 1], got {sampling_rate}")
+    if sampling == "none" and sampling_rate < 1.0:
+        raise ValueError(
+            f"sampling_rate={sampling_rate} < 1 with sampling='none': the rate would be "
+            "ignored (every round would be accounted as using the unit); pass "
+            "sampling='poisson' (or sampling='fixed' with relation='replace-one') to account "
+            "for the sampling, or sampling_rate=1.0")
     # replace-one doubles the sensitivity of the released sum: sigma_eff = sigma / 2
     sigma = noise_multiplier / 2.0 if relation == "replace-one" else noise_multiplier
     base = dp_event.GaussianDpEvent(sigma)
     if sampling == "none" or sampling_rate >= 1.0:
         return base
-    if not 0.0 < sampling_rate <= 1.0:
-        raise ValueError(f"sampling_rate must be in (0, 1], got {sampling_rate}")
     if sampling == "poisson":
         if relation != "add-remove":
             raise ValueError("Poisson sampling is accounted under add-remove only")
@@ -118,26 +219,141 @@ def _relation_enum(event: dp_event.DpEvent) -> NeighborRel:
     return NeighborRel.ADD_OR_REMOVE_ONE
 
 
-def events_epsilon(events: Iterable[tuple[dp_event.DpEvent, int]], delta: float,
-                   accountant: str = "rdp") -> float:
-    """Epsilon of composed (event, count) pairs with dp-accounting's RDP or PLD accountant."""
-    _check_delta(delta)
-    items = [(e, int(c)) for e, c in events if int(c) > 0]
-    if not items:
-        return 0.0
+def _canonical(events: EventCounts) -> tuple[tuple[dp_event.DpEvent, int], ...]:
+    """Equal events merged (counts summed), sorted: the order-free signature of a
+    composition. Equal signatures give bit-identical epsilons (and share the cache)."""
+    counts: dict[dp_event.DpEvent, int] = {}
+    for e, c in events:
+        if int(c) > 0:
+            counts[e] = counts.get(e, 0) + int(c)
+    return tuple(sorted(counts.items(), key=lambda item: repr(item[0])))
+
+
+def _relation_of(items: Sequence[tuple[dp_event.DpEvent, int]]) -> NeighborRel:
     relations = {_relation_enum(e) for e, _ in items}
     if len(relations) > 1:
         raise ValueError("cannot compose events under different neighbouring relations")
-    relation = relations.pop()
-    if accountant == "rdp":
-        acc = rdp_privacy_accountant.RdpAccountant(neighboring_relation=relation)
-    elif accountant == "pld":
-        acc = pld_privacy_accountant.PLDAccountant(neighboring_relation=relation)
-    else:
-        raise ValueError(f"accountant must be 'rdp' or 'pld', got {accountant!r}")
+    return relations.pop()
+
+
+def _rdp_epsilon(items, relation: NeighborRel, delta: float,
+                 orders: Sequence[float] | None = None) -> float:
+    acc = rdp_privacy_accountant.RdpAccountant(
+        orders=None if orders is None else list(orders), neighboring_relation=relation)
     for event, count in items:
         acc.compose(event, count)
     return float(acc.get_epsilon(delta))
+
+
+def _pld_points(rdp_tail_epsilon: float, interval: float) -> float:
+    """Estimated size of the largest PLD grid dp-accounting builds for a composition.
+
+    dp-accounting keeps the privacy loss over the range that carries all but 1e-15 of its
+    mass; by the RDP (Chernoff) tail bound that range ends near the RDP epsilon at
+    delta = 1e-15. Measured over Gaussian and Poisson-subsampled Gaussian compositions
+    (sigma 0.003..5, q 1e-3..1, up to 1e5 steps) the grid's width in loss units was
+    1.1-4.9 x that epsilon (default orders), and never more than 4 x it + 20: hence the
+    estimate, evaluated with the coarser :data:`_PLD_SIZE_ORDERS` (a larger epsilon).
+    """
+    return (4.0 * rdp_tail_epsilon + 20.0) / interval
+
+
+def _merge_gaussians(items):
+    """Plain Gaussian releases of multipliers sigma_i (count c_i) compose exactly to ONE
+    Gaussian of multiplier (sum_i c_i / sigma_i^2)^(-1/2): a Gaussian's privacy loss
+    depends only on 1/sigma and these add in quadrature (Dong, Roth & Su 2019, GDP
+    composition; dp-accounting applies the same identity to a count, sigma / sqrt(c)).
+    So a history of many different sigmas (AADP's per-round epsilons) needs one PLD, not
+    one per sigma. A single Gaussian key is left to dp-accounting as it is."""
+    gauss = [(e, c) for e, c in items if type(e) is dp_event.GaussianDpEvent]
+    if len(gauss) < 2:
+        return list(items)
+    precision = math.fsum(c / e.noise_multiplier ** 2 for e, c in gauss)
+    rest = [(e, c) for e, c in items if type(e) is not dp_event.GaussianDpEvent]
+    return [(dp_event.GaussianDpEvent(precision ** -0.5), 1)] + rest
+
+
+def _pld_once(items, relation: NeighborRel, delta: float, interval: float) -> float:
+    acc = pld_privacy_accountant.PLDAccountant(neighboring_relation=relation,
+                                               value_discretization_interval=interval)
+    for event, count in _merge_gaussians(items):
+        acc.compose(event, count)  # with its count: one self-composition, not a loop
+    return float(acc.get_epsilon(delta))
+
+
+@lru_cache(maxsize=4096)
+def _pld_compute(items: tuple[tuple[dp_event.DpEvent, int], ...], delta: float,
+                 finest: float) -> tuple[float, str, tuple[str, ...]]:
+    """(epsilon, method, reasons for skipping finer grids) of a canonical composition:
+    PLD at the finest feasible interval of :data:`PLD_INTERVALS` (>= ``finest``), else
+    RDP. Every branch is an upper bound on the true epsilon."""
+    relation = _relation_of(items)
+    ladder = [iv for iv in PLD_INTERVALS if iv >= finest] or [finest]
+    tail = _rdp_epsilon(items, relation, _PLD_TAIL_DELTA, _PLD_SIZE_ORDERS)
+    skipped: list[str] = []
+    for interval in ladder:
+        label = _interval_label(interval)
+        points = _pld_points(tail, interval) if math.isfinite(tail) else math.inf
+        if points > PLD_MAX_POINTS:
+            skipped.append(f"interval {label}: ~{points:.2g} grid points > {PLD_MAX_POINTS:g}")
+            continue
+        try:
+            return _pld_once(items, relation, delta, interval), f"pld(interval={label})", \
+                tuple(skipped)
+        except MemoryError:
+            skipped.append(f"interval {label}: MemoryError")
+    return _rdp_epsilon(items, relation, delta), "rdp (pld fallback)", tuple(skipped)
+
+
+_warned: set[tuple] = set()
+
+
+def _pld_detail(items: tuple[tuple[dp_event.DpEvent, int], ...], delta: float,
+                finest: float = PLD_INTERVALS[0], warn: bool = True) -> tuple[float, str]:
+    eps, method, skipped = _pld_compute(items, delta, finest)
+    if skipped and warn and (items, delta, finest) not in _warned:
+        _warned.add((items, delta, finest))
+        log.warning("PLD accountant fell back to %s, epsilon %.6g (%s)", method, eps,
+                    "; ".join(skipped))
+    return eps, method
+
+
+def events_epsilon_detail(events: EventCounts, delta: float,
+                          accountant: str = "rdp") -> tuple[float, str]:
+    """(epsilon, method) of composed (event, count) pairs with dp-accounting.
+
+    ``rdp``: ``RdpAccountant`` (method ``"rdp"``). ``pld``: ``PLDAccountant`` composing
+    each distinct event once with its total count; method ``"pld(interval=1e-4)"`` (the
+    default discretisation), ``"pld(interval=1e-3)"``/``"pld(interval=1e-2)"`` when the
+    finer grid would not fit, or ``"rdp (pld fallback)"``. Results are cached by the
+    composition's canonical signature (order-free).
+    """
+    _check_delta(delta)
+    if accountant not in EVENT_ACCOUNTANTS:
+        raise ValueError(f"accountant must be one of {EVENT_ACCOUNTANTS}, got {accountant!r}")
+    items = _canonical(events)
+    if not items:
+        return 0.0, accountant
+    if accountant == "rdp":
+        return _rdp_epsilon(items, _relation_of(items), delta), "rdp"
+    return _pld_detail(items, float(delta))
+
+
+def events_epsilon(events: EventCounts, delta: float, accountant: str = "rdp") -> float:
+    """Epsilon of composed (event, count) pairs with dp-accounting's RDP or PLD accountant
+    (see :func:`events_epsilon_detail`)."""
+    return events_epsilon_detail(events, delta, accountant)[0]
+
+
+def gaussian_epsilon_detail(noise_multiplier: float, rounds: int, delta: float,
+                            sampling_rate: float = 1.0, sampling: str = "none",
+                            accountant: str = "rdp", relation: str = "add-remove",
+                            population_size: int | None = None) -> tuple[float, str]:
+    """(epsilon, method) of ``rounds`` Gaussian releases (client-level update DP)."""
+    event = gaussian_event(noise_multiplier, sampling_rate, sampling, relation, population_size)
+    if rounds <= 0:
+        return 0.0, accountant
+    return events_epsilon_detail([(event, rounds)], delta, accountant)
 
 
 def gaussian_epsilon(noise_multiplier: float, rounds: int, delta: float,
@@ -145,10 +361,65 @@ def gaussian_epsilon(noise_multiplier: float, rounds: int, delta: float,
                      accountant: str = "rdp", relation: str = "add-remove",
                      population_size: int | None = None) -> float:
     """Epsilon of ``rounds`` Gaussian releases (client-level update DP), dp-accounting."""
-    if rounds <= 0:
-        return 0.0
-    event = gaussian_event(noise_multiplier, sampling_rate, sampling, relation, population_size)
-    return events_epsilon([(event, rounds)], delta, accountant)
+    return gaussian_epsilon_detail(noise_multiplier, rounds, delta, sampling_rate, sampling,
+                                   accountant, relation, population_size)[0]
+
+
+# ---------------------------------------------------------------------------------------
+# calibration
+
+
+def _bisect_sigma(eps: Callable[[float], float], target: float, rel_tol: float,
+                  guess: float = 1.0, factor: float = 2.0) -> float:
+    """hi with eps(hi) <= target < eps(lo), hi - lo <= rel_tol * hi (eps decreasing).
+
+    The bracket is grown geometrically from ``guess`` (steps ``factor``, then doubling the
+    excess) so a good guess costs only a few evaluations."""
+    step = factor - 1.0
+    hi = guess
+    if eps(hi) > target:
+        lo = hi
+        while True:
+            hi = lo * (1.0 + step)
+            if hi > 1e6:
+                raise ValueError("target epsilon unreachable with sigma <= 1e6")
+            if eps(hi) <= target:
+                break
+            lo, step = hi, 2.0 * step
+    else:
+        while True:
+            lo = hi / (1.0 + step)
+            if lo < 1e-6:
+                return hi
+            if eps(lo) > target:
+                break
+            hi, step = lo, 2.0 * step
+    while hi - lo > rel_tol * hi:
+        mid = 0.5 * (lo + hi)
+        if eps(mid) > target:
+            lo = mid
+        else:
+            hi = mid
+    return hi
+
+
+def _calibrate_pld(items: Callable[[float], tuple], delta: float, target: float,
+                   rel_tol: float) -> float:
+    """Bisection on the PLD epsilon, coarse to fine: located on the cheap 1e-2 grid, then
+    refined on 1e-3 and finally on the accounting function itself (1e-4 with its
+    fallbacks), which decides the answer: eps(sigma) <= target < eps(sigma (1 - rel_tol))."""
+    sigma, factor = 1.0, 2.0
+    stages = sorted(PLD_INTERVALS, reverse=True)
+    for i, finest in enumerate(stages):
+        # the coarse stages only steer the search: no fallback warnings from them
+        def eps(s: float, finest: float = finest, last: bool = i == len(stages) - 1) -> float:
+            return _pld_detail(_canonical(items(s)), delta, finest, warn=last)[0]
+
+        sigma = _bisect_sigma(eps, target, rel_tol, sigma, factor)
+        # a finer grid moves epsilon by ~1e-3 relative (1e-2 -> 1e-3) or ~1e-5
+        # (1e-3 -> 1e-4): start the next stage with a bracket of that size
+        factor = 1.0 + (2.0 * rel_tol if i == 0 else rel_tol)
+    return sigma
 
 
 @lru_cache(maxsize=256)
@@ -158,10 +429,22 @@ def calibrate_noise(target_epsilon: float, delta: float, rounds: int,
                     population_size: int | None = None, rel_tol: float = 1e-4) -> float:
     """Smallest sigma (to ``rel_tol``) with ``gaussian_epsilon(sigma, ...) <= target``.
 
-    Bisection on sigma; epsilon is decreasing in sigma.
+    Bisection on sigma; epsilon is decreasing in sigma. A ``sampling_rate`` below 1 needs
+    ``sampling='poisson'`` or ``'fixed'`` (ValueError with ``sampling='none'``).
     """
     if target_epsilon <= 0:
         raise ValueError("target_epsilon must be > 0")
+    _check_delta(delta)
+    if accountant not in EVENT_ACCOUNTANTS:
+        raise ValueError(f"accountant must be one of {EVENT_ACCOUNTANTS}, got {accountant!r}")
+    gaussian_event(1.0, sampling_rate, sampling, relation, population_size)  # validate
+
+    if accountant == "pld" and rounds > 0:
+        def items(sigma: float):
+            return ((gaussian_event(sigma, sampling_rate, sampling, relation,
+                                    population_size), int(rounds)),)
+
+        return _calibrate_pld(items, delta, target_epsilon, rel_tol)
 
     def eps(sigma: float) -> float:
         return gaussian_epsilon(sigma, rounds, delta, sampling_rate, sampling, accountant,
@@ -179,6 +462,10 @@ def calibrate_noise(target_epsilon: float, delta: float, rounds: int,
         else:
             hi = mid
     return hi
+
+
+# ---------------------------------------------------------------------------------------
+# pure epsilon
 
 
 def laplace_epsilon(epsilons: Sequence[float], delta_prime: float = 0.0) -> float:

@@ -4,12 +4,22 @@ An event is one charge with public parameters: a DP-SGD run (sigma, Poisson rate
 a Gaussian release (sigma, optional Poisson rate), or a pure-epsilon release (Laplace, the
 sparse-vector technique). Epsilon always comes from the field's libraries:
 
-- ``dpsgd`` events (sample-level): Opacus' RDP analysis (``compute_rdp`` summed over the
-  history, ``get_privacy_spent``), exactly what ``opacus.accountants.RDPAccountant`` does,
-  or Opacus' PRV accountant.
-- client-level events: dp-accounting's ``RdpAccountant`` (or ``PLDAccountant``). Laplace
-  releases use its exact Laplace RDP; a generic pure eps-DP release (sparse vector) enters
-  RDP through eps-DP => (alpha, min(eps, alpha eps^2 / 2))-RDP (Bun & Steinke 2016).
+- ``dpsgd`` events (sample-level): accountant ``rdp``: Opacus' RDP analysis
+  (``compute_rdp`` summed over the history, ``get_privacy_spent``), exactly what
+  ``opacus.accountants.RDPAccountant`` does; ``prv``: Opacus' PRV accountant; ``pld``:
+  dp-accounting's ``PLDAccountant`` on ``PoissonSampledDpEvent(q, GaussianDpEvent(sigma))``
+  composed ``steps`` times (add-remove).
+- client-level events: dp-accounting's ``RdpAccountant`` (``rdp``) or ``PLDAccountant``
+  (``pld``); ``prv`` is refused (it is Opacus' DP-SGD accountant). Laplace releases use
+  the exact Laplace RDP/PLD; a generic pure eps-DP release (sparse vector) enters RDP
+  through eps-DP => (alpha, min(eps, alpha eps^2 / 2))-RDP (Bun & Steinke 2016).
+
+``pld`` is the tightest valid choice for both units. Its epsilon, like every epsilon here,
+is computed from the history's canonical signature (:func:`history_signature`: distinct
+event keys with their summed step counts, sorted), so equal histories in any order give
+bit-identical values and share a cache. If the PLD grid would be too large, the PLD
+accountant falls back to a coarser discretisation, then to RDP (both upper bounds);
+:func:`history_epsilon_detail` says which was used.
 
 RDP curves add under composition, so the epsilon of many histories is computed by building
 each distinct event's curve once and combining them with one matrix product
@@ -25,6 +35,9 @@ from typing import Iterable, Mapping, Sequence
 import numpy as np
 
 SAMPLE_LEVEL = ("dpsgd",)
+ACCOUNTANTS = ("rdp", "prv", "pld")
+PRV_CLIENT_LEVEL = ("accountant 'prv' is Opacus' DP-SGD accountant; use 'pld' or 'rdp' for "
+                    "client-level events")
 GAUSSIAN = ("gaussian", "quantile-count")
 PURE = ("laplace", "sparse-vector")
 MECHANISMS = SAMPLE_LEVEL + GAUSSIAN + PURE
@@ -115,6 +128,10 @@ def _dp_event(key: tuple):
     from dp_accounting import dp_event
 
     mechanism, sigma, rate, epsilon, relation = key
+    if mechanism == "dpsgd":
+        from dpfl.privacy.accounting import dpsgd_event
+
+        return dpsgd_event(sigma, rate)
     if mechanism == "laplace":
         return dp_event.LaplaceDpEvent(1.0 / epsilon)
     sigma_eff = sigma / 2.0 if relation == "replace-one" else sigma
@@ -190,35 +207,82 @@ def _pure_bound(unit: str, events: Sequence[PrivacyEvent], eps_rdp: float,
     return min(eps_rdp, eps_rest + sum(e.epsilon * e.steps for e in pure))
 
 
-def history_epsilon(events: Sequence[PrivacyEvent], delta: float,
-                    accountant: str = "rdp") -> float:
-    """Epsilon of a (non-adaptive) history with the named accountant."""
-    if not 0.0 < delta < 1.0:
-        raise ValueError(f"delta must be in (0, 1), got {delta}")
-    events = [e for e in events if e.steps > 0]
-    if not events:
-        return 0.0
+def history_signature(events: Iterable[PrivacyEvent]) -> tuple[tuple[tuple, int], ...]:
+    """Canonical signature of a (non-adaptive) history: ((event key, total steps), ...)
+    sorted, zero-step events dropped. Composition is order-free, so this is all the
+    accountant needs; equal signatures have equal epsilons."""
+    steps: dict[tuple, int] = {}
+    for e in events:
+        if e.steps > 0:
+            steps[e.key] = steps.get(e.key, 0) + int(e.steps)
+    return tuple(sorted(steps.items()))
+
+
+def _events_of(signature: tuple[tuple[tuple, int], ...]) -> list[PrivacyEvent]:
+    return [PrivacyEvent(0, m, sigma=s, rate=r, steps=n, epsilon=eps, relation=rel)
+            for (m, s, r, eps, rel), n in signature]
+
+
+@lru_cache(maxsize=8192)
+def _signature_epsilon(signature: tuple[tuple[tuple, int], ...], delta: float,
+                       accountant: str) -> tuple[float, str]:
+    events = _events_of(signature)
     unit = history_unit(events)
     if accountant == "rdp":
-        return _pure_bound(unit, events, rdp_to_epsilon(unit, history_rdp(events), delta), delta)
-    if unit == "sample":
-        if accountant != "prv":
-            raise ValueError("sample-level (DP-SGD) histories use accountant 'rdp' or 'prv'")
-        from dpfl.privacy.accounting import dpsgd_history_epsilon
+        eps = rdp_to_epsilon(unit, history_rdp(events), delta)
+        return _pure_bound(unit, events, eps, delta), "rdp"
+    from dpfl.privacy.accounting import dpsgd_history_epsilon_detail, events_epsilon_detail
 
-        return dpsgd_history_epsilon([(e.sigma, e.rate, e.steps) for e in events], delta, "prv")
+    if unit == "sample":
+        return dpsgd_history_epsilon_detail([(e.sigma, e.rate, e.steps) for e in events],
+                                            delta, accountant)
+    if accountant == "prv":
+        raise ValueError(PRV_CLIENT_LEVEL)
     if any(e.mechanism == "sparse-vector" for e in events):
         raise ValueError("the PLD accountant has no sparse-vector event; use accountant 'rdp'")
-    from dpfl.privacy.accounting import events_epsilon
-
-    return events_epsilon([(_dp_event(e.key), e.steps) for e in events], delta, "pld")
+    return events_epsilon_detail([(_dp_event(e.key), e.steps) for e in events], delta, "pld")
 
 
-def histories_epsilon(histories: Mapping[str, Sequence[PrivacyEvent]], delta: float
-                      ) -> dict[str, float]:
-    """RDP epsilon of many histories at once: each distinct event's curve is built once;
+def history_epsilon_detail(events: Sequence[PrivacyEvent], delta: float,
+                           accountant: str = "rdp") -> tuple[float, str]:
+    """(epsilon, method) of a (non-adaptive) history with the named accountant.
+
+    ``accountant``: ``rdp`` (both units), ``prv`` (sample-level only: Opacus' PRV),
+    ``pld`` (both units: dp-accounting's PLD accountant). ``method`` is ``"rdp"``,
+    ``"prv"``, ``"pld(interval=1e-4)"`` (the default discretisation), a coarser
+    ``"pld(interval=1e-3)"``/``"pld(interval=1e-2)"`` or ``"rdp (pld fallback)"`` when
+    the PLD grid would not fit (a warning is logged on ``flwr.dpfl.accounting``).
+    Cached by :func:`history_signature`.
+    """
+    if not 0.0 < delta < 1.0:
+        raise ValueError(f"delta must be in (0, 1), got {delta}")
+    if accountant not in ACCOUNTANTS:
+        raise ValueError(f"accountant must be one of {ACCOUNTANTS}, got {accountant!r}")
+    events = [e for e in events if e.steps > 0]
+    unit = history_unit(events)
+    signature = history_signature(events)
+    if not signature:
+        return 0.0, accountant
+    if accountant == "prv" and unit == "client":
+        raise ValueError(PRV_CLIENT_LEVEL)
+    return _signature_epsilon(signature, float(delta), accountant)
+
+
+def history_epsilon(events: Sequence[PrivacyEvent], delta: float,
+                    accountant: str = "rdp") -> float:
+    """Epsilon of a (non-adaptive) history with the named accountant
+    (see :func:`history_epsilon_detail`)."""
+    return history_epsilon_detail(events, delta, accountant)[0]
+
+
+def histories_epsilon(histories: Mapping[str, Sequence[PrivacyEvent]], delta: float,
+                      accountant: str = "rdp") -> dict[str, float]:
+    """Epsilon of many histories at once. RDP: each distinct event's curve is built once;
     per-client step counts (clients x distinct events) times the curves (distinct events
-    x orders) give every client's RDP curve in one matrix product."""
+    x orders) give every client's RDP curve in one matrix product. Other accountants:
+    :func:`history_epsilon` per history (equal histories share its cache)."""
+    if accountant != "rdp":
+        return {name: history_epsilon(h, delta, accountant) for name, h in histories.items()}
     out: dict[str, float] = {}
     for unit in ("sample", "client"):
         names = [n for n, h in histories.items() if h and history_unit(h) == unit]
