@@ -17,7 +17,9 @@ DATASETS = ("mnist", "fashion-mnist", "digits", "cifar10", "cifar100", "svhn")
 AADP_NOISE = ("calibrated", "paper")
 PARTITIONINGS = ("iid", "dirichlet", "shards", "size", "gcfl-contiguous", "noniid-fraction")
 TRAINERS = ("plain", "dpsgd", "update-dp")
-ACCOUNTANTS = ("rdp", "prv")
+# pld: dp-accounting PLD (tightest, the default); rdp: Opacus / dp-accounting RDP;
+# prv: Opacus PRV (DP-SGD only)
+ACCOUNTANTS = ("pld", "rdp", "prv")
 OPACUS_MODES = ("ghost", "hooks", "functorch", "ew")
 
 
@@ -50,7 +52,7 @@ class RunConfig:
     noise_multiplier: float = 0.0
     target_epsilon: float = 4.0
     delta: float = 1e-5
-    accountant: str = "rdp"
+    accountant: str = "pld"
     opacus_mode: str = "ghost"
     fraction_train: float = 1.0
     min_train_nodes: int = 2
@@ -144,6 +146,10 @@ def validate(cfg: RunConfig) -> RunConfig:
     _need(cfg.trainer in TRAINERS, "trainer", f"must be one of {TRAINERS}", cfg.trainer)
     _need(cfg.accountant in ACCOUNTANTS, "accountant", f"must be one of {ACCOUNTANTS}",
           cfg.accountant)
+    if cfg.accountant == "prv":
+        _need(cfg.trainer == "dpsgd", "accountant",
+              "'prv' is Opacus' DP-SGD accountant; use 'pld' or 'rdp' for client-level DP",
+              cfg.accountant)
     _need(cfg.opacus_mode in OPACUS_MODES, "opacus-mode", f"must be one of {OPACUS_MODES}",
           cfg.opacus_mode)
     _need(cfg.model in MODELS, "model", f"must be one of {tuple(MODELS)}", cfg.model)

@@ -257,7 +257,7 @@ def test_ledger_with_pld_accounts_sample_level_histories():
     for r in (1, 2):
         event = PrivacyEvent.dpsgd(r, 1.0, 0.02, 40)
         reported = _pld([(_poisson_gaussian(0.02, 1.0), 40 * r)])  # dp-accounting directly
-        eps = ledger.record("client-0", r, PrivacyHistory([event]).to_record(), reported)
+        eps = ledger.record("client-0", r, [event], reported)
         assert eps == reported
     assert ledger.mismatches == []
     assert ledger.epsilons() == {"client-0": reported}

@@ -74,7 +74,7 @@ def _train_round(run_config, ctx, arrays, rnd):
 
 
 def test_reported_epsilon_equals_independent_opacus_accountant_and_refusal():
-    run_config = dict(DIGITS)
+    run_config = {**DIGITS, "accountant": "rdp"}
     ctx = context(run_config, 0, 2)
     cfg = RunConfig(**{k.replace("-", "_"): v for k, v in DIGITS.items()})
     data = client_data(cfg, 0, 2)

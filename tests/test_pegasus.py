@@ -98,6 +98,7 @@ class InProcessGrid(Grid):
         ids = []
         for msg in messages:
             mid = f"m{next(self._ids)}"
+            msg.metadata.__dict__["_message_id"] = mid  # as Flower's grids do on push
             self._replies[mid] = self.client_app(msg, self.contexts[msg.metadata.dst_node_id])
             ids.append(mid)
         return ids

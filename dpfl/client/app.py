@@ -21,20 +21,13 @@ from dpfl.client.trainers import clip_and_noise, device_for, evaluate_model, tra
 from dpfl.config import RunConfig, parse_run_config
 from dpfl.data import ClientData, client_data
 from dpfl.models import build_model
-from dpfl.privacy.accounting import calibrate_noise
 from dpfl.privacy.budget import PrivacyHistory
 from dpfl.privacy.events import PrivacyEvent
 from dpfl.privacy.ledger import prior_history
 from dpfl.privacy.longitudinal import longitudinal_clip
-from dpfl.privacy.plan import (
-    UPDATE_DP_RELATION,
-    client_accountant,
-    plan_from_record,
-    plan_problem,
-    planned_event,
-)
+from dpfl.privacy.plan import plan_from_record, plan_problem, planned_event
 from dpfl.privacy.randomness import mechanism_generator, public_seed
-from dpfl.strategies.aadp import paper_noise_multiplier, round_epsilon_for
+from dpfl.strategies.aadp import round_epsilon_for, round_noise_multiplier
 from dpfl.tensors import flatten, state_difference, unflatten
 
 log = logging.getLogger("flwr.dpfl.client")
@@ -65,17 +58,13 @@ def _reply(msg: Message, **records) -> Message:
     return Message(RecordDict(records), reply_to=msg)
 
 
-def _client_sigma(cfg: RunConfig, msg: Message, pid: int, model: torch.nn.Module,
-                  n: int) -> float | None:
+def _client_sigma(cfg: RunConfig, msg: Message, pid: int, model: torch.nn.Module
+                  ) -> float | None:
     """This round's noise multiplier when a method sets it per round (else None)."""
     if cfg.strategy != "aadp":
         return None
     eps_round = round_epsilon_for(msg.content["config"], pid)  # AADP-FL's eps_i^t
-    if cfg.aadp_noise == "paper":  # the published variance (ablation; verdict none)
-        return paper_noise_multiplier(cfg.clip_norm, cfg.aadp_threshold,
-                                      sum(p.numel() for p in model.parameters()), eps_round)
-    return calibrate_noise(eps_round, cfg.delta, 1, accountant=client_accountant(cfg),
-                           relation=UPDATE_DP_RELATION)
+    return round_noise_multiplier(cfg, eps_round, sum(p.numel() for p in model.parameters()))
 
 
 @app.train()
@@ -112,7 +101,7 @@ def train(msg: Message, context: Context) -> Message:
         log.warning("client %d adopted privacy events recorded by the server (node state "
                     "was lost, e.g. after a restart)", pid)
         history.save(context.state)
-    planned = planned_event(cfg, n, server_round, _client_sigma(cfg, msg, pid, model, n))
+    planned = planned_event(cfg, n, server_round, _client_sigma(cfg, msg, pid, model))
     eps_now = history.epsilon(cfg.delta, cfg.accountant)
     server_plan = plan_from_record(config, server_round)
     problem = plan_problem(planned, server_plan) if server_plan is not None else None

@@ -41,11 +41,6 @@ def planned_dpsgd_steps(num_examples: int, cfg: RunConfig) -> int:
     return cfg.local_epochs * steps_per_epoch(num_examples, cfg.batch_size)
 
 
-def client_accountant(cfg: RunConfig) -> str:
-    """dp-accounting's accountant name for client-level events ('prv' is DP-SGD only)."""
-    return "rdp" if cfg.accountant == "rdp" else "pld"
-
-
 def noise_multiplier_for(cfg: RunConfig, num_examples: int) -> float:
     """sigma: the configured one, or the smallest that keeps the client at
     ``target-epsilon`` after ``num-rounds`` rounds of participation."""
@@ -57,7 +52,7 @@ def noise_multiplier_for(cfg: RunConfig, num_examples: int) -> float:
                                      dpsgd_sample_rate(num_examples, cfg.batch_size), steps,
                                      cfg.accountant)
     return calibrate_noise(cfg.target_epsilon, cfg.delta, cfg.num_rounds,
-                           accountant=client_accountant(cfg), relation=UPDATE_DP_RELATION)
+                           accountant=cfg.accountant, relation=UPDATE_DP_RELATION)
 
 
 def planned_event(cfg: RunConfig, num_examples: int, server_round: int,

@@ -30,7 +30,7 @@ allocation knobs, not the guarantee.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Mapping
 
 import torch
@@ -40,7 +40,6 @@ from dpfl.privacy.accounting import calibrate_noise
 from dpfl.privacy.events import PrivacyEvent
 from dpfl.privacy.plan import (
     UPDATE_DP_RELATION,
-    client_accountant,
     gaussian_norm_bound,
     planned_event,
 )
@@ -125,14 +124,8 @@ class AADPStrategy(DPFLStrategy):
         self.budgets = allocate_budgets(self.partition_sizes, self.cfg.aadp_epsilon)
 
     def round_sigma(self, epsilon: float) -> float:
-        """The noise multiplier of one release at the per-round eps_i^t: calibrated for
-        sensitivity 2S (replace-one) and (eps_i^t, delta), or the published variance."""
-        if self.cfg.aadp_noise == "paper":
-            return paper_noise_multiplier(self.cfg.clip_norm, self.cfg.aadp_threshold,
-                                          self.num_params, epsilon)
-        return calibrate_noise(epsilon, self.cfg.delta, 1,
-                               accountant=client_accountant(self.cfg),
-                               relation=UPDATE_DP_RELATION)
+        """The noise multiplier of one release at the per-round eps_i^t."""
+        return round_noise_multiplier(self.cfg, epsilon, self.num_params)
 
     def planned_event(self, partition_id: int, server_round: int) -> PrivacyEvent:
         sent = self.sent_budgets.get(server_round, self.budgets)
@@ -218,6 +211,16 @@ def paper_noise_multiplier(clip_norm: float, threshold: float, num_params: int,
     if min(clip_norm, threshold, epsilon) <= 0 or num_params <= 0:
         raise ValueError("clip_norm, threshold, epsilon and num_params must be positive")
     return clip_norm * math.sqrt(threshold) / (math.sqrt(num_params) * epsilon)
+
+
+def round_noise_multiplier(cfg, epsilon: float, num_params: int) -> float:
+    """sigma of one AADP-FL release at the per-round eps_i^t: calibrated for sensitivity 2S
+    (replace-one, noise added on the client) and (eps_i^t, delta) with RDP — the accountant
+    of the Rényi filter that bounds the whole adaptive run — or, with
+    ``aadp-noise = "paper"``, the published variance."""
+    if cfg.aadp_noise == "paper":
+        return paper_noise_multiplier(cfg.clip_norm, cfg.aadp_threshold, num_params, epsilon)
+    return calibrate_noise(epsilon, cfg.delta, 1, accountant="rdp", relation=UPDATE_DP_RELATION)
 
 
 def round_epsilon_for(config: Mapping[str, Any], partition_id: int) -> float:
