@@ -211,6 +211,7 @@ def test_superlink_restarted_mid_run_resumes_from_checkpoint(tmp_path):
     state = tmp_path / "fed"
     runs = tmp_path / "runs"
     config = ('dataset="digits" num-rounds=3 batch-size=32 lr=0.5 target-epsilon=8.0 '
+              'accountant="rdp" '
               f'round-timeout=120.0 run-name="restart" output-dir="{runs}"')
     try:
         _sh("up", str(state), "--nodes", "2", "--prefix", "dpflr")
