@@ -11,7 +11,6 @@ import pytest
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 from flwr.app.error import Error
-from flwr.supercore.task_identity import TaskIdentity
 
 from dpfl.config import RunConfig
 from dpfl.models import build_model
@@ -86,14 +85,6 @@ def _reply(kind, template, node, rng, extra_template=None):
     return message(RecordDict(content), src_node_id=node)
 
 
-@pytest.fixture
-def server_identity():
-    """configure_train builds real Messages, which need the process's task identity (set
-    by Flower in a running ServerApp); restore it afterwards."""
-    saved = (TaskIdentity._run_id, TaskIdentity._node_id, TaskIdentity._task_id)
-    TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 0, 1
-    yield
-    TaskIdentity._run_id, TaskIdentity._node_id, TaskIdentity._task_id = saved
 
 
 @pytest.mark.parametrize("name", sorted(STRATEGIES))

@@ -9,7 +9,6 @@ from collections import OrderedDict
 import pytest
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, MetricRecord, RecordDict
-from flwr.supercore.task_identity import TaskIdentity
 
 from dpfl.client.methods import scaffold_control_update
 from dpfl.client.trainers import proximal_step, scaffold_step
@@ -152,13 +151,6 @@ class FakeGrid:
         return list(self.nodes)
 
 
-@pytest.fixture
-def server_identity():
-    """configure_train builds real Messages, which need the process's task identity."""
-    saved = (TaskIdentity._run_id, TaskIdentity._node_id, TaskIdentity._task_id)
-    TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 0, 1
-    yield
-    TaskIdentity._run_id, TaskIdentity._node_id, TaskIdentity._task_id = saved
 
 
 def _two_param_model(w):

@@ -9,7 +9,6 @@ from pathlib import Path
 import pytest
 from flwr.app import Context, Message, RecordDict
 from flwr.serverapp import Grid
-from flwr.supercore.task_identity import TaskIdentity
 from opacus.accountants import RDPAccountant
 
 from dpfl.config import RunConfig, parse_run_config
@@ -110,13 +109,6 @@ class InProcessGrid(Grid):
         return self.pull_messages(self.push_messages(messages))
 
 
-@pytest.fixture
-def server_identity():
-    """The ServerApp builds real Messages, which need the process's task identity."""
-    saved = (TaskIdentity._run_id, TaskIdentity._node_id, TaskIdentity._task_id)
-    TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 0, 1
-    yield
-    TaskIdentity._run_id, TaskIdentity._node_id, TaskIdentity._task_id = saved
 
 
 @pytest.fixture

@@ -1,7 +1,6 @@
 """Server side: reply validation (bad replies dropped with a reason, the round goes on) and
 FedAvg aggregation against a hand computation."""
 
-import numpy as np
 import pytest
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict

@@ -394,6 +394,13 @@ def _bisect_sigma(eps: Callable[[float], float], target: float, rel_tol: float,
             if eps(lo) > target:
                 break
             hi, step = lo, 2.0 * step
+    return bisect_sigma(eps, lo, hi, target, rel_tol)
+
+
+def bisect_sigma(eps: Callable[[float], float], lo: float, hi: float, target: float,
+                 rel_tol: float) -> float:
+    """Smallest sigma in (lo, hi] (to ``rel_tol``) with eps(sigma) <= target, given
+    eps(lo) > target >= eps(hi); epsilon decreases in sigma."""
     while hi - lo > rel_tol * hi:
         mid = 0.5 * (lo + hi)
         if eps(mid) > target:
@@ -455,13 +462,7 @@ def calibrate_noise(target_epsilon: float, delta: float, rounds: int,
         lo, hi = hi, hi * 2.0
         if hi > 1e6:
             raise ValueError("target epsilon unreachable with sigma <= 1e6")
-    while hi - lo > rel_tol * hi:
-        mid = 0.5 * (lo + hi)
-        if eps(mid) > target_epsilon:
-            lo = mid
-        else:
-            hi = mid
-    return hi
+    return bisect_sigma(eps, lo, hi, target_epsilon, rel_tol)
 
 
 # ---------------------------------------------------------------------------------------
