@@ -137,10 +137,8 @@ def train(msg: Message, context: Context) -> Message:
         update = unflatten(clip_and_noise(raw, cfg.clip_norm, sigma, noise_rng, clip), received)
         event = planned
         # The data set size is private under client-level DP: aggregate with equal weights.
-        # (AADP-FL's allocation needs it: there it is reported and treated as public.)
+        # (AADP-FL's allocation treats sizes as public: the server derives them itself.)
         num_examples = 1
-        if cfg.strategy == "aadp":
-            base["train-size"] = n
     del noise_rng
     history.charge(event)
     history.save(context.state)

@@ -71,14 +71,17 @@ class Ledger:
         that is higher (a mismatch, flagged)."""
         return max(self.recomputed(client), self.reported.get(client, 0.0))
 
-    def epsilons(self) -> dict[str, float]:
-        """Every client's figure (RDP: all clients in one vectorised pass)."""
+    def recomputed_all(self) -> dict[str, float]:
+        """Every client's recomputed epsilon, in client order (RDP: one vectorised pass)."""
         names = sorted(self.clients, key=client_order)
         if self.accountant == "rdp":
             eps = histories_epsilon({n: self.clients[n].events for n in names}, self.delta)
-        else:
-            eps = {n: self.recomputed(n) for n in names}
-        return {n: max(eps[n], self.reported.get(n, 0.0)) for n in names}
+            return {n: eps[n] for n in names}
+        return {n: self.recomputed(n) for n in names}
+
+    def epsilons(self) -> dict[str, float]:
+        """Every client's figure: recomputed, or the client's own report when higher."""
+        return {n: max(e, self.reported.get(n, 0.0)) for n, e in self.recomputed_all().items()}
 
     def mismatches_in(self, server_round: int) -> list[dict[str, Any]]:
         return [m for m in self.mismatches if m["round"] == server_round]
@@ -107,9 +110,8 @@ class Ledger:
         return out
 
     def to_json(self) -> dict[str, Any]:
-        eps = self.epsilons()
-        recomputed = ({c: self.recomputed(c) for c in eps} if self.accountant != "rdp" else
-                      histories_epsilon({c: self.clients[c].events for c in eps}, self.delta))
+        recomputed = self.recomputed_all()
+        eps = {c: max(e, self.reported.get(c, 0.0)) for c, e in recomputed.items()}
         return {
             "delta": self.delta, "accountant": self.accountant,
             "clients": {c: {"unit": h.unit, "adaptive": h.adaptive, "epsilon": eps[c],

@@ -46,9 +46,9 @@ and with ``literal=True`` zeros), and only if that failed too would the output b
 by S / norm * (1 - 1e-6) (all zeros as the last resort). The early exit (norm already
 <= S: the input returned as is) uses the same check, so a clipped output is a fixpoint.
 
-The output norm is <= S in every case, so under add-remove of a client (its update present
-or absent) the released update has L2 sensitivity S; the Gaussian noise is calibrated for
-that (``dpfl.privacy.accounting``), not with the paper's S^4 l / (|w| eps^2) variance.
+The output norm is <= S in every case, so replacing one client's data moves the released
+update by at most 2S (replace-one, the relation of noise added on the client); the Gaussian
+noise is calibrated for that (``dpfl.privacy.plan``), not with the paper's S^4 l / (|w| eps^2) variance.
 Non-finite inputs (and float64 inputs whose sum of squares overflows) raise ``ValueError``:
 no bound can be certified for them.
 """

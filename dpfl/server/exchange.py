@@ -34,8 +34,16 @@ class ReplyExchange:
         self.busy.pop(mid, None)
         return self.outstanding.pop(mid, None)
 
-    def _pull(self, ids: set[str]) -> list[Message]:
-        return list(self.grid.pull_messages(ids)) if ids else []
+    def _collect(self) -> list[tuple[int, Message]]:
+        """Pull every outstanding instruction's reply that has arrived, with its round."""
+        if not self.outstanding:
+            return []
+        out = []
+        for msg in self.grid.pull_messages(set(self.outstanding)):
+            sent = self._settle(msg)
+            if sent is not None:
+                out.append((sent, msg))
+        return out
 
     def send_and_receive(self, messages: Iterable[Message], server_round: int,
                          timeout: float) -> tuple[list[Message], list[tuple[int, Message]]]:
@@ -60,10 +68,7 @@ class ReplyExchange:
         late: list[tuple[int, Message]] = []
         deadline = time.monotonic() + timeout
         while True:
-            for msg in self._pull(set(self.outstanding)):
-                sent = self._settle(msg)
-                if sent is None:
-                    continue
+            for sent, msg in self._collect():
                 if sent == server_round:
                     replies.append(msg)
                 else:
@@ -77,10 +82,7 @@ class ReplyExchange:
         late: list[tuple[int, Message]] = []
         deadline = time.monotonic() + wait
         while self.outstanding:
-            for msg in self._pull(set(self.outstanding)):
-                sent = self._settle(msg)
-                if sent is not None:
-                    late.append((sent, msg))
+            late += self._collect()
             if time.monotonic() >= deadline:
                 break
             time.sleep(self.poll_seconds)

@@ -5,11 +5,11 @@ Client-level DP with client-side noise (``trainer=update-dp`` clients running
 
 - Budget allocation (eq. 2): eps_i = (n d_i / sum_j d_j) eps, with n clients, d_i their
   training-set sizes and eps = ``aadp-epsilon``. (The algorithm box omits n; eq. 2 keeps the
-  mean allocation at eps.) Dataset sizes are treated as public, as in Opacus; in simulation
-  the server knows the partition sizes, in deployment it uses the sizes clients report.
+  mean allocation at eps.) Dataset sizes are treated as public, as in Opacus: the server
+  derives every partition's size from the run-config, in simulation and deployment alike.
 - Each round, client i clips its update longitudinally to S (``clip-norm``) and adds Gaussian
-  noise calibrated for L2 sensitivity S and (eps_i^t, delta) for that one release
-  (dp-accounting RDP), instead of the paper's variance S^4 l / (|w| eps^2).
+  noise calibrated for (eps_i^t, delta) for that one release under replace-one (L2
+  sensitivity 2S; dp-accounting RDP), instead of the paper's variance S^4 l / (|w| eps^2).
 - Server (Alg. 1 lines 18-21), a Nadam-style step on the mean of the M received updates g:
   g_hat = g / (1 - u^t); m_t = u m + (1 - u) g; m_hat = m_t / (1 - u^t);
   m_bar = (1 - u) g_hat + u m_hat; n_t = v n + (1 - v) g^2; n_hat = n_t / (1 - v^t);
@@ -22,7 +22,7 @@ Client-level DP with client-side noise (``trainer=update-dp`` clients running
 Privacy: per-round parameters depend on earlier (noisy) outputs, so a plain sum of planned
 rounds is not a valid bound. Each client's history is adaptive: its budget check is a Rényi
 filter (Lécuyer 2021) at (``target-epsilon``, delta) over all rounds, and a client refuses
-a round the filter would not admit. Verdict ``formal`` (client-level, add-remove, no
+a round the filter would not admit. Verdict ``formal`` (client-level, replace-one, no
 amplification by client sampling claimed) with the filter; the per-round eps_i^t are
 allocation knobs, not the guarantee.
 """
@@ -110,7 +110,6 @@ class AADPStrategy(DPFLStrategy):
         super().__init__(cfg)
         self.nadam = NadamState(gamma=cfg.aadp_gamma)
         self.budgets: dict[int, float] = {}
-        self.partition_sizes: dict[int, int] = {}
         self.raised_at: list[int] = []
         self.num_params = 0
         self.sent_budgets: dict[int, dict[int, float]] = {}  # round -> eps_i^t sent
@@ -173,12 +172,6 @@ class AADPStrategy(DPFLStrategy):
             self.budgets = raise_budgets(self.budgets, self.cfg.aadp_rho, self.cfg.aadp_eps_max)
             self.raised_at.append(self.nadam.t)
         return new
-
-    def after_aggregation(self, accepted: list[ClientUpdate]) -> None:
-        if not self.partition_sizes:  # deployment: learn sizes from the first replies
-            sizes = {u.partition_id: int(u.metrics.get("train-size", 0)) for u in accepted}
-            if all(v > 0 for v in sizes.values()) and sizes:
-                self.bind_partition_sizes(sizes)
 
     def round_metrics(self, record) -> dict[str, float]:
         out = super().round_metrics(record)

@@ -30,10 +30,15 @@ def fedexp_statistics(updates: torch.Tensor) -> tuple[float, float, int]:
     return total, float((mean.to(torch.float64) ** 2).sum()), m
 
 
+def fedexp_step_from(statistics: tuple[float, float, int], epsilon: float) -> float:
+    """FedExP's eta_g = max(1, sum_i ||Delta_i||^2 / (2 M (||Delta_bar||^2 + eps)))."""
+    total, mean_sq, m = statistics
+    return max(1.0, total / (2.0 * m * (mean_sq + epsilon)))
+
+
 def fedexp_step_size(updates: torch.Tensor, epsilon: float) -> float:
     """FedExP's eta_g for an M x d matrix of client updates (sign-invariant)."""
-    total, mean_sq, m = fedexp_statistics(updates)
-    return max(1.0, total / (2.0 * m * (mean_sq + epsilon)))
+    return fedexp_step_from(fedexp_statistics(updates), epsilon)
 
 
 class DPFedExPStrategy(DPFedAvgStrategy):
@@ -47,8 +52,8 @@ class DPFedExPStrategy(DPFedAvgStrategy):
         return torch.ones(len(accepted))
 
     def aggregate_updates(self, updates: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        self.last_step_size = fedexp_step_size(updates, self.cfg.fedexp_epsilon)
         self.last_statistics = fedexp_statistics(updates)
+        self.last_step_size = fedexp_step_from(self.last_statistics, self.cfg.fedexp_epsilon)
         return super().aggregate_updates(updates, weights)
 
     def server_step(self, global_flat: torch.Tensor, aggregated: torch.Tensor) -> torch.Tensor:
