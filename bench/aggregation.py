@@ -15,8 +15,8 @@ import argparse
 import torch
 from timing import best_time
 
-from dpfl.strategies.aggregation import weighted_mean
-from dpfl.strategies.gcfl import gcfl_aggregate
+from dpfl.server.aggregation import weighted_mean
+from dpfl.methods.gcfl import gcfl_aggregate
 
 
 def main() -> None:

@@ -32,7 +32,8 @@ import sys
 import tomllib
 from pathlib import Path
 
-from dpfl.config import ConfigError, parse_run_config
+from dpfl.config import ConfigError
+from dpfl.methods import parse_run_config
 
 
 def _parse_value(text: str) -> object:

@@ -4,9 +4,10 @@ exactly when its condition holds (longitudinal clipping: tests/test_longitudinal
 import pytest
 import torch
 
+from dpfl.methods import run_config
 from dpfl.config import RunConfig
-from dpfl.strategies import build_strategy
-from dpfl.strategies.aadp import (
+from dpfl.methods import build_strategy
+from dpfl.methods.aadp import (
     NadamState,
     allocate_budgets,
     moments_stable,
@@ -54,7 +55,7 @@ def test_schedule_fires_exactly_when_the_condition_holds():
 
 
 def test_strategy_raises_budgets_only_when_stable():
-    cfg = RunConfig(strategy="aadp", trainer="update-dp", aadp_threshold=1e-3)
+    cfg = run_config(strategy="aadp", trainer="update-dp", aadp_threshold=1e-3)
     s = build_strategy(cfg)
     s.bind_partition_sizes({0: 100, 1: 100})
     s.server_step(torch.zeros(3), torch.full((3,), 1e-2))
@@ -73,9 +74,9 @@ def test_paper_noise_multiplier_closed_form_and_verdict():
     sigma = 2.5e-4; and the run that uses it is not called DP."""
     import math
 
-    from dpfl.config import parse_run_config
-    from dpfl.privacy.verdict import guarantee_for
-    from dpfl.strategies.aadp import paper_noise_multiplier
+    from dpfl.methods import parse_run_config
+    from dpfl.methods import guarantee as guarantee_for
+    from dpfl.methods.aadp import paper_noise_multiplier
 
     sigma = paper_noise_multiplier(0.5, 1e-2, 10_000, 2.0)
     assert math.isclose(sigma, 2.5e-4)

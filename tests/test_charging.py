@@ -18,9 +18,9 @@ from dpfl.config import RunConfig
 from dpfl.privacy.budget import PrivacyHistory
 from dpfl.privacy.events import PrivacyEvent
 from dpfl.privacy.ledger import Ledger
-from dpfl.strategies import build_strategy
-from dpfl.strategies.base import RoundRecord
-from dpfl.strategies.validation import array_template
+from dpfl.methods import build_strategy
+from dpfl.server.strategy import RoundRecord
+from dpfl.server.validation import array_template
 from flower_helpers import message
 
 GLOBAL = ArrayRecord({"w": torch.zeros(2, 2), "b": torch.zeros(3)})
@@ -65,9 +65,7 @@ def _gaussian_ref(sigma, k):
 
 
 def _round(strategy, rnd, replies):
-    strategy.last_round = RoundRecord(rnd)
-    strategy.aggregate_train(rnd, replies)
-    return strategy.last_round
+    return strategy.finish_round(rnd, RoundRecord(rnd), replies).record
 
 
 def test_every_received_update_is_charged_and_misreports_are_rejected_at_the_plan():

@@ -9,7 +9,7 @@ from flwr.app import ArrayRecord, ConfigRecord, RecordDict
 from opacus.accountants import RDPAccountant
 from opacus.accountants.utils import get_noise_multiplier
 
-from dpfl.client.app import train
+from dpfl.apps.client import train
 from dpfl.client.trainers import clip_and_noise, train_dpsgd
 from dpfl.config import RunConfig
 from dpfl.data import ClientData, client_data

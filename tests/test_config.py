@@ -5,7 +5,8 @@ from pathlib import Path
 
 import pytest
 
-from dpfl.config import ConfigError, parse_run_config
+from dpfl.config import ConfigError
+from dpfl.methods import parse_run_config
 
 DEFAULTS = tomllib.loads((Path(__file__).parent.parent / "pyproject.toml").read_text()
                          )["tool"]["flwr"]["app"]["config"]
@@ -55,9 +56,9 @@ DP_TRAINERS = {"dpsgd", "update-dp"}
 
 
 def _strategies():
-    from dpfl.strategies import STRATEGIES
+    from dpfl.methods import METHODS
 
-    return sorted(STRATEGIES)
+    return sorted(METHODS)
 
 
 def _parse(**changes):
@@ -83,7 +84,7 @@ def test_every_dp_strategy_refuses_the_plain_trainer(strategy):
 
 
 def test_dpscaffold_needs_dpsgd_and_aadp_needs_update_dp():
-    with pytest.raises(ConfigError, match="'trainer'.*dpscaffold needs trainer 'dpsgd'"):
+    with pytest.raises(ConfigError, match="'trainer'.*'dpscaffold' needs trainer 'dpsgd'"):
         _parse(strategy="dpscaffold", trainer="update-dp")
     assert _parse(strategy="dpscaffold", trainer="dpsgd").trainer == "dpsgd"
     with pytest.raises(ConfigError, match="'trainer'.*update-dp"):
@@ -105,7 +106,7 @@ def _dp_pairs():
 @pytest.mark.parametrize("strategy,trainer", _dp_pairs())
 def test_guarantee_verdict_of_dp_methods(strategy, trainer):
     """formal as configured by default; released-in-the-clear settings drop it to none."""
-    from dpfl.privacy.verdict import guarantee_for
+    from dpfl.methods import guarantee as guarantee_for
 
     base = guarantee_for(_parse(strategy=strategy, trainer=trainer))
     assert base.verdict == "formal" and base.formal
@@ -123,7 +124,7 @@ def test_guarantee_verdict_of_dp_methods(strategy, trainer):
 
 
 def test_guarantee_verdict_of_the_plain_reference():
-    from dpfl.privacy.verdict import guarantee_for
+    from dpfl.methods import guarantee as guarantee_for
 
     for changes in ({}, {"report_train_loss": True}, {"fraction_evaluate": 0.5}):
         g = guarantee_for(_parse(strategy="fedavg", trainer="plain", **changes))

@@ -16,8 +16,8 @@ from dpfl.config import RunConfig
 from dpfl.models import build_model
 from dpfl.privacy.budget import PrivacyHistory
 from dpfl.privacy.events import PrivacyEvent
-from dpfl.strategies import STRATEGIES, build_strategy
-from dpfl.strategies.validation import Rejection
+from dpfl.methods import METHODS, build_strategy
+from dpfl.server.validation import Rejection
 from flower_helpers import message
 
 TRAINER = {"fedavg": "plain", "aadp": "update-dp"}
@@ -87,7 +87,7 @@ def _reply(kind, template, node, rng, extra_template=None):
 
 
 
-@pytest.mark.parametrize("name", sorted(STRATEGIES))
+@pytest.mark.parametrize("name", sorted(METHODS))
 def test_thousand_crafted_replies(name, server_identity):
     cfg = RunConfig(strategy=name, trainer=TRAINER.get(name, "dpsgd"), dataset="digits",
                     model="mlp", max_update_norm=1e3)
@@ -97,7 +97,7 @@ def test_thousand_crafted_replies(name, server_identity):
     if hasattr(strategy, "bind_partition_sizes"):
         strategy.bind_partition_sizes({i: 100 for i in range(50)})
     arrays = ArrayRecord(model.state_dict())
-    list(strategy.configure_train(1, arrays, ConfigRecord(), FakeGrid(list(range(1, 1001)))))
+    _, rec = strategy.start_round(1, arrays, FakeGrid(list(range(1, 1001))))
     template = strategy._template
     extra = strategy.extra_reply_arrays().get("control-delta")
     seed = zlib.crc32(name.encode())
@@ -106,8 +106,8 @@ def test_thousand_crafted_replies(name, server_identity):
     kinds = ["good" if rng.random() < 0.2 else BAD_KINDS[int(rng.integers(len(BAD_KINDS)))]
              for _ in range(1000)]
     replies = [_reply(k, template, node, rng, extra) for node, k in enumerate(kinds, start=1)]
-    new_arrays, metrics = strategy.aggregate_train(1, replies)
-    rec = strategy.last_round
+    outcome = strategy.finish_round(1, rec, replies)
+    new_arrays, metrics = outcome.arrays, outcome.metrics
     good = {i for i, k in enumerate(kinds, start=1) if k == "good"}
     where = f"strategy {name}, seed {seed}"
     accepted = {u.node_id for u in rec.accepted}

@@ -4,21 +4,23 @@ quadratic and the server's c through the strategy; FedProx's proximal step; what
 strategy reports in its round metrics."""
 
 import math
+import random
 from collections import OrderedDict
 
 import pytest
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, MetricRecord, RecordDict
 
-from dpfl.client.methods import scaffold_control_update
-from dpfl.client.trainers import proximal_step, scaffold_step
+from dpfl.methods import run_config
+from dpfl.methods.dpscaffold import scaffold_control_update, scaffold_step
+from dpfl.methods.dpfedprox import proximal_step
 from dpfl.config import RunConfig
-from dpfl.strategies import build_strategy
-from dpfl.strategies.aggregation import weighted_mean
-from dpfl.strategies.base import RoundRecord
-from dpfl.strategies.dpfedexp import fedexp_step_size
-from dpfl.strategies.dpscaffold import scaffold_server_control
-from dpfl.strategies.gcfl import gcfl_aggregate, gcfl_correct
+from dpfl.methods import build_strategy
+from dpfl.server.aggregation import weighted_mean
+from dpfl.server.strategy import RoundRecord
+from dpfl.methods.dpfedexp import fedexp_step_size
+from dpfl.methods.dpscaffold import scaffold_server_control
+from dpfl.methods.gcfl import gcfl_aggregate, gcfl_correct
 from flower_helpers import message
 
 
@@ -101,19 +103,19 @@ def test_corrected_updates_do_not_conflict_with_their_reference():
 
 
 def test_strategy_draws_seeded_references():
-    a = build_strategy(RunConfig(strategy="gcfl", gcfl_references=2))
-    b = build_strategy(RunConfig(strategy="gcfl", gcfl_references=2))
+    a = build_strategy(run_config(strategy="gcfl", gcfl_references=2))
+    b = build_strategy(run_config(strategy="gcfl", gcfl_references=2))
     assert [a.draw_references(10) for _ in range(3)] == [b.draw_references(10) for _ in range(3)]
     # size min(R, max(m - 1, 1)): at least one update is left to correct when m >= 2
     for r in (1, 3, 5):
-        s = build_strategy(RunConfig(strategy="gcfl", gcfl_references=r))
+        s = build_strategy(run_config(strategy="gcfl", gcfl_references=r))
         for m in range(1, 12):
             refs = s.draw_references(m)
             assert refs == sorted(set(refs)) and set(refs) <= set(range(m)), (r, m, refs)
             assert len(refs) == min(r, max(m - 1, 1)), (r, m, refs)
     # the draw is random, not a fixed subset: over 60 draws every row is a reference
     # sometimes and the subsets differ
-    s = build_strategy(RunConfig(strategy="gcfl", gcfl_references=2))
+    s = build_strategy(run_config(strategy="gcfl", gcfl_references=2))
     draws = [tuple(s.draw_references(6)) for _ in range(60)]
     assert {i for d in draws for i in d} == set(range(6))
     assert len(set(draws)) > 1
@@ -175,7 +177,7 @@ def _weight(arrays):
 def test_fedexp_strategy_applies_the_step(server_identity):
     """w <- w + server-lr eta_g mean(u), with eta_g from eq. 9, and the round metrics
     carry eta_g and the quantities it is computed from."""
-    cfg = RunConfig(strategy="dpfedexp", fedexp_epsilon=1 / 3, server_lr=0.5)
+    cfg = run_config(strategy="dpfedexp", fedexp_epsilon=1 / 3, server_lr=0.5)
     strategy = build_strategy(cfg)
     arrays = ArrayRecord(_two_param_model([1.0, 1.0]).state_dict())
     list(strategy.configure_train(1, arrays, ConfigRecord(), FakeGrid([1, 2, 3])))
@@ -240,16 +242,18 @@ def test_gcfl_round_metrics_report_the_projection():
     assert metrics["gcfl-correction-norm"] == pytest.approx(float((out - plain).norm()))
     assert metrics["gcfl-correction-norm"] == pytest.approx(1 / 3)
     # random rows, three references: the reported norm is the distance to the plain mean
-    strategy = build_strategy(RunConfig(strategy="gcfl", gcfl_references=3))
+    strategy = build_strategy(run_config(strategy="gcfl", gcfl_references=3))
     g = torch.Generator().manual_seed(11)
     u = torch.randn(9, 40, generator=g).double()
     w = (torch.rand(9, generator=g) + 0.5).double()
+    replay = random.Random()
+    replay.setstate(strategy.rng.getstate())   # the references the strategy will draw
     out = strategy.aggregate_updates(u, w)
     metrics = strategy.round_metrics(RoundRecord(1))
     assert metrics["gcfl-references"] == 3
     assert metrics["gcfl-correction-norm"] == pytest.approx(
         float((out - weighted_mean(u, w)).norm()), rel=1e-9)
-    refs = strategy.last_references
+    refs = sorted(replay.sample(range(9), 3))
     changed = (gcfl_correct(u, refs) - u).abs().sum(dim=1) > 0
     assert metrics["gcfl-corrected"] == int(changed.sum()) > 0
     # no conflict (non-negative rows): nothing corrected, the aggregate is the plain mean,

@@ -11,12 +11,13 @@ from flwr.app import Context, Message, RecordDict
 from flwr.serverapp import Grid
 from opacus.accountants import RDPAccountant
 
-from dpfl.config import RunConfig, parse_run_config
+from dpfl.config import RunConfig
+from dpfl.methods import parse_run_config
 from dpfl.privacy.budget import PrivacyHistory
 from dpfl.privacy.events import PrivacyEvent
 from dpfl.privacy.ledger import Ledger
-from dpfl.strategies import build_strategy
-from dpfl.strategies.pegasus import pegasus_select
+from dpfl.methods import build_strategy
+from dpfl.methods.pegasus import pegasus_select
 
 
 class FakeGrid:
@@ -67,7 +68,7 @@ class InProcessGrid(Grid):
     own Context (partition, run-config, persistent state), as a SuperNode would."""
 
     def __init__(self, run_config, num_nodes):
-        from dpfl.client.app import app
+        from dpfl.apps.client import app
 
         self.client_app = app
         self.contexts = {100 + i: Context(run_id=1, node_id=100 + i,
@@ -124,7 +125,7 @@ def one_thread(monkeypatch):
 
 def _federation(tmp_path: Path, name: str, **overrides) -> Path:
     """A 2-client PEGASUS federation on digits through the server's ``run``."""
-    from dpfl.server.app import run
+    from dpfl.apps.server import run
 
     run_config = {"strategy": "pegasus", "trainer": "dpsgd", "dataset": "digits",
                   "model": "mlp", "batch-size": 32, "lr": 0.5, "noise-multiplier": 1.0,

@@ -7,9 +7,9 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDic
 from flwr.app.error import Error
 
 from dpfl.config import RunConfig
-from dpfl.strategies import build_strategy
-from dpfl.strategies.aggregation import weighted_mean
-from dpfl.strategies.validation import array_template, validate_train_reply
+from dpfl.methods import build_strategy
+from dpfl.server.aggregation import weighted_mean
+from dpfl.server.validation import array_template, validate_train_reply
 from flower_helpers import message
 
 GLOBAL = ArrayRecord({"w": torch.zeros(2, 2), "b": torch.zeros(3)})
@@ -71,22 +71,23 @@ def test_round_goes_on_without_the_bad_reply():
     cfg = RunConfig(dataset="digits", model="mlp", server_lr=1.0)
     strategy = build_strategy(cfg)
     strategy._global, strategy._template = GLOBAL, TEMPLATE
-    from dpfl.strategies.base import RoundRecord
+    from dpfl.server.strategy import RoundRecord
 
-    strategy.last_round = RoundRecord(1)
+    record = RoundRecord(1)
     good_a = _reply(_ok(), n=10, node=1, pid=0)
     good_b = _reply({"w": torch.full((2, 2), 3.0), "b": torch.zeros(3)}, n=30, node=2, pid=1)
     bad = _reply({"w": torch.tensor([[float("nan"), 0], [0, 0]]), "b": torch.zeros(3)}, node=3, pid=2)
-    arrays, metrics = strategy.aggregate_train(1, [good_a, bad, good_b])
+    outcome = strategy.finish_round(1, record, [good_a, bad, good_b])
+    arrays, metrics = outcome.arrays, outcome.metrics
     assert metrics["accepted"] == 2 and metrics["rejected"] == 1
     state = arrays.to_torch_state_dict()
     # (10 * 1 + 30 * 3) / 40 = 2.5 ; (10 * 2 + 30 * 0) / 40 = 0.5
     assert torch.allclose(state["w"], torch.full((2, 2), 2.5))
     assert torch.allclose(state["b"], torch.full((3,), 0.5))
-    assert strategy.last_round.client_metrics()["client-2"]["status"] == "invalid"
+    assert outcome.record.client_metrics()["client-2"]["status"] == "invalid"
 
 
 def test_update_dp_uses_equal_weights_and_a_norm_bound():
     cfg = RunConfig(trainer="update-dp", noise_multiplier=1.0, clip_norm=1.0)
     strategy = build_strategy(cfg)
-    assert strategy.update_norm_bound(100) == pytest.approx(1 + 1 * (10 + 10))
+    assert strategy.guard.norm_bound(100, 1) == pytest.approx(1 + 1 * (10 + 10))

@@ -1,6 +1,6 @@
 """Local trainers: plain SGD, sample-level DP-SGD (Opacus), client-level update DP.
 
-The math is in plain functions; the ClientApp (``dpfl.client.app``) wires them to Flower.
+The math is in plain functions; the ClientApp (``dpfl.apps.client``) wires them to Flower.
 """
 
 from __future__ import annotations
@@ -32,11 +32,6 @@ class TrainResult:
     train_loss: float
     steps: int           # optimizer steps taken (= accountant steps for DP-SGD)
     sample_rate: float   # Poisson sampling rate q (DP-SGD), else batch / n
-
-
-def device_for() -> torch.device:
-    """GPU when available, never required."""
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
 class BatchedTensors(Dataset):
@@ -76,7 +71,7 @@ PostStep = Callable[[nn.Module, float], None]
 def train_plain(model: nn.Module, data: ClientData, cfg: RunConfig, seed: int,
                 device: torch.device, post_step: PostStep | None = None) -> TrainResult:
     """Non-private local SGD for ``local-epochs`` epochs (``post_step(model, lr)`` after
-    every optimizer step: a method's data-independent correction, e.g. FedProx)."""
+    every optimizer step: a method's data-independent correction)."""
     model.to(device).train()
     opt = _optimizer(model, cfg)
     criterion = nn.CrossEntropyLoss()
@@ -110,8 +105,7 @@ def train_dpsgd(model: nn.Module, data: ClientData, cfg: RunConfig, noise_multip
 
     ``post_step(model, lr)`` runs after every DP step: it may only use public or
     already-released values (the model itself, the global model, control variates), so it
-    is post-processing and costs no privacy (FedProx's proximal pull, SCAFFOLD's drift
-    correction).
+    is post-processing and costs no privacy (a method's data-independent correction).
 
     ``model``'s parameters are trained in place (Opacus wraps, the module is shared).
     The step count is read from the Opacus accountant attached to the optimizer.
@@ -170,34 +164,13 @@ def _noise_only_step(opt: torch.optim.Optimizer, model: nn.Module, mode: str) ->
     opt.step()
 
 
-def proximal_step(global_params: list[torch.Tensor], mu: float) -> PostStep:
-    """FedProx (Li et al. 2020): the gradient of (mu/2)||w - w_global||^2 is mu (w - w_global);
-    applied as w <- w - lr mu (w - w_global) after each step (data-independent)."""
-    @torch.no_grad()
-    def step(model: nn.Module, lr: float) -> None:
-        for p, g in zip(model.parameters(), global_params):
-            p.sub_(lr * mu * (p - g))
-    return step
-
-
-def scaffold_step(server_control: list[torch.Tensor], client_control: list[torch.Tensor]
-                  ) -> PostStep:
-    """SCAFFOLD (Karimireddy et al. 2020, Alg. 1 line 10): y <- y - lr (g - c_i + c);
-    after the (DP) step on g, this adds the correction -lr (c - c_i)."""
-    @torch.no_grad()
-    def step(model: nn.Module, lr: float) -> None:
-        for p, c, ci in zip(model.parameters(), server_control, client_control):
-            p.sub_(lr * (c - ci))
-    return step
-
-
 def clip_and_noise(update: torch.Tensor, clip_norm: float, noise_multiplier: float,
                    generator: torch.Generator,
                    clip: Callable[[torch.Tensor, float], torch.Tensor] | None = None
                    ) -> torch.Tensor:
     """Client-level Gaussian mechanism on a flat update:
     clip(u, C) + N(0, (sigma C)^2 I), with clip = u * min(1, C / ||u||_2) unless another
-    clipping with output norm <= C is given (e.g. AADP-FL's longitudinal clipping).
+    clipping with output norm <= C is given (e.g. longitudinal clipping).
     ``generator`` draws the noise: it must be secret (see ``dpfl.privacy.randomness``)."""
     if clip is not None:
         clipped = clip(update, clip_norm)
@@ -206,17 +179,3 @@ def clip_and_noise(update: torch.Tensor, clip_norm: float, noise_multiplier: flo
         clipped = update * min(1.0, clip_norm / norm) if norm > 0 else update.clone()
     noise = torch.randn(update.shape, generator=generator, dtype=update.dtype)
     return clipped + noise.to(update.device) * (noise_multiplier * clip_norm)
-
-
-@torch.no_grad()
-def evaluate_model(model: nn.Module, x: torch.Tensor, y: torch.Tensor, device: torch.device,
-                   batch_size: int = 1000) -> tuple[float, torch.Tensor]:
-    """(mean cross-entropy loss, predicted labels) of ``model`` on (x, y)."""
-    model.to(device).eval()
-    losses, preds = [], []
-    for i in range(0, len(y), batch_size):
-        xb, yb = x[i:i + batch_size].to(device), y[i:i + batch_size].to(device)
-        out = model(xb)
-        losses.append(nn.functional.cross_entropy(out, yb, reduction="sum").item())
-        preds.append(out.argmax(1).cpu())
-    return sum(losses) / max(len(y), 1), torch.cat(preds) if preds else torch.empty(0)

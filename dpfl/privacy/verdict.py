@@ -12,6 +12,17 @@ from dpfl.privacy.randomness import SCOPE as RANDOMNESS_SCOPE
 
 
 @dataclass(frozen=True)
+class MethodPrivacy:
+    """What a method adds to the guarantee: ``scope`` text, values it releases in the
+    clear (each one makes the verdict ``none``), and whether its per-round parameters are
+    chosen adaptively (then a Rényi filter bounds the run)."""
+
+    scope: str = ""
+    clear: tuple[str, ...] = ()
+    adaptive: bool = False
+
+
+@dataclass(frozen=True)
 class Guarantee:
     """The privacy claim of a configured method."""
 
@@ -31,8 +42,9 @@ class Guarantee:
         return asdict(self)
 
 
-def guarantee_for(cfg: RunConfig) -> Guarantee:
-    """The guarantee of ``cfg``'s trainer and reporting settings."""
+def guarantee_for(cfg: RunConfig, method: MethodPrivacy = MethodPrivacy()) -> Guarantee:
+    """The guarantee of ``cfg``'s trainer and reporting settings with the method's notes
+    (``dpfl.methods.guarantee`` passes the configured method's)."""
     if cfg.trainer == "plain":
         return Guarantee("none: no DP mechanism (trainer=plain)", "-", "-", "-", cfg.delta,
                          "-", "nothing is protected")
@@ -55,16 +67,9 @@ def guarantee_for(cfg: RunConfig) -> Guarantee:
                  "plus client-side Gaussian noise; no amplification by client sampling is "
                  "claimed); replace-one = any local dataset of the client vs any other (the "
                  "server sees who sends what, so presence is not hidden: sensitivity 2C)")
-    if cfg.strategy == "aadp":
-        scope += ("; per-round budgets are chosen adaptively (AADP-FL), so the bound is a "
-                  f"Rényi filter at epsilon {cfg.target_epsilon} over all rounds (Lécuyer "
-                  "2021); longitudinal clipping keeps the update norm <= clip-norm; training-"
-                  "set sizes are treated as public (the allocation uses them)")
-        if cfg.aadp_noise == "paper":
-            clear.append("aadp-noise=paper: AADP-FL's published noise variance "
-                         "S^4 l/(|w| eps^2) is not calibrated to the per-round (eps, delta); "
-                         "the ledger charges the noise actually added, whose epsilon is "
-                         "orders of magnitude above the nominal one")
+    if method.scope:
+        scope += "; " + method.scope
+    clear.extend(method.clear)
     scope += ("; the server charges every update it receives (accepted, rejected or late) "
               "at no less than the planned cost; randomness: "
               + ("seeded from public values (run-config seed, partition, round)"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from sklearn.metrics import f1_score, recall_score
 
-from dpfl.client.trainers import evaluate_model
+from dpfl.models.evaluation import evaluate_model
 
 
 def classification_metrics(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor,

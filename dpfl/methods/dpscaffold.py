@@ -1,5 +1,7 @@
-"""``dpscaffold``: DP-SCAFFOLD (Noble, Bellet & Dieuleveut, AISTATS 2022): SCAFFOLD
-(Karimireddy et al. 2020) with DP-SGD clients.
+"""``dpscaffold``: DP-SCAFFOLD (Noble, Bellet & Dieuleveut, "Differentially Private Federated
+Learning on Heterogeneous Data", AISTATS 2022): SCAFFOLD (Karimireddy, Kale, Mohri, Reddi,
+Stich & Suresh, "SCAFFOLD: Stochastic Controlled Averaging for Federated Learning", ICML
+2020) with DP-SGD clients.
 
 Client i keeps a control variate c_i (in its node state), the server keeps c and sends it
 with the global model. Each local DP-SGD step is corrected by -lr (c - c_i) (data-
@@ -21,10 +23,66 @@ from collections import OrderedDict
 import numpy as np
 import torch
 from flwr.app import ArrayRecord
+from torch import nn
 
-from dpfl.strategies.dpfedavg import DPFedAvgStrategy
-from dpfl.strategies.validation import ClientUpdate, Template
+from dpfl.client.hooks import MethodHooks
+from dpfl.client.trainers import PostStep, TrainResult
+from dpfl.method import ClientHalf, Method
+from dpfl.server.strategy import DPFLStrategy
+from dpfl.server.validation import ClientUpdate, Template
 from dpfl.tensors import unflatten
+
+CLIENT_CONTROL_STATE = "dpfl.scaffold.client-control"   # c_i in the node's context.state
+
+
+def _named_params(model: nn.Module) -> "OrderedDict[str, torch.Tensor]":
+    return OrderedDict((n, p.detach().clone()) for n, p in model.named_parameters())
+
+
+def scaffold_control_update(client_control: "OrderedDict[str, torch.Tensor]",
+                            server_control: "OrderedDict[str, torch.Tensor]",
+                            start: "OrderedDict[str, torch.Tensor]",
+                            end: "OrderedDict[str, torch.Tensor]", steps: int, lr: float
+                            ) -> "OrderedDict[str, torch.Tensor]":
+    """SCAFFOLD option II (Karimireddy et al. 2020, eq. 4):
+    c_i+ = c_i - c + (x - y_i) / (K lr)."""
+    k = max(steps, 1)
+    return OrderedDict((n, client_control[n] - server_control[n] + (start[n] - end[n]) / (k * lr))
+                       for n in client_control)
+
+
+def scaffold_step(server_control: list[torch.Tensor], client_control: list[torch.Tensor]
+                  ) -> PostStep:
+    """SCAFFOLD (Karimireddy et al. 2020, Alg. 1 line 10): y <- y - lr (g - c_i + c);
+    after the (DP) step on g, this adds the correction -lr (c - c_i)."""
+    @torch.no_grad()
+    def step(model: nn.Module, lr: float) -> None:
+        for p, c, ci in zip(model.parameters(), server_control, client_control):
+            p.sub_(lr * (c - ci))
+    return step
+
+
+class ScaffoldClient(ClientHalf):
+    """Corrects each local step by -lr (c - c_i); replies with Delta c_i."""
+
+    def hooks(self, cfg, msg, context, model) -> MethodHooks:
+        start = _named_params(model)
+        zeros = OrderedDict((n, torch.zeros_like(p)) for n, p in start.items())
+        server = (OrderedDict((n, torch.as_tensor(t)) for n, t in
+                              msg.content["control"].to_torch_state_dict().items())
+                  if "control" in msg.content.array_records else zeros)
+        client = (OrderedDict(context.state[CLIENT_CONTROL_STATE].to_torch_state_dict())
+                  if CLIENT_CONTROL_STATE in context.state.array_records else zeros)
+
+        def finish(trained: nn.Module, result: TrainResult) -> dict[str, ArrayRecord]:
+            new = scaffold_control_update(client, server, start, _named_params(trained),
+                                          result.steps, cfg.lr)
+            context.state[CLIENT_CONTROL_STATE] = ArrayRecord(new)
+            delta = OrderedDict((n, new[n] - client[n]) for n in new)
+            return {"control-delta": ArrayRecord(delta)}
+
+        return MethodHooks(post_step=scaffold_step(list(server.values()), list(client.values())),
+                           finish=finish)
 
 
 def scaffold_server_control(control: torch.Tensor, deltas: torch.Tensor, num_clients: int
@@ -34,10 +92,8 @@ def scaffold_server_control(control: torch.Tensor, deltas: torch.Tensor, num_cli
     return control + (s / max(num_clients, s)) * deltas.mean(0)
 
 
-class DPScaffoldStrategy(DPFedAvgStrategy):
+class DPScaffoldStrategy(DPFLStrategy):
     """Uniform mean of updates, server control variate maintained from Delta c_i."""
-
-    name = "dpscaffold"
 
     def bind_model(self, model: torch.nn.Module) -> None:
         super().bind_model(model)
@@ -52,6 +108,7 @@ class DPScaffoldStrategy(DPFedAvgStrategy):
                                   for n, t in self._control_template.items()]}
 
     def aggregation_weights(self, accepted: list[ClientUpdate]) -> torch.Tensor:
+        """Uniform mean (SCAFFOLD's server step)."""
         return torch.ones(len(accepted))
 
     # what the last aggregation did to c, reported by round_metrics
@@ -87,3 +144,14 @@ class DPScaffoldStrategy(DPFedAvgStrategy):
         super().load_state_dict(state)
         if "control" in state:
             self.control = state["control"]
+
+
+METHOD = Method(
+    name="dpscaffold",
+    citation="Noble, Bellet & Dieuleveut, Differentially Private Federated Learning on "
+             "Heterogeneous Data, AISTATS 2022",
+    strategy=DPScaffoldStrategy,
+    client=ScaffoldClient(),
+    trainers=("dpsgd",),
+    trainer_reason="its control variates are post-processing of DP-SGD outputs only",
+)

@@ -1,5 +1,6 @@
-"""``pegasus``: PEGASUS, privacy-budget-based adaptive client selection (Alves et al., SBRC;
-seed 003).
+"""``pegasus``: PEGASUS, privacy-budget-based adaptive client selection (Alves, da Costa,
+Gonzalez, de Souza & Villas, "Seleção de Clientes Adaptativa baseada em Privacidade
+Diferencial para Aprendizado Federado", SBRC).
 
 Clients train with DP-SGD and report their cumulative epsilon after each round. Round 1
 selects every client. From round 2 on, the server takes the mean epsilon over all clients
@@ -20,7 +21,8 @@ from typing import Mapping
 
 from flwr.serverapp import Grid
 
-from dpfl.strategies.dpfedavg import DPFedAvgStrategy
+from dpfl.method import Method
+from dpfl.server.strategy import DPFLStrategy
 
 
 def pegasus_select(epsilons: Mapping[int, float]) -> list[int]:
@@ -32,10 +34,8 @@ def pegasus_select(epsilons: Mapping[int, float]) -> list[int]:
     return below if below else sorted(epsilons)
 
 
-class PegasusStrategy(DPFedAvgStrategy):
+class PegasusStrategy(DPFLStrategy):
     """DP-FedAvg aggregation with PEGASUS selection."""
-
-    name = "pegasus"
 
     def select_nodes(self, server_round: int, grid: Grid) -> list[int]:
         nodes = self.wait_for_nodes(grid, self.min_available_nodes)
@@ -44,3 +44,12 @@ class PegasusStrategy(DPFedAvgStrategy):
         eps = {n: self.ledger.epsilon(self.node_client[n]) if n in self.node_client else 0.0
                for n in nodes}
         return pegasus_select(eps)
+
+
+METHOD = Method(
+    name="pegasus",
+    citation="Alves, da Costa, Gonzalez, de Souza & Villas, Seleção de Clientes Adaptativa "
+             "baseada em Privacidade Diferencial para Aprendizado Federado, SBRC",
+    strategy=PegasusStrategy,
+    presets="pegasus",
+)

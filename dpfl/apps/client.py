@@ -1,5 +1,8 @@
 """dpfl's ClientApp: local (DP) training and local evaluation over Flower's Message API.
 
+The configured method's client half (``dpfl.method.ClientHalf``) sets the round's noise
+multiplier, local-training hooks and update clipping; this module names no method.
+
 A train reply carries ``arrays`` (the update = trained - received, same keys as the global
 model), ``metrics`` (num-examples, train-loss, epsilon, delta, ...) and ``privacy`` (the
 mechanism and its public parameters, so the server can recompute epsilon). A client whose
@@ -16,18 +19,17 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
-from dpfl.client.methods import hooks_for
-from dpfl.client.trainers import clip_and_noise, device_for, evaluate_model, train_dpsgd, train_plain
-from dpfl.config import RunConfig, parse_run_config
+from dpfl.client.trainers import clip_and_noise, train_dpsgd, train_plain
+from dpfl.config import RunConfig
 from dpfl.data import ClientData, client_data
+from dpfl.methods import method_for, parse_run_config
 from dpfl.models import build_model
+from dpfl.models.evaluation import device_for, evaluate_model
 from dpfl.privacy.budget import PrivacyHistory
 from dpfl.privacy.events import PrivacyEvent
 from dpfl.privacy.ledger import prior_history
-from dpfl.privacy.longitudinal import longitudinal_clip
 from dpfl.privacy.plan import plan_from_record, plan_problem, planned_event
 from dpfl.privacy.randomness import mechanism_generator, public_seed
-from dpfl.strategies.aadp import round_epsilon_for, round_noise_multiplier
 from dpfl.tensors import flatten, state_difference, unflatten
 
 log = logging.getLogger("flwr.dpfl.client")
@@ -58,15 +60,6 @@ def _reply(msg: Message, **records) -> Message:
     return Message(RecordDict(records), reply_to=msg)
 
 
-def _client_sigma(cfg: RunConfig, msg: Message, pid: int, model: torch.nn.Module
-                  ) -> float | None:
-    """This round's noise multiplier when a method sets it per round (else None)."""
-    if cfg.strategy != "aadp":
-        return None
-    eps_round = round_epsilon_for(msg.content["config"], pid)  # AADP-FL's eps_i^t
-    return round_noise_multiplier(cfg, eps_round, sum(p.numel() for p in model.parameters()))
-
-
 @app.train()
 def train(msg: Message, context: Context) -> Message:
     """One round of local training under the configured mechanism."""
@@ -84,7 +77,8 @@ def train(msg: Message, context: Context) -> Message:
     n = len(data.y_train)
     base = {"partition-id": pid, "server-round": server_round, "delta": cfg.delta}
 
-    hooks = hooks_for(cfg, msg, context, model)
+    method = method_for(cfg)
+    hooks = method.client.hooks(cfg, msg, context, model)
     if cfg.trainer == "plain":
         result = train_plain(model, data, cfg, shuffle_seed, device, hooks.post_step)
         update = state_difference(model.state_dict(), received)
@@ -94,14 +88,14 @@ def train(msg: Message, context: Context) -> Message:
         return _reply(msg, arrays=ArrayRecord(update), metrics=MetricRecord(metrics),
                       privacy=ConfigRecord({"mechanism": "none"}))
 
-    adaptive = cfg.strategy == "aadp"
-    history = PrivacyHistory.load(context.state, adaptive=adaptive)
+    history = PrivacyHistory.load(context.state, adaptive=method.adaptive)
     prior = prior_history(config, pid)
     if prior is not None and history.merge(prior):
         log.warning("client %d adopted privacy events recorded by the server (node state "
                     "was lost, e.g. after a restart)", pid)
         history.save(context.state)
-    planned = planned_event(cfg, n, server_round, _client_sigma(cfg, msg, pid, model))
+    planned = planned_event(cfg, n, server_round,
+                            method.client.round_sigma(cfg, config, pid, model))
     eps_now = history.epsilon(cfg.delta, cfg.accountant)
     server_plan = plan_from_record(config, server_round)
     problem = plan_problem(planned, server_plan) if server_plan is not None else None
@@ -133,11 +127,11 @@ def train(msg: Message, context: Context) -> Message:
         raw = flatten(state_difference(model.state_dict(), received))
         if device.type != "cpu":  # the flat update lives on the CPU: so must its noise
             noise_rng = mechanism_generator(cfg.reproducible, cfg.seed, pid, server_round)
-        clip = longitudinal_clip if cfg.strategy == "aadp" else None
+        clip = method.client.update_clip(cfg)
         update = unflatten(clip_and_noise(raw, cfg.clip_norm, sigma, noise_rng, clip), received)
         event = planned
         # The data set size is private under client-level DP: aggregate with equal weights.
-        # (AADP-FL's allocation treats sizes as public: the server derives them itself.)
+        # (A method that treats sizes as public derives them on the server itself.)
         num_examples = 1
     del noise_rng
     history.charge(event)

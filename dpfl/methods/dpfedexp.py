@@ -1,5 +1,6 @@
 """``dpfedexp``: DP-FedExP, FedExP's extrapolated server step (Jhunjhunwala, Wang & Joshi,
-ICLR 2023) on DP-SGD clients' updates.
+"FedExP: Speeding Up Federated Averaging via Extrapolation", ICLR 2023) on DP clients'
+updates.
 
 With client pseudo-gradients Delta_i (here the updates u_i = trained - received, so
 Delta_i = -u_i) and their mean Delta_bar over the M participating clients, the server step
@@ -15,11 +16,23 @@ post-processing only: the guarantee is the clients'.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-from dpfl.strategies.aggregation import server_sgd_step
-from dpfl.strategies.dpfedavg import DPFedAvgStrategy
-from dpfl.strategies.validation import ClientUpdate
+from dpfl.config import need
+from dpfl.method import Method, MethodParams
+from dpfl.server.aggregation import server_sgd_step
+from dpfl.server.strategy import DPFLStrategy
+from dpfl.server.validation import ClientUpdate
+
+
+@dataclass(frozen=True)
+class FedExPParams(MethodParams):
+    fedexp_epsilon: float = 1e-3      # FedExP's small constant in eq. 9
+
+    def validate(self) -> None:
+        need(self.fedexp_epsilon > 0, "fedexp-epsilon", "must be > 0", self.fedexp_epsilon)
 
 
 def fedexp_statistics(updates: torch.Tensor) -> tuple[float, float, int]:
@@ -41,10 +54,9 @@ def fedexp_step_size(updates: torch.Tensor, epsilon: float) -> float:
     return fedexp_step_from(fedexp_statistics(updates), epsilon)
 
 
-class DPFedExPStrategy(DPFedAvgStrategy):
+class DPFedExPStrategy(DPFLStrategy):
     """Uniform mean of the updates, extrapolated by FedExP's eta_g."""
 
-    name = "dpfedexp"
     last_step_size = 1.0
     last_statistics: tuple[float, float, int] = (0.0, 0.0, 0)
 
@@ -53,7 +65,7 @@ class DPFedExPStrategy(DPFedAvgStrategy):
 
     def aggregate_updates(self, updates: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         self.last_statistics = fedexp_statistics(updates)
-        self.last_step_size = fedexp_step_from(self.last_statistics, self.cfg.fedexp_epsilon)
+        self.last_step_size = fedexp_step_from(self.last_statistics, self.cfg.params.fedexp_epsilon)
         return super().aggregate_updates(updates, weights)
 
     def server_step(self, global_flat: torch.Tensor, aggregated: torch.Tensor) -> torch.Tensor:
@@ -67,3 +79,12 @@ class DPFedExPStrategy(DPFedAvgStrategy):
         return {**super().round_metrics(record), "server-step-size": self.last_step_size,
                 "fedexp-sum-sq-norm": total, "fedexp-mean-sq-norm": mean_sq,
                 "fedexp-clients": m}
+
+
+METHOD = Method(
+    name="dpfedexp",
+    citation="Jhunjhunwala, Wang & Joshi, FedExP: Speeding Up Federated Averaging via "
+             "Extrapolation, ICLR 2023",
+    strategy=DPFedExPStrategy,
+    params=FedExPParams,
+)

@@ -1,7 +1,8 @@
-"""``aadp``: AADP-FL, adaptive adjustment DP-FL (Cheng et al., CMC 2025; seed 002).
+"""``aadp``: AADP-FL, adaptive adjustment DP-FL (Cheng, Li, Qin & Tu, "Differential Privacy
+Federated Learning Based on Adaptive Adjustment", Computers, Materials & Continua, 2025).
 
 Client-level DP with client-side noise (``trainer=update-dp`` clients running
-``dpfl.privacy.longitudinal.longitudinal_clip`` instead of norm clipping):
+``dpfl.privacy.longitudinal.longitudinal_clip`` instead of norm clipping; :class:`AADPClient`):
 
 - Budget allocation (eq. 2): eps_i = (n d_i / sum_j d_j) eps, with n clients, d_i their
   training-set sizes and eps = ``aadp-epsilon``. (The algorithm box omits n; eq. 2 keeps the
@@ -31,20 +32,43 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Any, Mapping
 
 import torch
 from flwr.serverapp import Grid
 
+from dpfl.config import RunConfig, need
+from dpfl.method import ClientHalf, Method, MethodParams, UpdateClip
 from dpfl.privacy.accounting import calibrate_noise
-from dpfl.privacy.events import PrivacyEvent
-from dpfl.privacy.plan import (
-    UPDATE_DP_RELATION,
-    gaussian_norm_bound,
-    planned_event,
-)
-from dpfl.strategies.base import DPFLStrategy
-from dpfl.strategies.validation import ClientUpdate
+from dpfl.privacy.longitudinal import longitudinal_clip
+from dpfl.privacy.plan import UPDATE_DP_RELATION
+from dpfl.privacy.verdict import MethodPrivacy
+from dpfl.server.strategy import DPFLStrategy
+from dpfl.server.validation import ClientUpdate
+
+# "calibrated" = Gaussian for sensitivity 2S and the round's (eps_i, delta); "paper" = the
+# published variance S^4 l / (|w| eps^2), kept for the ablation (not DP at eps).
+AADP_NOISE = ("calibrated", "paper")
+
+
+@dataclass(frozen=True)
+class AADPParams(MethodParams):
+    aadp_epsilon: float = 4.0        # eps of eq. 2 (mean per-round budget)
+    aadp_rho: float = 0.1            # rho of eq. 3
+    aadp_eps_max: float = 20.0       # eps_max of eq. 3
+    aadp_threshold: float = 1e-3     # l: moment-stability threshold (and the paper's noise)
+    aadp_gamma: float = 1e-8         # gamma inside the Nadam square root
+    aadp_noise: str = "calibrated"   # one of AADP_NOISE
+
+    def validate(self) -> None:
+        need(self.aadp_epsilon > 0, "aadp-epsilon", "must be > 0", self.aadp_epsilon)
+        need(0 < self.aadp_rho < 1, "aadp-rho", "must be in (0, 1)", self.aadp_rho)
+        need(self.aadp_eps_max > 0, "aadp-eps-max", "must be > 0", self.aadp_eps_max)
+        need(self.aadp_threshold > 0, "aadp-threshold", "must be > 0", self.aadp_threshold)
+        need(self.aadp_gamma > 0, "aadp-gamma", "must be > 0", self.aadp_gamma)
+        need(self.aadp_noise in AADP_NOISE, "aadp-noise", f"must be one of {AADP_NOISE}",
+             self.aadp_noise)
 
 
 def allocate_budgets(sizes: Mapping[int, int], epsilon: float) -> dict[int, float]:
@@ -104,11 +128,9 @@ def raise_budgets(budgets: Mapping[int, float], rho: float, eps_max: float) -> d
 class AADPStrategy(DPFLStrategy):
     """AADP-FL (see module docstring)."""
 
-    name = "aadp"
-
-    def __init__(self, cfg) -> None:
-        super().__init__(cfg)
-        self.nadam = NadamState(gamma=cfg.aadp_gamma)
+    def __init__(self, cfg: RunConfig, adaptive: bool = True) -> None:
+        super().__init__(cfg, adaptive)
+        self.nadam = NadamState(gamma=cfg.params.aadp_gamma)
         self.budgets: dict[int, float] = {}
         self.raised_at: list[int] = []
         self.num_params = 0
@@ -120,17 +142,17 @@ class AADPStrategy(DPFLStrategy):
     def bind_partition_sizes(self, sizes: Mapping[int, int]) -> None:
         """Training-set sizes per partition id (public: derived from the run-config)."""
         super().bind_partition_sizes(sizes)
-        self.budgets = allocate_budgets(self.partition_sizes, self.cfg.aadp_epsilon)
+        self.budgets = allocate_budgets(self.partition_sizes, self.cfg.params.aadp_epsilon)
 
     def round_sigma(self, epsilon: float) -> float:
         """The noise multiplier of one release at the per-round eps_i^t."""
         return round_noise_multiplier(self.cfg, epsilon, self.num_params)
 
-    def planned_event(self, partition_id: int, server_round: int) -> PrivacyEvent:
+    def plan_sigma(self, partition_id: int | None, server_round: int) -> float:
+        """sigma at the eps_i^t sent to ``partition_id`` in ``server_round`` (the mean
+        budget ``aadp-epsilon`` for an unknown partition)."""
         sent = self.sent_budgets.get(server_round, self.budgets)
-        eps = sent.get(partition_id, self.cfg.aadp_epsilon)
-        return planned_event(self.cfg, self.partition_sizes[partition_id], server_round,
-                             self.round_sigma(eps))
+        return self.round_sigma(sent.get(partition_id, self.cfg.params.aadp_epsilon))
 
     def select_nodes(self, server_round: int, grid: Grid) -> list[int]:
         """Each node joins independently with probability ``fraction-train`` (at least
@@ -143,33 +165,24 @@ class AADPStrategy(DPFLStrategy):
         return sorted(chosen)
 
     def round_config(self, server_round: int) -> dict[str, Any]:
-        if not self.budgets:  # deployment, round 1: sizes unknown, equal allocation
-            return {"aadp-default-epsilon": float(self.cfg.aadp_epsilon)}
+        """The round's eps_i^t for every partition (recorded: the plans use them)."""
+        self.sent_budgets[server_round] = dict(self.budgets)
+        default = float(self.cfg.params.aadp_epsilon)
+        if not self.budgets:  # sizes unknown: equal allocation
+            return {"aadp-default-epsilon": default}
         pids = sorted(self.budgets)
         return {"aadp-partition": pids, "aadp-epsilon": [float(self.budgets[p]) for p in pids],
-                "aadp-default-epsilon": float(self.cfg.aadp_epsilon)}
-
-    def configure_train(self, server_round, arrays, config, grid):
-        self.sent_budgets[server_round] = dict(self.budgets)
-        self.next_round_config = {**self.next_round_config, **self.round_config(server_round)}
-        return super().configure_train(server_round, arrays, config, grid)
-
-    def update_norm_bound(self, dim: int) -> float | None:
-        """C + sigma_max C (sqrt(d) + 10), sigma_max from the smallest per-round budget
-        (the noisiest honest client); an honest update exceeds it w.p. < exp(-50)."""
-        smallest = min(self.budgets.values()) if self.budgets else self.cfg.aadp_epsilon
-        sigma = self.round_sigma(smallest)
-        bound = gaussian_norm_bound(self.cfg.clip_norm, sigma, dim)
-        user = super().update_norm_bound(dim)
-        return min(bound, user) if user else bound
+                "aadp-default-epsilon": default}
 
     def aggregation_weights(self, accepted: list[ClientUpdate]) -> torch.Tensor:
+        """Equal weights (the mean of the M received updates, Alg. 1)."""
         return torch.ones(len(accepted))
 
     def server_step(self, global_flat: torch.Tensor, aggregated: torch.Tensor) -> torch.Tensor:
         new = nadam_step(global_flat, aggregated, self.nadam, self.cfg.server_lr)
-        if moments_stable(self.nadam, self.cfg.aadp_threshold) and self.budgets:
-            self.budgets = raise_budgets(self.budgets, self.cfg.aadp_rho, self.cfg.aadp_eps_max)
+        p = self.cfg.params
+        if moments_stable(self.nadam, p.aadp_threshold) and self.budgets:
+            self.budgets = raise_budgets(self.budgets, p.aadp_rho, p.aadp_eps_max)
             self.raised_at.append(self.nadam.t)
         return new
 
@@ -206,13 +219,15 @@ def paper_noise_multiplier(clip_norm: float, threshold: float, num_params: int,
     return clip_norm * math.sqrt(threshold) / (math.sqrt(num_params) * epsilon)
 
 
-def round_noise_multiplier(cfg, epsilon: float, num_params: int) -> float:
+@lru_cache(maxsize=1024)
+def round_noise_multiplier(cfg: RunConfig, epsilon: float, num_params: int) -> float:
     """sigma of one AADP-FL release at the per-round eps_i^t: calibrated for sensitivity 2S
     (replace-one, noise added on the client) and (eps_i^t, delta) with RDP — the accountant
     of the Rényi filter that bounds the whole adaptive run — or, with
     ``aadp-noise = "paper"``, the published variance."""
-    if cfg.aadp_noise == "paper":
-        return paper_noise_multiplier(cfg.clip_norm, cfg.aadp_threshold, num_params, epsilon)
+    if cfg.params.aadp_noise == "paper":
+        return paper_noise_multiplier(cfg.clip_norm, cfg.params.aadp_threshold, num_params,
+                                      epsilon)
     return calibrate_noise(epsilon, cfg.delta, 1, accountant="rdp", relation=UPDATE_DP_RELATION)
 
 
@@ -223,3 +238,43 @@ def round_epsilon_for(config: Mapping[str, Any], partition_id: int) -> float:
             if int(pid) == partition_id:
                 return float(eps)
     return float(config["aadp-default-epsilon"])
+
+
+class AADPClient(ClientHalf):
+    """The round's sigma from the eps_i^t the server sent; longitudinal clipping."""
+
+    def round_sigma(self, cfg, config, partition_id, model) -> float:
+        eps_round = round_epsilon_for(config, partition_id)   # AADP-FL's eps_i^t
+        return round_noise_multiplier(cfg, eps_round, sum(p.numel() for p in model.parameters()))
+
+    def update_clip(self, cfg) -> UpdateClip:
+        return longitudinal_clip
+
+
+def aadp_privacy(cfg: RunConfig) -> MethodPrivacy:
+    """The filter, the clipping and the public sizes; the paper's noise is not DP."""
+    scope = ("per-round budgets are chosen adaptively (AADP-FL), so the bound is a Rényi "
+             f"filter at epsilon {cfg.target_epsilon} over all rounds (Lécuyer 2021); "
+             "longitudinal clipping keeps the update norm <= clip-norm; training-set sizes "
+             "are treated as public (the allocation uses them)")
+    clear = ()
+    if cfg.params.aadp_noise == "paper":
+        clear = ("aadp-noise=paper: AADP-FL's published noise variance S^4 l/(|w| eps^2) is "
+                 "not calibrated to the per-round (eps, delta); the ledger charges the noise "
+                 "actually added, whose epsilon is orders of magnitude above the nominal one",)
+    return MethodPrivacy(scope=scope, clear=clear, adaptive=True)
+
+
+METHOD = Method(
+    name="aadp",
+    citation="Cheng, Li, Qin & Tu, Differential Privacy Federated Learning Based on "
+             "Adaptive Adjustment, Computers, Materials & Continua, 2025",
+    strategy=AADPStrategy,
+    client=AADPClient(),
+    params=AADPParams,
+    trainers=("update-dp",),
+    trainer_reason="AADP-FL is client-level DP",
+    privacy=aadp_privacy,
+    presets="aadp",
+    adaptive=True,
+)

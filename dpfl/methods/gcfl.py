@@ -1,4 +1,6 @@
-"""``gcfl``: server-side gradient correction by projection (Wan et al., arXiv 2506.03618).
+"""``gcfl``: server-side gradient correction by projection (Wan, Zhu, Liu, Fan & Xu, "GCFL",
+a gradient-correction method for differentially private federated learning, arXiv
+2506.03618, 2025; the title is not in our copy of the text).
 
 Each round the server draws a random reference subset R of the clients' updates (size
 ``gcfl-references``, seeded). For every other update g_i, and for each reference g_j in
@@ -28,12 +30,24 @@ guarantee is the clients' (verdict ``formal`` when the clients' is).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Sequence
 
 import torch
 
-from dpfl.strategies.aggregation import weighted_mean
-from dpfl.strategies.base import DPFLStrategy
+from dpfl.config import need
+from dpfl.method import Method, MethodParams
+from dpfl.server.aggregation import weighted_mean
+from dpfl.server.strategy import DPFLStrategy
+
+
+@dataclass(frozen=True)
+class GCFLParams(MethodParams):
+    gcfl_references: int = 1     # size of the random reference subset R per round
+
+    def validate(self) -> None:
+        need(self.gcfl_references >= 1, "gcfl-references", "must be >= 1",
+             self.gcfl_references)
 
 
 def gcfl_coefficients(cross: torch.Tensor, references: Sequence[int]) -> torch.Tensor:
@@ -127,16 +141,14 @@ def gcfl_aggregate(updates: torch.Tensor, weights: torch.Tensor, references: Seq
 class GCFLStrategy(DPFLStrategy):
     """GCFL (see module docstring)."""
 
-    name = "gcfl"
-
     def draw_references(self, m: int) -> list[int]:
         """A seeded random reference subset of ``gcfl-references`` rows (at most m - 1,
         so at least one update can be corrected when m >= 2)."""
-        k = min(self.cfg.gcfl_references, max(m - 1, 1))
+        k = min(self.cfg.params.gcfl_references, max(m - 1, 1))
         return sorted(self.rng.sample(range(m), k))
 
     # diagnostics of the last aggregation, reported by round_metrics
-    last_references: Sequence[int] = ()
+    last_reference_count = 0
     last_corrections = 0
     last_corrected = 0
     last_min_cosine = 1.0
@@ -144,7 +156,7 @@ class GCFLStrategy(DPFLStrategy):
 
     def aggregate_updates(self, updates: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         refs = self.draw_references(updates.shape[0])
-        self.last_references = refs
+        self.last_reference_count = len(refs)
         # reset, so a round that corrects nothing never reports the previous round's values
         self.last_corrections, self.last_corrected = 0, 0
         self.last_min_cosine, self.last_correction_norm = 1.0, 0.0
@@ -174,7 +186,17 @@ class GCFLStrategy(DPFLStrategy):
         correction), ``gcfl-min-cosine`` (their smallest cosine, 1 if none),
         ``gcfl-corrected`` (updates the projection changed) and ``gcfl-correction-norm``
         (L2 distance between the corrected aggregate and the plain weighted mean)."""
-        return {**super().round_metrics(record), "gcfl-references": len(self.last_references),
+        return {**super().round_metrics(record), "gcfl-references": self.last_reference_count,
                 "gcfl-conflicts": self.last_corrections,
                 "gcfl-min-cosine": self.last_min_cosine, "gcfl-corrected": self.last_corrected,
                 "gcfl-correction-norm": self.last_correction_norm}
+
+
+METHOD = Method(
+    name="gcfl",
+    citation="Wan, Zhu, Liu, Fan & Xu, GCFL: gradient correction for differentially "
+             "private federated learning, arXiv 2506.03618, 2025",
+    strategy=GCFLStrategy,
+    params=GCFLParams,
+    presets="gcfl",
+)

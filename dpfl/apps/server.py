@@ -1,0 +1,282 @@
+"""dpfl's ServerApp: builds the configured method's strategy, runs the rounds, evaluates
+centrally each round, keeps the privacy ledger, writes the run directory and checkpoints
+every round (``resume=true`` continues a run from its last checkpoint).
+
+The run is four steps — :func:`setup`, :func:`resume` (or a fresh start), :func:`run_round`
+per round, :func:`finish` — over one :class:`Federation` that holds the run's state; the
+strategy is talked to through ``start_round`` / ``finish_round`` and their return values.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from flwr.app import ArrayRecord, ConfigRecord, Context
+from flwr.serverapp import Grid, ServerApp
+
+from dpfl.config import ConfigError, RunConfig
+from dpfl.data import label_counts, load_dataset, splits_for, test_tensors
+from dpfl.data.plots import plot_label_counts
+from dpfl.methods import build_strategy, guarantee, parse_run_config
+from dpfl.models import build_model
+from dpfl.models.evaluation import device_for
+from dpfl.privacy.ledger import Ledger, ledger_config
+from dpfl.privacy.verdict import Guarantee
+from dpfl.server.evaluation import classification_metrics
+from dpfl.server.exchange import ReplyExchange
+from dpfl.server.plots import plot_accuracy, plot_epsilon
+from dpfl.server.report import epsilon_table
+from dpfl.server.rundir import RunDir
+from dpfl.server.strategy import DPFLStrategy, RoundRecord
+
+log = logging.getLogger("flwr.dpfl.server")
+# After the last round, how long the server waits for replies still in flight (each is a
+# release that must be charged); only spent when some instruction is still unanswered.
+LATE_REPLY_WAIT = 60.0
+app = ServerApp()
+
+
+@dataclass
+class Federation:
+    """Everything one run holds between rounds."""
+
+    grid: Grid
+    cfg: RunConfig
+    run_dir: RunDir
+    guarantee: Guarantee
+    strategy: DPFLStrategy
+    model: torch.nn.Module
+    x_test: torch.Tensor
+    y_test: torch.Tensor
+    device: torch.device
+    num_nodes: int
+    arrays: ArrayRecord
+    ledger: Ledger
+    exchange: ReplyExchange
+    t_start: float
+    start: int = 1                      # first round to run
+    rounds: list[dict[str, Any]] = field(default_factory=list)
+    initial: dict[str, float] = field(default_factory=dict)
+    resume_config: dict[str, Any] = field(default_factory=dict)  # next round only
+
+
+def _federated_evaluation(strategy: DPFLStrategy, grid: Grid, rnd: int, arrays: ArrayRecord,
+                          cfg: RunConfig) -> dict[str, Any] | None:
+    messages = strategy.configure_evaluate(rnd, arrays, ConfigRecord(), grid)
+    if not messages:
+        return None
+    replies = grid.send_and_receive(messages=messages, timeout=cfg.round_timeout)
+    metrics = strategy.aggregate_evaluate(rnd, replies)
+    return dict(metrics) if metrics is not None else None
+
+
+def _epsilon_series(rounds: list[dict[str, Any]]) -> dict[str, list[tuple[int, float]]]:
+    series: dict[str, list[tuple[int, float]]] = {}
+    for r in rounds[:1]:
+        for client in r.get("epsilon", {}):
+            series[client] = [(r["round"] - 1, 0.0)]
+    for r in rounds:
+        for client, eps in r.get("epsilon", {}).items():
+            series.setdefault(client, []).append((r["round"], eps))
+    return series
+
+
+def _skip_busy(record: RoundRecord, exchange: ReplyExchange, rnd: int, messages) -> list:
+    """Drop instructions to nodes still training on an earlier one (a second concurrent
+    training of one node would start from the same privacy history and lose a charge)."""
+    busy = exchange.busy_nodes()
+    kept = [m for m in messages if m.metadata.dst_node_id not in busy]
+    skipped = sorted({int(m.metadata.dst_node_id) for m in messages} & busy)
+    if skipped:
+        record.sampled = [n for n in record.sampled if n not in skipped]
+        log.warning("round %d: nodes %s still busy with an earlier round: not asked", rnd,
+                    skipped)
+    return kept
+
+
+def _charge_late(strategy: DPFLStrategy, record: RoundRecord, late) -> None:
+    """Charge replies to earlier rounds that arrived during this one (never aggregated)."""
+    for sent, msg in late:
+        charge = strategy.charge_late_reply(msg, sent)
+        if charge is not None:
+            record.late.append(charge)
+            log.warning("round %d: late reply to round %d from %s charged", record.server_round,
+                        sent, charge.client)
+
+
+def budgets_exhausted(record, num_nodes: int) -> bool:
+    """True when every connected node was asked and every one refused at its budget."""
+    return (not record.accepted and len(record.sampled) >= num_nodes > 0
+            and len(record.rejected) == len(record.sampled)
+            and all(r.kind == "refused" for r in record.rejected))
+
+
+def setup(grid: Grid, cfg: RunConfig) -> Federation:
+    """Open the run directory, build the strategy and model, wait for the nodes, bind the
+    public partition sizes and a fresh ledger."""
+    t_start = time.time()
+    run_dir = RunDir.open(cfg)
+    strategy = build_strategy(cfg)
+    ds = load_dataset(cfg.dataset, cfg.data_dir, cfg.download)
+    x_test, y_test = test_tensors(cfg.dataset, cfg.data_dir, cfg.download)
+    torch.manual_seed(cfg.seed)
+    model = build_model(cfg.model, ds.input_shape, ds.num_classes)
+    strategy.bind_model(model)
+    num_nodes = len(strategy.wait_for_nodes(grid, cfg.min_train_nodes))
+    if num_nodes > len(ds.y_train):
+        raise ConfigError(f"{num_nodes} clients but only {len(ds.y_train)} training samples "
+                          f"in dataset '{cfg.dataset}'")
+    claim = guarantee(cfg)
+    log.info("dpfl run %s: %s, %s, %d clients, %d rounds", run_dir.path, cfg.strategy,
+             cfg.dataset, num_nodes, cfg.num_rounds)
+    log.info("privacy guarantee: %s (unit=%s, relation=%s, sampling=%s, delta=%g)",
+             claim.verdict, claim.unit, claim.relation, claim.sampling, cfg.delta)
+    run_dir.write_json("config.json", {**cfg.to_dict(), "num-clients": num_nodes})
+    splits = list(splits_for(cfg, num_nodes))
+    # public sizes: the server plans each client's release (and a method may allocate by them)
+    strategy.bind_partition_sizes({i: len(s.train) for i, s in enumerate(splits)})
+    counts = label_counts(ds.y_train, splits, ds.num_classes)
+    plot_label_counts(counts, run_dir.file("labels.png"),
+                      f"{cfg.dataset}, {cfg.partitioning}, {num_nodes} clients")
+    ledger = Ledger(cfg.delta, cfg.accountant)
+    strategy.bind_ledger(ledger)
+    return Federation(grid, cfg, run_dir, claim, strategy, model, x_test, y_test,
+                      device_for(), num_nodes, ArrayRecord(model.state_dict()), ledger,
+                      ReplyExchange(grid), t_start)
+
+
+def resume(fed: Federation) -> bool:
+    """Continue from the run directory's checkpoint when ``resume=true`` and there is one
+    (model, strategy state, ledger, rounds so far); True when resumed."""
+    checkpoint = fed.run_dir.load_checkpoint() if fed.cfg.resume else None
+    if checkpoint is None:
+        return False
+    fed.arrays = ArrayRecord(checkpoint["model"])
+    fed.strategy.load_state_dict(checkpoint["strategy"])
+    fed.ledger = Ledger.from_json(checkpoint["ledger"])
+    fed.strategy.bind_ledger(fed.ledger)
+    fed.start = int(checkpoint["round"]) + 1
+    fed.initial = checkpoint.get("initial", {})
+    fed.rounds = fed.run_dir.truncate_rounds(fed.start - 1)
+    # clients whose node state was lost get their recorded events back
+    fed.resume_config = ledger_config(fed.ledger)
+    log.info("resuming %s after round %d", fed.run_dir.path, fed.start - 1)
+    return True
+
+
+def start_fresh(fed: Federation) -> None:
+    """Round 0: an empty rounds file and the initial model's accuracy."""
+    fed.model.load_state_dict(fed.arrays.to_torch_state_dict())
+    fed.run_dir.file("rounds.jsonl").write_text("")
+    fed.initial = classification_metrics(fed.model, fed.x_test, fed.y_test, fed.device)
+    log.info("round 0 (initial model): accuracy %.4f", fed.initial["accuracy"])
+
+
+def run_round(fed: Federation, rnd: int) -> RoundRecord:
+    """One round: instructions, replies, aggregation, charges, evaluation, checkpoint."""
+    cfg, strategy, ledger = fed.cfg, fed.strategy, fed.ledger
+    t0 = time.time()
+    messages, record = strategy.start_round(rnd, fed.arrays, fed.grid, fed.resume_config)
+    fed.resume_config = {}
+    messages = _skip_busy(record, fed.exchange, rnd, messages)
+    replies, late = fed.exchange.send_and_receive(messages, rnd, cfg.round_timeout)
+    outcome = strategy.finish_round(rnd, record, replies)
+    if outcome.arrays is not None:
+        fed.arrays = outcome.arrays
+    _charge_late(strategy, record, late)
+    fed_eval = _federated_evaluation(strategy, fed.grid, rnd, fed.arrays, cfg)
+    fed.model.load_state_dict(fed.arrays.to_torch_state_dict())
+    central = classification_metrics(fed.model, fed.x_test, fed.y_test, fed.device)
+    line = {
+        "round": rnd, "seconds": round(time.time() - t0, 3), "central": central,
+        "train": dict(outcome.metrics) if outcome.metrics is not None else {},
+        "sampled-nodes": record.sampled,
+        "clients": record.client_metrics(),
+        "epsilon": ledger.epsilons() if cfg.is_private else {},
+    }
+    if cfg.is_private:
+        line["charges"] = record.charge_lines()
+        line["ledger-mismatches"] = ledger.mismatches_in(rnd)
+    if fed_eval is not None:
+        line["federated-evaluation"] = fed_eval
+    fed.rounds.append(line)
+    fed.run_dir.append_round(line)
+    fed.run_dir.save_checkpoint({"round": rnd, "model": fed.arrays.to_torch_state_dict(),
+                                 "strategy": strategy.state_dict(), "initial": fed.initial,
+                                 "ledger": ledger.to_json()})
+    ledger.save(fed.run_dir.file("ledger.json"))
+    eps = line["epsilon"]
+    elapsed = time.time() - fed.t_start
+    eta = elapsed / (rnd - fed.start + 1) * (cfg.num_rounds - rnd)
+    log.info("[round %d/%d] accuracy %.4f  macro-F1 %.4f  | %d accepted, %d dropped | "
+             "max epsilon %s | %.1f s (ETA %.0f s)", rnd, cfg.num_rounds,
+             central["accuracy"], central["macro-f1"], len(record.accepted),
+             len(record.rejected), f"{max(eps.values()):.3f}" if eps else "-",
+             line["seconds"], eta)
+    return record
+
+
+def finish(fed: Federation) -> dict[str, Any]:
+    """Charge replies still in flight, write the ledger, summary and plots."""
+    cfg, strategy, ledger, rounds = fed.cfg, fed.strategy, fed.ledger, fed.rounds
+    # replies still in flight were released to the server too: wait for them (bounded)
+    if fed.exchange.outstanding:
+        log.info("waiting up to %.0f s for %d replies still in flight", LATE_REPLY_WAIT,
+                 len(fed.exchange.outstanding))
+    late_at_end = fed.exchange.drain(wait=LATE_REPLY_WAIT)
+    for sent, msg in late_at_end:
+        strategy.charge_late_reply(msg, sent)
+    if late_at_end:
+        log.warning("%d late replies charged after the last round", len(late_at_end))
+    ledger.save(fed.run_dir.file("ledger.json"))
+    summary = {
+        "guarantee": fed.guarantee.to_dict(),
+        "strategy": cfg.strategy, "trainer": cfg.trainer, "dataset": cfg.dataset,
+        "num-clients": fed.num_nodes, "rounds": cfg.num_rounds,
+        "rounds-run": rounds[-1]["round"] if rounds else 0,
+        "initial": fed.initial,
+        "final": rounds[-1]["central"] if rounds else {},
+        "epsilon-budget": cfg.target_epsilon if cfg.is_private else None,
+        "clients": {c: {"epsilon": e, "recomputed-epsilon": ledger.recomputed(c),
+                        "rounds": ledger.rounds(c), "reported-epsilon": ledger.reported.get(c)}
+                    for c, e in ledger.epsilons().items()},
+        "late-replies-after-last-round": len(late_at_end),
+        "ledger-mismatches": len(ledger.mismatches),
+        "mismatches": ledger.mismatches,
+        "charges-not-matching-plan": sum(1 for c in ledger.charges
+                                         if c["note"] != "reported = plan"),
+        "wall-seconds": round(time.time() - fed.t_start, 2),
+        "run-dir": str(fed.run_dir.path),
+    }
+    fed.run_dir.write_json("summary.json", summary)
+    plot_accuracy(rounds, fed.run_dir.file("accuracy.png"), f"{cfg.strategy} on {cfg.dataset}")
+    if cfg.is_private:
+        plot_epsilon(_epsilon_series(rounds), fed.run_dir.file("epsilon.png"),
+                     cfg.target_epsilon)
+    for row in epsilon_table(summary).splitlines():
+        log.info("%s", row)
+    return summary
+
+
+def run(grid: Grid, cfg: RunConfig) -> dict[str, Any]:
+    """The whole federation: returns the summary written to ``summary.json``."""
+    fed = setup(grid, cfg)
+    if not resume(fed):
+        start_fresh(fed)
+    for rnd in range(fed.start, cfg.num_rounds + 1):
+        record = run_round(fed, rnd)
+        if budgets_exhausted(record, len(grid.get_node_ids())):
+            log.info("every client refused at its privacy budget: stopping after round %d", rnd)
+            break
+    return finish(fed)
+
+
+@app.main()
+def main(grid: Grid, context: Context) -> None:
+    """Entry point for ``flwr run``: parse the run-config once, then run."""
+    cfg = parse_run_config(context.run_config)
+    run(grid, cfg)

@@ -1,0 +1,103 @@
+"""The method API: what one DP-FL method is, in one object.
+
+A method module (``dpfl/methods/<name>.py``) exports one :class:`Method`: its server
+strategy, its client half (:class:`ClientHalf`: the round's privacy plan, local-training
+hooks, the update transform), its own typed run-config parameters (:class:`MethodParams`),
+the trainers it supports, its guarantee notes and its reproduction presets. The registry
+(``dpfl.methods``) is the only list of methods; nothing below it names one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field, fields
+from typing import Any, Callable, Mapping
+
+import torch
+from flwr.app import Context, Message
+
+from dpfl.client.hooks import MethodHooks
+from dpfl.config import RunConfig, coerce, need
+from dpfl.privacy.verdict import MethodPrivacy
+from dpfl.server.strategy import DPFLStrategy
+
+UpdateClip = Callable[[torch.Tensor, float], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class MethodParams:
+    """Base of a method's own run-config keys: a frozen dataclass whose field names are the
+    keys with dashes as underscores (e.g. ``gcfl_references`` <-> ``gcfl-references``)."""
+
+    @classmethod
+    def keys(cls) -> tuple[str, ...]:
+        return tuple(f.name.replace("_", "-") for f in fields(cls))
+
+    @classmethod
+    def parse(cls, raw: Mapping[str, Any]) -> "MethodParams":
+        """The parameters from the run-config keys present in ``raw`` (others default)."""
+        types = {f.name: str(f.type) for f in fields(cls)}
+        py = {"bool": bool, "int": int, "float": float, "str": str}
+        values = {name: coerce(name.replace("_", "-"), raw[name.replace("_", "-")], py[kind])
+                  for name, kind in types.items() if name.replace("_", "-") in raw}
+        params = cls(**values)
+        params.validate()
+        return params
+
+    def validate(self) -> None:
+        """Raise ``ConfigError`` naming the first bad key (override per method)."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {f.name.replace("_", "-"): getattr(self, f.name) for f in fields(self)}
+
+
+class ClientHalf:
+    """What a method adds on the client (default: nothing)."""
+
+    def round_sigma(self, cfg: RunConfig, config: Mapping[str, Any], partition_id: int,
+                    model: torch.nn.Module) -> float | None:
+        """This round's noise multiplier when the method sets it per round (None: the
+        run's calibrated one)."""
+        return None
+
+    def hooks(self, cfg: RunConfig, msg: Message, context: Context,
+              model: torch.nn.Module) -> MethodHooks:
+        """Local-training hooks and extra reply records for this round."""
+        return MethodHooks()
+
+    def update_clip(self, cfg: RunConfig) -> UpdateClip | None:
+        """The clipping of a client-level DP update (None: L2 norm clipping); its output
+        norm must be <= the clip norm."""
+        return None
+
+
+def no_notes(cfg: RunConfig) -> MethodPrivacy:
+    return MethodPrivacy()
+
+
+@dataclass(frozen=True)
+class Method:
+    """One DP-FL method: everything the apps need to run it."""
+
+    name: str
+    citation: str                                   # authors, title, year
+    strategy: Callable[..., DPFLStrategy]   # the server half: (cfg, adaptive=...)
+    client: ClientHalf = field(default_factory=ClientHalf)
+    params: type[MethodParams] | None = None
+    trainers: tuple[str, ...] = ("dpsgd", "update-dp")
+    trainer_reason: str = "it is a DP method"
+    privacy: Callable[[RunConfig], MethodPrivacy] = no_notes
+    presets: str | None = None                      # conf/<folder> of its reproduction
+    # per-round parameters chosen from earlier outputs: budgets are a Rényi filter
+    adaptive: bool = False
+
+    def check(self, cfg: RunConfig) -> None:
+        """Method rules on the global keys (e.g. the trainers it supports)."""
+        need(cfg.trainer in self.trainers, "trainer",
+             f"strategy '{self.name}' needs trainer {' or '.join(map(repr, self.trainers))} "
+             f"({self.trainer_reason})", cfg.trainer)
+
+    def with_params(self, cfg: RunConfig, raw: Mapping[str, Any]) -> RunConfig:
+        """``cfg`` carrying this method's parameters parsed from ``raw``."""
+        params = self.params.parse(raw) if self.params is not None else None
+        return dataclasses.replace(cfg, params=params)

@@ -1,0 +1,77 @@
+"""The method registry: the only list of dpfl's methods.
+
+Each entry is the :class:`~dpfl.method.Method` exported by ``dpfl/methods/<name>.py``. The
+registry parses the run-config (global keys plus every method's own keys), checks the
+method's rules, builds its strategy and states its guarantee.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+from dpfl.config import ConfigError, RunConfig, need, parse_global
+from dpfl.method import Method
+from dpfl.methods import aadp, dpfedavg, dpfedexp, dpfedprox, dpscaffold, fedavg, gcfl, pegasus
+from dpfl.models import MODELS
+from dpfl.privacy.verdict import Guarantee, guarantee_for
+from dpfl.server.strategy import DPFLStrategy
+
+METHODS: dict[str, Method] = {m.name: m for m in (
+    fedavg.METHOD, dpfedavg.METHOD, gcfl.METHOD, dpfedprox.METHOD, dpscaffold.METHOD,
+    dpfedexp.METHOD, pegasus.METHOD, aadp.METHOD,
+)}
+
+
+def method_keys() -> frozenset[str]:
+    """Every registered method's own run-config keys."""
+    return frozenset(k for m in METHODS.values() if m.params is not None for k in m.params.keys())
+
+
+def method_for(cfg: RunConfig) -> Method:
+    return METHODS[cfg.strategy]
+
+
+def parse_run_config(raw: Mapping[str, Any]) -> RunConfig:
+    """Flower's run-config mapping as a validated :class:`RunConfig` carrying the
+    configured method's parameters. Every method's keys are type- and range-checked (the
+    pyproject lists them all), so a bad value stops the run whichever method it belongs to."""
+    cfg = parse_global(raw, method_keys())
+    need(cfg.strategy in METHODS, "strategy", f"must be one of {tuple(METHODS)}", cfg.strategy)
+    need(cfg.model in MODELS, "model", f"must be one of {tuple(MODELS)}", cfg.model)
+    for method in METHODS.values():
+        if method.params is not None and method.name != cfg.strategy:
+            method.params.parse(raw)
+    method = METHODS[cfg.strategy]
+    method.check(cfg)
+    return method.with_params(cfg, raw)
+
+
+def configured(cfg: RunConfig) -> RunConfig:
+    """``cfg`` with its method's default parameters when it carries none (e.g. a
+    RunConfig built directly in code)."""
+    if cfg.params is None and METHODS[cfg.strategy].params is not None:
+        return METHODS[cfg.strategy].with_params(cfg, {})
+    return cfg
+
+
+def build_strategy(cfg: RunConfig) -> DPFLStrategy:
+    """Instantiate the strategy of ``cfg``'s method."""
+    cfg = configured(cfg)
+    method = METHODS[cfg.strategy]
+    return method.strategy(cfg, adaptive=method.adaptive)
+
+
+def guarantee(cfg: RunConfig) -> Guarantee:
+    """What ``cfg``'s method, as configured, guarantees."""
+    cfg = configured(cfg)
+    return guarantee_for(cfg, METHODS[cfg.strategy].privacy(cfg))
+
+
+__all__ = ["METHODS", "ConfigError", "build_strategy", "configured", "guarantee", "run_config",
+           "method_for", "parse_run_config"]
+
+
+def run_config(**fields: Any) -> RunConfig:
+    """A validated RunConfig from underscored field names, method keys included (for code
+    and tests: ``run_config(strategy="gcfl", gcfl_references=2)``)."""
+    return parse_run_config({k.replace("_", "-"): v for k, v in fields.items()})

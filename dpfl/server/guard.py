@@ -1,0 +1,149 @@
+"""DP as a guard around any strategy: plans, norm bounds, weights, charges.
+
+One object owned by every dpfl strategy, as Flower's ``DifferentialPrivacy*`` wrappers
+compose around an inner strategy: whatever a method aggregates, the guard
+
+- computes each client's planned release from public values (``dpfl.privacy.plan``; a
+  method may set the round's sigma, e.g. AADP-FL's per-round budget) and sends it;
+- bounds every update's L2 norm by what the mechanism promises (client-level update DP:
+  C + sigma_max C (sqrt(d) + 10), exceeded by an honest update w.p. < exp(-50));
+- gives client-level DP updates equal aggregation weights (dataset sizes stay private);
+- charges the ledger for every received update — accepted, rejected or late — at no less
+  than the plan (``dpfl.privacy.charging``), pinning each node to its first partition id.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable, Mapping
+
+import torch
+from flwr.app import Message
+
+from dpfl.config import RunConfig
+from dpfl.privacy.budget import PrivacyHistory
+from dpfl.privacy.charging import Charge, charge_for
+from dpfl.privacy.events import PrivacyEvent
+from dpfl.privacy.plan import gaussian_norm_bound, noise_multiplier_for, plan_to_record, planned_event
+from dpfl.server.validation import ClientUpdate, Rejection
+
+log = logging.getLogger("flwr.dpfl.guard")
+# A method's per-round noise multiplier for a partition (None: the run's calibrated one).
+PlanSigma = Callable[[int | None, int], float | None]
+
+
+class DPGuard:
+    """The privacy side of a strategy (see module docstring)."""
+
+    def __init__(self, cfg: RunConfig, plan_sigma: PlanSigma, adaptive: bool = False) -> None:
+        self.cfg = cfg
+        self.plan_sigma = plan_sigma
+        self.adaptive = adaptive
+        self.ledger = None                          # the server's ledger (bind_ledger)
+        self.partition_sizes: dict[int, int] = {}   # partition id -> training-set size
+        self.node_partition: dict[int, int] = {}    # node id -> partition id, pinned
+
+    # -- planning --------------------------------------------------------------------
+    def bind_partition_sizes(self, sizes: Mapping[int, int]) -> None:
+        """Training-set sizes per partition id (public: derived from the run-config)."""
+        self.partition_sizes = dict(sizes)
+
+    def planned_event(self, partition_id: int, server_round: int) -> PrivacyEvent:
+        """The release the server asks of ``partition_id`` in ``server_round``."""
+        return planned_event(self.cfg, self.partition_sizes[partition_id], server_round,
+                             self.plan_sigma(partition_id, server_round))
+
+    def planned_clip(self) -> float:
+        return self.cfg.max_grad_norm if self.cfg.trainer == "dpsgd" else self.cfg.clip_norm
+
+    def plan_record(self, node_id: int, server_round: int) -> dict[str, Any]:
+        """``plan-*`` keys for a node whose partition is known (else none)."""
+        pid = self.node_partition.get(node_id)
+        if not self.cfg.is_private or pid not in self.partition_sizes:
+            return {}
+        return plan_to_record(self.planned_event(pid, server_round))
+
+    # -- what the mechanism promises ---------------------------------------------------
+    def norm_bound(self, dim: int, server_round: int) -> float | None:
+        """The L2 bound a client's update must meet (None = no bound): the user's
+        ``max-update-norm`` and, for client-level update DP, the Gaussian tail bound at
+        the noisiest planned sigma of the round."""
+        user = self.cfg.max_update_norm if self.cfg.max_update_norm > 0 else None
+        if self.cfg.trainer != "update-dp":
+            return user
+        pids = sorted(self.partition_sizes) or [None]
+        sigmas = {self.plan_sigma(p, server_round) for p in pids}
+        if None in sigmas:  # the run's sigma (for update-dp it does not depend on n)
+            sigmas = (sigmas - {None}) | {noise_multiplier_for(self.cfg, 1)}
+        sigma = max(sigmas)
+        bound = gaussian_norm_bound(self.cfg.clip_norm, sigma, dim)
+        return min(bound, user) if user else bound
+
+    def weights(self, weights: torch.Tensor) -> torch.Tensor:
+        """Client-level update DP: equal weights (sizes are private); else the method's."""
+        return torch.ones_like(weights) if self.cfg.trainer == "update-dp" else weights
+
+    # -- charging --------------------------------------------------------------------
+    def bind_ledger(self, ledger) -> None:
+        self.ledger = ledger
+
+    def charge_reply(self, msg: Message, checked: ClientUpdate | Rejection,
+                     sent_round: int, late: bool = False) -> Charge | None:
+        """Charge the ledger for a reply that carries an update (accepted or not, on time
+        or late); None when nothing was released (error, refusal without arrays) or the
+        run is not private. A node's partition id is pinned on its first update: a reply
+        claiming another one is charged to the pinned client and rejected."""
+        if (not self.cfg.is_private or self.ledger is None or msg.has_error()
+                or "arrays" not in msg.content.array_records):
+            return None
+        node = checked.node_id
+        claimed = checked.partition_id if checked.partition_id is not None else -1
+        pinned = self.node_partition.get(node)
+        pid = pinned if pinned is not None else claimed
+        identity_problem = None
+        if pinned is not None and claimed != pinned:
+            identity_problem = f"partition-id {claimed} differs from this node's {pinned}"
+        if pid in self.partition_sizes:
+            client, plan = f"client-{pid}", self.planned_event(pid, sent_round)
+            self.node_partition.setdefault(node, pid)
+        else:  # unknown sender: charge the node at the costliest plan of any partition
+            client = f"node-{node}"
+            plan = self._costliest_plan(client, sent_round)
+            identity_problem = identity_problem or f"unknown partition-id {claimed}"
+        content = msg.content
+        privacy = dict(content["privacy"]) if "privacy" in content.config_records else None
+        metrics = dict(content["metrics"]) if "metrics" in content.metric_records else {}
+        reported = metrics.get("epsilon")
+        reported = (float(reported) if isinstance(reported, (int, float))
+                    and not isinstance(reported, bool) else None)
+        history = self.ledger.clients.get(client, PrivacyHistory())
+        charge = charge_for(client, sent_round, privacy, plan, self.planned_clip(), history,
+                            self.ledger.delta, self.ledger.accountant, reported)
+        if identity_problem is not None:
+            charge.problem = identity_problem if charge.problem is None else (
+                f"{identity_problem}; {charge.problem}")
+            charge.note = f"{charge.note} ({identity_problem})"
+        if late:
+            charge.note = f"late reply to round {sent_round}: {charge.note}"
+        self.ledger.record(client, sent_round, charge.events, charge.reported_epsilon,
+                           charge.note, adaptive=charge.adaptive or self.adaptive)
+        if charge.problem is not None:
+            log.warning("round %d: %s charged %s: %s", sent_round, client,
+                        [e.to_dict() for e in charge.events], charge.note)
+        return charge
+
+    def _costliest_plan(self, client: str, server_round: int) -> PrivacyEvent:
+        history = self.ledger.clients.get(client, PrivacyHistory())
+        plans = [self.planned_event(p, server_round) for p in sorted(self.partition_sizes)]
+        if not plans:
+            raise RuntimeError("no partition sizes bound: the server cannot plan charges")
+        return max(plans, key=lambda e: PrivacyHistory(history.events + [e]).epsilon(
+            self.ledger.delta, self.ledger.accountant))
+
+    # -- persistence -----------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        return {"node-partition": dict(self.node_partition)}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.node_partition.update({int(k): int(v) for k, v in
+                                    state.get("node-partition", {}).items()})
