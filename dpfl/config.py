@@ -30,7 +30,7 @@ class ConfigError(ValueError):
 class RunConfig:
     """Typed view of the run-config (see ``pyproject.toml`` for the demo defaults)."""
 
-    strategy: str = "dpfedavg"
+    strategy: str = ""         # the method; "" = the registry's default (dpfl.methods)
     trainer: str = "dpsgd"
     dataset: str = "mnist"
     data_dir: str = ""

@@ -21,7 +21,7 @@ from flwr.serverapp import Grid, ServerApp
 from dpfl.config import ConfigError, RunConfig
 from dpfl.data import label_counts, load_dataset, splits_for, test_tensors
 from dpfl.data.plots import plot_label_counts
-from dpfl.methods import build_strategy, guarantee, parse_run_config
+from dpfl.methods import build_strategy, configured, guarantee, parse_run_config
 from dpfl.models import build_model
 from dpfl.models.evaluation import device_for
 from dpfl.privacy.ledger import Ledger, ledger_config
@@ -119,6 +119,7 @@ def setup(grid: Grid, cfg: RunConfig) -> Federation:
     """Open the run directory, build the strategy and model, wait for the nodes, bind the
     public partition sizes and a fresh ledger."""
     t_start = time.time()
+    cfg = configured(cfg)
     run_dir = RunDir.open(cfg)
     strategy = build_strategy(cfg)
     ds = load_dataset(cfg.dataset, cfg.data_dir, cfg.download)

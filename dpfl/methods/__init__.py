@@ -7,6 +7,7 @@ method's rules, builds its strategy and states its guarantee.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Mapping
 
 from dpfl.config import ConfigError, RunConfig, need, parse_global
@@ -22,13 +23,17 @@ METHODS: dict[str, Method] = {m.name: m for m in (
 )}
 
 
+# The method of a RunConfig whose ``strategy`` is "" (the pyproject demo names it too).
+DEFAULT_METHOD = "dpfedavg"
+
+
 def method_keys() -> frozenset[str]:
     """Every registered method's own run-config keys."""
     return frozenset(k for m in METHODS.values() if m.params is not None for k in m.params.keys())
 
 
 def method_for(cfg: RunConfig) -> Method:
-    return METHODS[cfg.strategy]
+    return METHODS[configured(cfg).strategy]
 
 
 def parse_run_config(raw: Mapping[str, Any]) -> RunConfig:
@@ -36,6 +41,8 @@ def parse_run_config(raw: Mapping[str, Any]) -> RunConfig:
     configured method's parameters. Every method's keys are type- and range-checked (the
     pyproject lists them all), so a bad value stops the run whichever method it belongs to."""
     cfg = parse_global(raw, method_keys())
+    if not cfg.strategy:
+        cfg = dataclasses.replace(cfg, strategy=DEFAULT_METHOD)
     need(cfg.strategy in METHODS, "strategy", f"must be one of {tuple(METHODS)}", cfg.strategy)
     need(cfg.model in MODELS, "model", f"must be one of {tuple(MODELS)}", cfg.model)
     for method in METHODS.values():
@@ -47,8 +54,10 @@ def parse_run_config(raw: Mapping[str, Any]) -> RunConfig:
 
 
 def configured(cfg: RunConfig) -> RunConfig:
-    """``cfg`` with its method's default parameters when it carries none (e.g. a
-    RunConfig built directly in code)."""
+    """``cfg`` with the default method when it names none, and its method's default
+    parameters when it carries none (e.g. a RunConfig built directly in code)."""
+    if not cfg.strategy:
+        cfg = dataclasses.replace(cfg, strategy=DEFAULT_METHOD)
     if cfg.params is None and METHODS[cfg.strategy].params is not None:
         return METHODS[cfg.strategy].with_params(cfg, {})
     return cfg

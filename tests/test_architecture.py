@@ -1,0 +1,68 @@
+"""The architecture as a test: import-linter's layering and no-cycle contracts
+(``[tool.importlinter]`` in pyproject.toml), and no method name in the shared layers."""
+
+from __future__ import annotations
+
+import ast
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from dpfl.methods import METHODS
+
+ROOT = Path(__file__).resolve().parent.parent
+LINT = Path(sys.executable).parent / "lint-imports"
+# Layers below the registry, and the apps: none may branch on a method's name.
+SHARED = ["dpfl/config.py", "dpfl/method.py", "dpfl/apps", "dpfl/server", "dpfl/client",
+          "dpfl/privacy", "dpfl/data", "dpfl/models", "dpfl/tensors.py"]
+
+
+def _lint(root: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([str(LINT), "--config", str(root / "pyproject.toml")], cwd=root,
+                          capture_output=True, text=True, timeout=120,
+                          env={"PYTHONPATH": str(root), "PATH": str(LINT.parent)})
+
+
+def test_import_contracts_are_kept():
+    result = _lint(ROOT)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
+    assert "2 kept, 0 broken" in result.stdout
+
+
+@pytest.mark.parametrize("module, back_edge", [
+    ("dpfl/privacy/events.py", "import dpfl.methods.gcfl"),     # privacy -> a method
+    ("dpfl/server/guard.py", "import dpfl.apps.server"),        # shared server -> app
+    ("dpfl/config.py", "import dpfl.privacy.plan"),             # a cycle config <-> privacy
+])
+def test_contracts_fail_on_a_back_edge(tmp_path, module, back_edge):
+    """The same contracts on a copy of the package with one added back-edge: broken."""
+    shutil.copytree(ROOT / "dpfl", tmp_path / "dpfl",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(ROOT / "pyproject.toml", tmp_path / "pyproject.toml")
+    target = tmp_path / module
+    target.write_text(target.read_text() + f"\n{back_edge}  # injected by the test\n")
+    result = _lint(tmp_path)
+    assert result.returncode != 0
+    assert "BROKEN" in result.stdout
+
+
+def _string_literals(path: Path) -> set[str]:
+    tree = ast.parse(path.read_text())
+    docstrings = {id(node.body[0].value) for node in ast.walk(tree)
+                  if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef))
+                  and node.body and isinstance(node.body[0], ast.Expr)}
+    return {n.value for n in ast.walk(tree) if isinstance(n, ast.Constant)
+            and isinstance(n.value, str) and id(n) not in docstrings}
+
+
+def test_shared_layers_never_name_a_method():
+    """A branch on a method needs its name as a string: no shared module has one."""
+    files = [p for s in SHARED for p in ((ROOT / s).rglob("*.py") if (ROOT / s).is_dir()
+                                         else [ROOT / s])]
+    assert len(files) > 20
+    found = {(str(f.relative_to(ROOT)), name) for f in files
+             for name in METHODS if name in _string_literals(f)}
+    assert not found, f"method names in shared layers: {sorted(found)}"
