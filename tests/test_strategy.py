@@ -91,3 +91,18 @@ def test_update_dp_uses_equal_weights_and_a_norm_bound():
     cfg = RunConfig(trainer="update-dp", noise_multiplier=1.0, clip_norm=1.0)
     strategy = build_strategy(cfg)
     assert strategy.guard.norm_bound(100, 1) == pytest.approx(1 + 1 * (10 + 10))
+
+
+def test_every_method_gets_the_guards_norm_bound_under_update_dp():
+    """DP is not inherited: gcfl (and every other update-DP-capable method) with
+    trainer=update-dp gets the same Gaussian norm bound and equal weights as dpfedavg."""
+    from dpfl.methods import METHODS, run_config
+
+    for name, method in METHODS.items():
+        if "update-dp" not in method.trainers or method.adaptive:
+            continue
+        cfg = run_config(strategy=name, trainer="update-dp", noise_multiplier=1.0,
+                         clip_norm=1.0)
+        strategy = build_strategy(cfg)
+        assert strategy.guard.norm_bound(100, 1) == pytest.approx(1 + 1 * (10 + 10)), name
+        assert strategy.guard.weights(torch.tensor([3.0, 1.0])).tolist() == [1.0, 1.0], name

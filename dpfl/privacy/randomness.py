@@ -41,9 +41,16 @@ SCOPE = ("noise and Poisson sampling come from a PRNG (Mersenne Twister on CPU, 
 REPRODUCIBLE_VERDICT = "DP noise seeded from public values (reproducible mode)"
 
 
+# Strides of the public seed: primes larger than any round count (1,009) and than any
+# partition id x stride (100,003), so (seed, partition, round) triples of one run never
+# share a seed.
+SEED_STRIDE = 100_003
+PARTITION_STRIDE = 1_009
+
+
 def public_seed(seed: int, partition_id: int, server_round: int) -> int:
     """The public seed of ``reproducible`` mode (run-config seed, partition, round)."""
-    return seed * 100_003 + partition_id * 1_009 + server_round
+    return seed * SEED_STRIDE + partition_id * PARTITION_STRIDE + server_round
 
 
 def _secret_cpu_state() -> torch.Tensor:
