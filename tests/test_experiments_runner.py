@@ -21,9 +21,10 @@ def _preset(folder: str, file: str) -> dict:
 
 _AADP_CALIBRATED = {"strategy": "aadp", "trainer": "update-dp", "aadp-epsilon": 4.0,
                     "clip-norm": 0.25, "server-lr": 0.01, "aadp-threshold": 1e-3,
-                    "target-epsilon": 1e6}
+                    "target-epsilon": 1e15}
 # (paper, cell, method, seed) -> (SuperNodes, record name, run-config), written out by hand
-# from the presets and the methods as the per-paper runners built them before the refactor.
+# from the presets and the methods as the per-paper runners built them before the refactor
+# (except the AADP-FL filter cap: calibrated ``aadp`` had 1e6, now 1e15 like the others).
 CASES = [
     ("gcfl", "eps2", "gcfl", 1, 2, "eps2__gcfl__seed1",
      {**_preset("gcfl", "mnist_eps2.toml"), "strategy": "gcfl"}),
@@ -43,10 +44,10 @@ CASES = [
      {**_preset("aadp", "mnist.toml"), "model": "mlp", **_AADP_CALIBRATED}),
     ("aadp", "mnist-mlp", "aadp-paper-noise", 1, 20, "mnist-mlp__aadp-paper-noise__seed1",
      {**_preset("aadp", "mnist.toml"), "model": "mlp", **_AADP_CALIBRATED,
-      "aadp-noise": "paper", "target-epsilon": 1e15}),
+      "aadp-noise": "paper"}),
     ("aadp", "fmnist-cnn", "aadp-eps64", 0, 20, "fmnist-cnn__aadp-eps64__seed0",
      {**_preset("aadp", "fmnist.toml"), "model": "mnist-cnn", **_AADP_CALIBRATED,
-      "aadp-epsilon": 64.0, "target-epsilon": 1e15}),
+      "aadp-epsilon": 64.0}),
 ]
 
 
@@ -161,6 +162,20 @@ def test_reproduce_help_lists_papers_cells_and_methods(capsys):
                  "dpfedexp*", "aadp-paper-noise*", "aadp-eps16384", "pegasus*"):
         assert re.search(rf"(^|[ ,]){re.escape(name)}(,|$)", text, re.MULTILINE), name
     assert "aadp-eps8*" not in text  # the sweep is not in the default grid
+
+
+def test_aadp_filter_cap_is_beyond_every_recorded_epsilon():
+    """All AADP-FL methods share one cap, above the whole-run epsilon of every committed
+    AADP-FL record (the paper-noise runs end near 1e14): the filter never refused a round."""
+    from dpfl.experiments.aadp import FILTER_OUT_OF_REACH, METHODS
+
+    caps = {m: v["target-epsilon"] for m, v in METHODS.items() if m.startswith("aadp")}
+    assert set(caps.values()) == {FILTER_OUT_OF_REACH}
+    runs = (ROOT / "results" / "aadp" / "runs").glob("*.json")
+    records = [json.loads(p.read_text()) for p in runs]
+    reached = [max(r["epsilon"].values()) for r in records if r["method"].startswith("aadp")]
+    assert reached and max(reached) < FILTER_OUT_OF_REACH
+    assert max(reached) > 1e13  # the cap matters: 1e6 would have stopped these runs
 
 
 @pytest.mark.parametrize("paper", ["gcfl", "pegasus", "aadp"])

@@ -12,7 +12,7 @@ What "eps = 4" means differs by method, and the table says so:
 - ``aadp``: AADP-FL as published, client-level: eps_i = 4 n d_i / sum d is the budget of
   *each round's* release (noise calibrated properly for sensitivity S), raised by 1/rho once
   the server's moments settle; the whole-run epsilon is whatever the Rényi filter's
-  accountant reports (the filter cap is set out of the way, 1e6), and the table prints it.
+  accountant reports (the filter cap is FILTER_OUT_OF_REACH), and the table prints it.
 - ``aadp-paper-noise``: the same with the paper's own noise variance S^4 l/(|w| eps^2)
   (``aadp-noise = "paper"``, verdict none): the ablation that explains the paper's numbers.
 """
@@ -42,8 +42,12 @@ CELLS = {  # cell -> (preset file, model)
     "fmnist-cnn": ("fmnist.toml", "mnist-cnn"),
 }
 DEFAULT_CELLS = ("mnist-mlp", "mnist-cnn")
+# ``target-epsilon`` of the AADP-FL methods: the cap of each client's Rényi filter, set beyond
+# anything a run can reach (the paper-noise ablation ends near 1e14), so the filter never
+# refuses a round and the run shows the whole-run epsilon the method, as configured, reaches.
+FILTER_OUT_OF_REACH = 1e15
 _AADP = {"strategy": "aadp", "trainer": "update-dp", "aadp-epsilon": 4.0, "clip-norm": 0.25,
-         "server-lr": 0.01, "aadp-threshold": 1e-3, "target-epsilon": 1e6}
+         "server-lr": 0.01, "aadp-threshold": 1e-3, "target-epsilon": FILTER_OUT_OF_REACH}
 METHODS: dict[str, dict[str, Any]] = {
     "fedavg": {"strategy": "fedavg", "trainer": "plain"},
     "dpfedavg": {"strategy": "dpfedavg", "trainer": "dpsgd", "target-epsilon": 4.0,
@@ -51,7 +55,7 @@ METHODS: dict[str, dict[str, Any]] = {
     "dpscaffold": {"strategy": "dpscaffold", "trainer": "dpsgd", "target-epsilon": 4.0,
                    "max-grad-norm": 1.0},
     "aadp": _AADP,
-    "aadp-paper-noise": {**_AADP, "aadp-noise": "paper", "target-epsilon": 1e15},
+    "aadp-paper-noise": {**_AADP, "aadp-noise": "paper"},
 }
 DEFAULT_METHODS = ("aadp", "aadp-paper-noise", "fedavg", "dpfedavg", "dpscaffold")
 # Evidence sweep (not in the default grid): calibrated AADP-FL with a larger per-round budget,
@@ -60,7 +64,7 @@ DEFAULT_METHODS = ("aadp", "aadp-paper-noise", "fedavg", "dpfedavg", "dpscaffold
 SWEEP_EPSILONS = (8, 16, 32, 64, 128, 256, 2048, 16384)
 SWEEP_METHODS = tuple(f"aadp-eps{e}" for e in SWEEP_EPSILONS)
 for _eps in SWEEP_EPSILONS:
-    METHODS[f"aadp-eps{_eps}"] = {**_AADP, "aadp-epsilon": float(_eps), "target-epsilon": 1e15}
+    METHODS[f"aadp-eps{_eps}"] = {**_AADP, "aadp-epsilon": float(_eps)}
 LABELS = {"fedavg": "FedAvg (no DP)", "dpfedavg": "DP-FedAvg (DP-SGD)",
           "dpscaffold": "DP-SCAFFOLD (DP-SGD)", "aadp": "AADP-FL (calibrated noise)",
           "aadp-paper-noise": "AADP-FL, paper's noise (not DP)",
