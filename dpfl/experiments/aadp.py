@@ -1,4 +1,6 @@
-"""`dpfl reproduce aadp`: AADP-FL's Table 2 (seed 002) with dpfl, MNIST and Fashion-MNIST.
+"""`dpfl reproduce aadp`: Table 2 of Cheng, Li, Qin & Tu, "Differential Privacy Federated
+Learning Based on Adaptive Adjustment", Computers, Materials & Continua (CMC), 2025 (AADP-FL),
+with dpfl, MNIST and Fashion-MNIST.
 
 Cells are (dataset, model): the preset ``conf/aadp/<dataset>.toml`` plus ``model``; methods
 add their own keys (METHODS). Every (cell, method, seed) is one real Flower simulation with

@@ -1,4 +1,6 @@
-"""`dpfl reproduce gcfl`: GCFL's MNIST tables (seed 000, Tables II-IV) with dpfl.
+"""`dpfl reproduce gcfl`: the MNIST tables (II-IV) of Wan, Zhu, Liu, Fan & Xu, "GCFL: A
+Gradient Correction-based Federated Learning Framework for Privacy-preserving CPSS"
+(arXiv:2506.03618, 2025) with dpfl.
 
 Every (cell, method, seed) is one real Flower simulation (2 SuperNodes) from the preset
 ``conf/gcfl/<cell>.toml`` plus ``strategy`` and ``seed``. Each run's key numbers go to
@@ -63,7 +65,8 @@ def build_table(results: Path, command: str) -> str:
     lines = table_header(
         "GCFL reproduction (MNIST)", command,
         "Accuracy / macro recall / macro F1 in % on the MNIST test set (10,000 images), "
-        "mean ± std over seeds (n = seeds run); paper = seed 000's Tables III-IV.", runs)
+        "mean ± std over seeds (n = seeds run); paper = Tables III-IV of Wan et al., "
+        "GCFL (arXiv:2506.03618, 2025).", runs)
     table: dict[str, Any] = {}
     for cell in CELLS:
         cell_runs = [r for r in runs if r["cell"] == cell]

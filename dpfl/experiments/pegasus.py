@@ -1,4 +1,6 @@
-"""`dpfl reproduce pegasus`: PEGASUS vs DP-FedAvg (all clients every round), seed 003.
+"""`dpfl reproduce pegasus`: PEGASUS vs DP-FedAvg (all clients every round), after Alves, da
+Costa, Gonzalez, de Souza & Villas, "Seleção de Clientes Adaptativa baseada em Privacidade
+Diferencial para Aprendizado Federado", SBRC 2024.
 
 Two cells, one preset each, differing only in how sigma is chosen:
 
