@@ -25,7 +25,6 @@
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import signal
 import sys
@@ -97,44 +96,24 @@ def cmd_privacy_report(args: argparse.Namespace) -> int:
 
 
 def cmd_reproduce(args: argparse.Namespace) -> int:
+    from dpfl.experiments.common import reproduction
+
+    paper = reproduction(args.paper)
     root = app_dir()
     results = Path(args.results or root / "results" / args.paper)
     work = Path(args.work_dir or root / "runs" / f"reproduce-{args.paper}")
     command = "dpfl reproduce " + " ".join(sys.argv[2:] if argv_is_cli() else [args.paper])
-    module = importlib.import_module(f"dpfl.experiments.{args.paper}")
-    for kind, given, known in (("cell", args.cells, module.CELLS),
-                               ("method", args.methods, module.METHODS)):
+    for kind, given, known in (("cell", args.cells, paper.cells),
+                               ("method", args.methods, paper.methods)):
         unknown = sorted(set(given or ()) - set(known))
         if unknown:  # before any run starts
             print(f"unknown {args.paper} {kind}(s) {unknown}; known: {list(known)}",
                   file=sys.stderr)
             return 2
-    if args.paper == "gcfl":
-        from dpfl.experiments import gcfl
-
-        cells = args.cells or list(gcfl.DEFAULT_CELLS)
-        methods = args.methods or list(gcfl.METHODS)
-        print(gcfl.reproduce(root, results, work, cells, methods, args.seeds,
-                             args.skip_existing, command))
-        return 0
-    if args.paper == "pegasus":
-        from dpfl.experiments import pegasus
-
-        cells = args.cells or list(pegasus.DEFAULT_CELLS)
-        methods = args.methods or list(pegasus.METHODS)
-        print(pegasus.reproduce(root, results, work, cells, methods, args.seeds,
-                                args.skip_existing, command))
-        return 0
-    if args.paper == "aadp":
-        from dpfl.experiments import aadp
-
-        cells = args.cells or list(aadp.DEFAULT_CELLS)
-        methods = args.methods or list(aadp.DEFAULT_METHODS)
-        print(aadp.reproduce(root, results, work, cells, methods, args.seeds,
-                             args.skip_existing, command))
-        return 0
-    print(f"no reproduction named {args.paper!r}", file=sys.stderr)
-    return 2
+    print(paper.reproduce(root, results, work, args.cells or list(paper.default_cells),
+                          args.methods or list(paper.default_methods), args.seeds,
+                          args.skip_existing, command))
+    return 0
 
 
 def cmd_deploy(args: argparse.Namespace) -> int:
@@ -176,8 +155,11 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("summary", help="print a run's privacy table")
     p.add_argument("run_dir")
     p.set_defaults(func=cmd_summary)
-    p = sub.add_parser("reproduce", help="run a paper's reproduction grid")
-    p.add_argument("paper", choices=["gcfl", "pegasus", "aadp"])
+    from dpfl.experiments.common import PAPERS, help_epilog
+
+    p = sub.add_parser("reproduce", help="run a paper's reproduction grid",
+                       epilog=help_epilog(), formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("paper", choices=PAPERS)
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--cells", nargs="+")
     p.add_argument("--methods", nargs="+")

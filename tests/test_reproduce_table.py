@@ -136,7 +136,7 @@ def test_aadp_sweep_methods_are_calibrated_aadp_with_a_larger_budget(tmp_path):
         swept = overrides_for(root, "mnist-mlp", f"aadp-eps{eps}", 0)
         assert swept["aadp-epsilon"] == float(eps) and "aadp-noise" not in METHODS[f"aadp-eps{eps}"]
         differs = {k for k in swept if swept[k] != base.get(k)}
-        assert differs == {"aadp-epsilon", "target-epsilon", "run-name"}
+        assert differs == {"aadp-epsilon", "run-name"}
         assert f"aadp-eps{eps}" not in DEFAULT_METHODS
     (tmp_path / "runs").mkdir()
     rec = {"cell": "mnist-mlp", "method": "aadp-eps256", "seed": 0, "accuracy": 0.5,

@@ -1,4 +1,6 @@
-"""`dpfl reproduce aadp`: AADP-FL's Table 2 (seed 002) with dpfl, MNIST and Fashion-MNIST.
+"""`dpfl reproduce aadp`: Table 2 of Cheng, Li, Qin & Tu, "Differential Privacy Federated
+Learning Based on Adaptive Adjustment", Computers, Materials & Continua (CMC), 2025 (AADP-FL),
+with dpfl, MNIST and Fashion-MNIST.
 
 Cells are (dataset, model): the preset ``conf/aadp/<dataset>.toml`` plus ``model``; methods
 add their own keys (METHODS). Every (cell, method, seed) is one real Flower simulation with
@@ -12,7 +14,7 @@ What "eps = 4" means differs by method, and the table says so:
 - ``aadp``: AADP-FL as published, client-level: eps_i = 4 n d_i / sum d is the budget of
   *each round's* release (noise calibrated properly for sensitivity S), raised by 1/rho once
   the server's moments settle; the whole-run epsilon is whatever the Rényi filter's
-  accountant reports (the filter cap is set out of the way, 1e6), and the table prints it.
+  accountant reports (the filter cap is FILTER_OUT_OF_REACH), and the table prints it.
 - ``aadp-paper-noise``: the same with the paper's own noise variance S^4 l/(|w| eps^2)
   (``aadp-noise = "paper"``, verdict none): the ablation that explains the paper's numbers.
 """
@@ -24,9 +26,15 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-import tomllib
-
-from dpfl.experiments.common import honest_verdict, randomness_note
+from dpfl.experiments.common import (
+    Reproduction,
+    honest_verdict,
+    load_records,
+    pyplot,
+    save_figure,
+    table_header,
+    write_table,
+)
 
 CLIENTS = 20
 CELLS = {  # cell -> (preset file, model)
@@ -36,8 +44,12 @@ CELLS = {  # cell -> (preset file, model)
     "fmnist-cnn": ("fmnist.toml", "mnist-cnn"),
 }
 DEFAULT_CELLS = ("mnist-mlp", "mnist-cnn")
+# ``target-epsilon`` of the AADP-FL methods: the cap of each client's Rényi filter, set beyond
+# anything a run can reach (the paper-noise ablation ends near 1e14), so the filter never
+# refuses a round and the run shows the whole-run epsilon the method, as configured, reaches.
+FILTER_OUT_OF_REACH = 1e15
 _AADP = {"strategy": "aadp", "trainer": "update-dp", "aadp-epsilon": 4.0, "clip-norm": 0.25,
-         "server-lr": 0.01, "aadp-threshold": 1e-3, "target-epsilon": 1e6}
+         "server-lr": 0.01, "aadp-threshold": 1e-3, "target-epsilon": FILTER_OUT_OF_REACH}
 METHODS: dict[str, dict[str, Any]] = {
     "fedavg": {"strategy": "fedavg", "trainer": "plain"},
     "dpfedavg": {"strategy": "dpfedavg", "trainer": "dpsgd", "target-epsilon": 4.0,
@@ -45,7 +57,7 @@ METHODS: dict[str, dict[str, Any]] = {
     "dpscaffold": {"strategy": "dpscaffold", "trainer": "dpsgd", "target-epsilon": 4.0,
                    "max-grad-norm": 1.0},
     "aadp": _AADP,
-    "aadp-paper-noise": {**_AADP, "aadp-noise": "paper", "target-epsilon": 1e15},
+    "aadp-paper-noise": {**_AADP, "aadp-noise": "paper"},
 }
 DEFAULT_METHODS = ("aadp", "aadp-paper-noise", "fedavg", "dpfedavg", "dpscaffold")
 # Evidence sweep (not in the default grid): calibrated AADP-FL with a larger per-round budget,
@@ -54,7 +66,7 @@ DEFAULT_METHODS = ("aadp", "aadp-paper-noise", "fedavg", "dpfedavg", "dpscaffold
 SWEEP_EPSILONS = (8, 16, 32, 64, 128, 256, 2048, 16384)
 SWEEP_METHODS = tuple(f"aadp-eps{e}" for e in SWEEP_EPSILONS)
 for _eps in SWEEP_EPSILONS:
-    METHODS[f"aadp-eps{_eps}"] = {**_AADP, "aadp-epsilon": float(_eps), "target-epsilon": 1e15}
+    METHODS[f"aadp-eps{_eps}"] = {**_AADP, "aadp-epsilon": float(_eps)}
 LABELS = {"fedavg": "FedAvg (no DP)", "dpfedavg": "DP-FedAvg (DP-SGD)",
           "dpscaffold": "DP-SCAFFOLD (DP-SGD)", "aadp": "AADP-FL (calibrated noise)",
           "aadp-paper-noise": "AADP-FL, paper's noise (not DP)",
@@ -73,25 +85,17 @@ for _cell in PAPER.values():  # the paper's AADP-FL row is what it ran: its own 
     _cell["aadp-paper-noise"] = _cell["aadp"]
 
 
-def overrides_for(root: Path, cell: str, method: str, seed: int) -> dict[str, Any]:
-    preset_file, model = CELLS[cell]
-    preset = tomllib.loads((root / "conf" / "aadp" / preset_file).read_text())
-    return {**preset, "model": model, **METHODS[method], "seed": seed,
-            "run-name": f"{cell}__{method}__seed{seed}"}
+def _run_config(preset: dict[str, Any], cell: str, method: str) -> dict[str, Any]:
+    """The dataset preset, the cell's model, then the method's own keys."""
+    return {**preset, "model": CELLS[cell][1], **METHODS[method]}
 
 
-def run_one(root: Path, cell: str, method: str, seed: int, results: Path,
-            work: Path) -> dict[str, Any]:
-    from dpfl.experiments.common import simulate_record, write_record
-
-    overrides = overrides_for(root, cell, method, seed)
-    record = {"cell": cell, "method": method, "seed": seed,
-              **simulate_record(root, CLIENTS, overrides, work)}
-    if method.startswith("aadp"):
-        ledger = json.loads((Path(record["run-dir"]) / "ledger.json").read_text())
-        record["raised-at-rounds"] = _raised_rounds(ledger)
-    write_record(results, overrides["run-name"], record)
-    return record
+def _raised(record: dict[str, Any]) -> dict[str, Any]:
+    """AADP-FL runs also record the rounds at which the budgets were raised."""
+    if not record["method"].startswith("aadp"):
+        return {}
+    ledger = json.loads((Path(record["run-dir"]) / "ledger.json").read_text())
+    return {"raised-at-rounds": _raised_rounds(ledger)}
 
 
 def _raised_rounds(ledger: dict[str, Any]) -> list[int]:
@@ -105,12 +109,13 @@ def _median(values: list[float]) -> float:
 
 
 def build_table(results: Path, command: str) -> str:
-    runs = [json.loads(p.read_text()) for p in sorted((results / "runs").glob("*.json"))]
-    lines = ["# AADP-FL reproduction (Table 2 shape, eps = 4)", "", f"Command: `{command}`", "",
-             "Test accuracy % (median over seeds, n = seeds run) beside the paper's Table 2; "
-             "ε column: the largest whole-run ε any client reached, from dpfl's accountant "
-             "(δ = 1e-5).", ""]
-    lines += [randomness_note(runs), ""]
+    """Markdown table per cell of every recorded run (median over seeds) beside the paper."""
+    runs = load_records(results)
+    lines = table_header(
+        "AADP-FL reproduction (Table 2 shape, eps = 4)", command,
+        "Test accuracy % (median over seeds, n = seeds run) beside the paper's Table 2; "
+        "ε column: the largest whole-run ε any client reached, from dpfl's accountant "
+        "(δ = 1e-5).", runs)
     table: dict[str, Any] = {}
     for cell in CELLS:
         cell_runs = [r for r in runs if r["cell"] == cell]
@@ -137,9 +142,7 @@ def build_table(results: Path, command: str) -> str:
                          f"{'—' if paper is None else f'{paper:.2f}'} | {UNIT[method]} | "
                          f"{eps_text} | {verdict} |")
         lines.append("")
-    (results / "table.json").write_text(json.dumps(table, indent=1, default=str))
-    text = "\n".join(lines) + "\n"
-    (results / "table.md").write_text(text)
+    text = write_table(results, lines, table)
     _plot([r for r in runs if r["method"] not in SWEEP_METHODS], results / "accuracy.png")
     _plot_sweep(runs, results / "sweep.png")
     return text
@@ -159,11 +162,7 @@ def sweep_points(runs: list[dict[str, Any]], cell: str) -> list[tuple[float, flo
 
 
 def _plot(runs: list[dict[str, Any]], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     cells = [c for c in CELLS if any(r["cell"] == c for r in runs)]
     if not cells:
         return
@@ -175,7 +174,7 @@ def _plot(runs: list[dict[str, Any]], path: Path) -> None:
                 acc = rs[0]["accuracy-by-round"]
                 ax.plot(range(1, len(acc) + 1), [100 * a for a in acc], label=LABELS[method])
         _label_accuracy_axes(ax, cell, "round")
-    _save(fig, path)
+    save_figure(fig, path)
 
 
 def _label_accuracy_axes(ax: Any, title: str, xlabel: str) -> None:
@@ -185,22 +184,10 @@ def _label_accuracy_axes(ax: Any, title: str, xlabel: str) -> None:
     ax.legend(fontsize=7)
 
 
-def _save(fig: Any, path: Path) -> None:
-    import matplotlib.pyplot as plt
-
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
 def _plot_sweep(runs: list[dict[str, Any]], path: Path) -> None:
     """Per cell with sweep runs: accuracy by round coloured by eps_i, and final accuracy
     against eps_i beside the paper's AADP-FL number and the paper-noise run."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     cells = [c for c in CELLS if any(r["cell"] == c and r["method"] in SWEEP_METHODS
                                      for r in runs)]
     if not cells:
@@ -229,22 +216,22 @@ def _plot_sweep(runs: list[dict[str, Any]], path: Path) -> None:
                              label="paper's noise (not DP)")
         _label_accuracy_axes(ax_final, f"{cell}: final accuracy vs ε_i per round "
                              "(labels: whole-run ε)", "ε_i per round (log)")
-    _save(fig, path)
+    save_figure(fig, path)
 
 
-def reproduce(root: Path, results: Path, work: Path, cells: list[str], methods: list[str],
-              seeds: list[int], skip_existing: bool, command: str) -> str:
-    """Run the grid seed-major, cell by cell, then tabulate."""
-    import time
+REPRODUCTION = Reproduction(
+    name="aadp", presets="aadp", clients=CLIENTS,
+    cells={cell: preset_file for cell, (preset_file, _) in CELLS.items()},
+    default_cells=DEFAULT_CELLS, methods=tuple(METHODS), default_methods=DEFAULT_METHODS,
+    build_table=build_table, run_config=_run_config, extra=_raised)
 
-    results.mkdir(parents=True, exist_ok=True)
-    todo = [(c, m, s) for s in seeds for c in cells for m in methods]
-    for i, (cell, method, seed) in enumerate(todo, 1):
-        if skip_existing and (results / "runs" / f"{cell}__{method}__seed{seed}.json").exists():
-            continue
-        t0 = time.time()
-        rec = run_one(root, cell, method, seed, results, work)
-        print(f"[{i}/{len(todo)}] {cell} {method} seed {seed}: accuracy {rec['accuracy']:.4f}, "
-              f"max eps {max(rec['epsilon'].values(), default=float('inf')):.3g}, {time.time() - t0:.0f} s", flush=True)
-        build_table(results, command)
-    return build_table(results, command)
+
+def overrides_for(root: Path, cell: str, method: str, seed: int) -> dict[str, Any]:
+    """The run-config overrides of one run (preset, model, method keys, seed, run name)."""
+    return REPRODUCTION.overrides(root, cell, method, seed)
+
+
+def run_one(root: Path, cell: str, method: str, seed: int, results: Path,
+            work: Path) -> dict[str, Any]:
+    """One simulation; writes and returns its record (with ``raised-at-rounds`` for AADP-FL)."""
+    return REPRODUCTION.run_one(root, cell, method, seed, results, work)

@@ -1,11 +1,21 @@
-"""Shared pieces of the paper reproductions: one simulation -> one JSON record."""
+"""Shared pieces of the paper reproductions: one simulation -> one JSON record, one
+description per paper (:class:`Reproduction`) and the one loop that runs its grid."""
 
 from __future__ import annotations
 
+import importlib
 import json
+import statistics
+import textwrap
 import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+import tomllib
+
+PAPERS = ("gcfl", "pegasus", "aadp")  # modules dpfl.experiments.<name>, each a REPRODUCTION
 
 
 def simulate_record(root: Path, clients: int, overrides: dict[str, Any],
@@ -73,8 +83,165 @@ def randomness_note(runs: list[dict[str, Any]]) -> str:
     return note
 
 
+def record_path(results: Path, name: str) -> Path:
+    """Where the record of run ``name`` lives."""
+    return results / "runs" / f"{name}.json"
+
+
 def write_record(results: Path, name: str, record: dict[str, Any]) -> Path:
-    out = results / "runs" / f"{name}.json"
+    """Write one run's record (``results/runs/<name>.json``)."""
+    out = record_path(results, name)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(record, indent=1))
     return out
+
+
+def load_records(results: Path) -> list[dict[str, Any]]:
+    """Every record under ``results/runs``, in file-name order."""
+    return [json.loads(p.read_text()) for p in sorted((results / "runs").glob("*.json"))]
+
+
+def load_preset(root: Path, folder: str, file: str) -> dict[str, Any]:
+    """The run-config preset ``conf/<folder>/<file>``."""
+    return tomllib.loads((root / "conf" / folder / file).read_text())
+
+
+# -- table pieces --------------------------------------------------------------------------
+
+def mean_std(values: list[float], scale: float = 100.0) -> str:
+    """``mean ± sample std`` of ``scale * values`` (2 decimals); the mean alone for one
+    value, ``—`` for none."""
+    if not values:
+        return "—"
+    mean = scale * statistics.fmean(values)
+    if len(values) == 1:
+        return f"{mean:.2f}"
+    return f"{mean:.2f} ± {scale * statistics.stdev(values):.2f}"
+
+
+def table_header(title: str, command: str, description: str,
+                 runs: list[dict[str, Any]]) -> list[str]:
+    """The lines every table.md starts with: title, command, what the numbers are, and the
+    randomness the runs drew."""
+    return [f"# {title}", "", f"Command: `{command}`", "", description, "",
+            randomness_note(runs), ""]
+
+
+def write_table(results: Path, lines: list[str], table: dict[str, Any]) -> str:
+    """Write ``table.json`` and ``table.md``; return the markdown."""
+    (results / "table.json").write_text(json.dumps(table, indent=1, default=str))
+    text = "\n".join(lines) + "\n"
+    (results / "table.md").write_text(text)
+    return text
+
+
+def pyplot() -> Any:
+    """matplotlib.pyplot on the non-interactive Agg backend."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def save_figure(fig: Any, path: Path) -> None:
+    """Lay out, save at 110 dpi, close."""
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    pyplot().close(fig)
+
+
+# -- one paper's grid ----------------------------------------------------------------------
+
+def strategy_is_method(preset: dict[str, Any], cell: str, method: str) -> dict[str, Any]:
+    """The usual mapping: the cell's preset with ``strategy = method``."""
+    return {**preset, "strategy": method}
+
+
+def cell_method_seed(cell: str, method: str, seed: int) -> str:
+    """The usual record (and run) name ``<cell>__<method>__seed<k>``."""
+    return f"{cell}__{method}__seed{seed}"
+
+
+def _no_extra(record: dict[str, Any]) -> dict[str, Any]:
+    return {}
+
+
+@dataclass(frozen=True)
+class Reproduction:
+    """What ``dpfl reproduce <name>`` runs: the cells (preset files in ``conf/<presets>/``),
+    the methods, how (preset, cell, method) maps to run-config overrides, the record names,
+    and the table builder. Every run goes through :func:`simulate_record`."""
+
+    name: str
+    presets: str  # folder under conf/
+    clients: int  # SuperNodes per simulation
+    cells: Mapping[str, str]  # cell -> preset file
+    default_cells: tuple[str, ...]
+    methods: tuple[str, ...]  # every known method, in table order
+    default_methods: tuple[str, ...]
+    build_table: Callable[[Path, str], str]  # (results, command) -> markdown
+    run_config: Callable[[dict[str, Any], str, str], dict[str, Any]] = strategy_is_method
+    record_name: Callable[[str, str, int], str] = cell_method_seed
+    extra: Callable[[dict[str, Any]], dict[str, Any]] = field(default=_no_extra)
+
+    def overrides(self, root: Path, cell: str, method: str, seed: int) -> dict[str, Any]:
+        """The full run-config overrides of one run: preset, method keys, seed, run name."""
+        preset = load_preset(root, self.presets, self.cells[cell])
+        return {**self.run_config(preset, cell, method), "seed": seed,
+                "run-name": self.record_name(cell, method, seed)}
+
+    def run_one(self, root: Path, cell: str, method: str, seed: int, results: Path,
+                work: Path) -> dict[str, Any]:
+        """One simulation; writes and returns its record."""
+        overrides = self.overrides(root, cell, method, seed)
+        record = {"cell": cell, "method": method, "seed": seed,
+                  **simulate_record(root, self.clients, overrides, work)}
+        record.update(self.extra(record))
+        write_record(results, overrides["run-name"], record)
+        return record
+
+    def reproduce(self, root: Path, results: Path, work: Path, cells: list[str],
+                  methods: list[str], seeds: list[int], skip_existing: bool,
+                  command: str) -> str:
+        """Run the grid seed-major (every cell once before any second seed), skipping runs
+        already recorded when ``skip_existing``; rebuild the table after every run."""
+        results.mkdir(parents=True, exist_ok=True)
+        todo = [(c, m, s) for s in seeds for c in cells for m in methods]
+        for i, (cell, method, seed) in enumerate(todo, 1):
+            if skip_existing and record_path(results, self.record_name(cell, method, seed)).exists():
+                continue
+            t0 = time.time()
+            rec = self.run_one(root, cell, method, seed, results, work)
+            eps = list(rec["epsilon"].values())
+            print(f"[{i}/{len(todo)}] {cell} {method} seed {seed}: accuracy "
+                  f"{rec['accuracy']:.4f}, max eps {max(eps, default=float('inf')):.4g}, "
+                  f"mean eps {statistics.fmean(eps) if eps else float('inf'):.4g}, "
+                  f"{time.time() - t0:.0f} s", flush=True)
+            self.build_table(results, command)
+        return self.build_table(results, command)
+
+
+def reproduction(name: str) -> Reproduction:
+    """The :class:`Reproduction` of paper ``name`` (one of :data:`PAPERS`)."""
+    if name not in PAPERS:
+        raise KeyError(f"no reproduction named {name!r}; known: {list(PAPERS)}")
+    return importlib.import_module(f"dpfl.experiments.{name}").REPRODUCTION
+
+
+def _listing(label: str, known: tuple[str, ...], default: tuple[str, ...]) -> str:
+    names = ", ".join(f"{k}*" if k in default else k for k in known)
+    return textwrap.fill(names, 88, initial_indent=f"    {label:<9}", subsequent_indent=" " * 13,
+                         break_on_hyphens=False)
+
+
+def help_epilog() -> str:
+    """Every paper with its cells and methods (``*``: run when not named), for --help."""
+    lines = ["papers, their cells and methods (* = run when --cells / --methods is not given):"]
+    for name in PAPERS:
+        r = reproduction(name)
+        lines += [f"  {name}: {r.clients} clients, presets in conf/{r.presets}/",
+                  _listing("cells:", tuple(r.cells), r.default_cells),
+                  _listing("methods:", r.methods, r.default_methods)]
+    return "\n".join(lines)

@@ -1,4 +1,6 @@
-"""`dpfl reproduce gcfl`: GCFL's MNIST tables (seed 000, Tables II-IV) with dpfl.
+"""`dpfl reproduce gcfl`: the MNIST tables (II-IV) of Wan, Zhu, Liu, Fan & Xu, "GCFL: A
+Gradient Correction-based Federated Learning Framework for Privacy-preserving CPSS"
+(arXiv:2506.03618, 2025) with dpfl.
 
 Every (cell, method, seed) is one real Flower simulation (2 SuperNodes) from the preset
 ``conf/gcfl/<cell>.toml`` plus ``strategy`` and ``seed``. Each run's key numbers go to
@@ -9,17 +11,23 @@ and a bar plot per cell to ``results/gcfl/accuracy.png``.
 
 from __future__ import annotations
 
-import json
 import statistics
-import time
 from pathlib import Path
 from typing import Any
 
-import tomllib
+from dpfl.experiments.common import (
+    Reproduction,
+    load_records,
+    mean_std,
+    pyplot,
+    save_figure,
+    table_header,
+    write_table,
+)
 
-from dpfl.experiments.common import randomness_note
-
+CLIENTS = 2
 METHODS = ("dpfedavg", "dpfedprox", "dpscaffold", "dpfedexp", "gcfl")
+DEFAULT_METHODS = METHODS
 LABELS = {"dpfedavg": "DP-FedAvg", "dpfedprox": "DP-FedProx", "dpscaffold": "DP-SCAFFOLD",
           "dpfedexp": "DP-FedExP", "gcfl": "GCFL"}
 CELLS = {
@@ -51,39 +59,14 @@ PAPER: dict[str, dict[str, tuple[float, float, float]]] = {
 PAPER["paper-sigma"] = PAPER["eps2"]
 
 
-def preset(root: Path, cell: str) -> dict[str, Any]:
-    return tomllib.loads((root / "conf" / "gcfl" / CELLS[cell]).read_text())
-
-
-def run_one(root: Path, cell: str, method: str, seed: int, results: Path,
-            work: Path) -> dict[str, Any]:
-    """One simulation; returns (and writes) the run's key numbers."""
-    from dpfl.experiments.common import simulate_record, write_record
-
-    name = f"{cell}__{method}__seed{seed}"
-    overrides = {**preset(root, cell), "strategy": method, "seed": seed, "run-name": name}
-    record = {"cell": cell, "method": method, "seed": seed,
-              **simulate_record(root, 2, overrides, work)}
-    write_record(results, name, record)
-    return record
-
-
-def _fmt(values: list[float]) -> str:
-    if not values:
-        return "—"
-    mean = 100 * statistics.fmean(values)
-    if len(values) == 1:
-        return f"{mean:.2f}"
-    return f"{mean:.2f} ± {100 * statistics.stdev(values):.2f}"
-
-
 def build_table(results: Path, command: str) -> str:
     """Markdown table of every recorded run, our mean +- std beside the paper."""
-    runs = [json.loads(p.read_text()) for p in sorted((results / "runs").glob("*.json"))]
-    lines = ["# GCFL reproduction (MNIST)", "", f"Command: `{command}`", "",
-             "Accuracy / macro recall / macro F1 in % on the MNIST test set (10,000 images), "
-             "mean ± std over seeds (n = seeds run); paper = seed 000's Tables III-IV.", ""]
-    lines += [randomness_note(runs), ""]
+    runs = load_records(results)
+    lines = table_header(
+        "GCFL reproduction (MNIST)", command,
+        "Accuracy / macro recall / macro F1 in % on the MNIST test set (10,000 images), "
+        "mean ± std over seeds (n = seeds run); paper = Tables III-IV of Wan et al., "
+        "GCFL (arXiv:2506.03618, 2025).", runs)
     table: dict[str, Any] = {}
     for cell in CELLS:
         cell_runs = [r for r in runs if r["cell"] == cell]
@@ -104,24 +87,19 @@ def build_table(results: Path, command: str) -> str:
                                                   "samples-per-second": sps,
                                                   "seeds": [r["seed"] for r in rs]}
             p = ["—" if v != v else f"{v:.2f}" for v in paper]
-            lines.append(f"| {LABELS[method]} | {len(rs)} | {_fmt(row['accuracy'])} | {p[0]} | "
-                         f"{_fmt(row['macro-recall'])} | {p[1]} | {_fmt(row['macro-f1'])} | "
-                         f"{p[2]} | {eps:.3f} | {sps:,.0f} |")
+            acc, recall, f1 = (mean_std(row[k]) for k in ("accuracy", "macro-recall", "macro-f1"))
+            lines.append(f"| {LABELS[method]} | {len(rs)} | {acc} | {p[0]} | {recall} | {p[1]} | "
+                         f"{f1} | {p[2]} | {eps:.3f} | {sps:,.0f} |")
         lines.append("")
-    (results / "table.json").write_text(json.dumps(table, indent=1))
-    text = "\n".join(lines) + "\n"
-    (results / "table.md").write_text(text)
+    text = write_table(results, lines, table)
     _plot(table, results / "accuracy.png")
     return text
 
 
 def _plot(table: dict[str, Any], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
     import numpy as np
 
+    plt = pyplot()
     cells = list(table)
     if not cells:
         return
@@ -140,23 +118,15 @@ def _plot(table: dict[str, Any], path: Path) -> None:
         ax.set_title(cell)
         ax.set_ylabel("test accuracy (%)")
     axes[0][0].legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
-def reproduce(root: Path, results: Path, work: Path, cells: list[str], methods: list[str],
-              seeds: list[int], skip_existing: bool, command: str) -> str:
-    """Run the grid seed-major (every cell once before any second seed), then tabulate."""
-    results.mkdir(parents=True, exist_ok=True)
-    todo = [(c, m, s) for s in seeds for c in cells for m in methods]
-    for i, (cell, method, seed) in enumerate(todo, 1):
-        done = results / "runs" / f"{cell}__{method}__seed{seed}.json"
-        if skip_existing and done.exists():
-            continue
-        t0 = time.time()
-        rec = run_one(root, cell, method, seed, results, work)
-        print(f"[{i}/{len(todo)}] {cell} {method} seed {seed}: accuracy {rec['accuracy']:.4f}, "
-              f"max eps {max(rec['epsilon'].values()):.3f}, {time.time() - t0:.0f} s", flush=True)
-        build_table(results, command)
-    return build_table(results, command)
+REPRODUCTION = Reproduction(
+    name="gcfl", presets="gcfl", clients=CLIENTS, cells=CELLS, default_cells=DEFAULT_CELLS,
+    methods=METHODS, default_methods=DEFAULT_METHODS, build_table=build_table)
+
+
+def run_one(root: Path, cell: str, method: str, seed: int, results: Path,
+            work: Path) -> dict[str, Any]:
+    """One simulation (preset + ``strategy`` + ``seed``); writes and returns its record."""
+    return REPRODUCTION.run_one(root, cell, method, seed, results, work)

@@ -1,4 +1,6 @@
-"""`dpfl reproduce pegasus`: PEGASUS vs DP-FedAvg (all clients every round), seed 003.
+"""`dpfl reproduce pegasus`: PEGASUS vs DP-FedAvg (all clients every round), after Alves, da
+Costa, Gonzalez, de Souza & Villas, "Seleção de Clientes Adaptativa baseada em Privacidade
+Diferencial para Aprendizado Federado", SBRC 2024.
 
 Two cells, one preset each, differing only in how sigma is chosen:
 
@@ -19,16 +21,22 @@ round, and the per-client staircase of PEGASUS's clients at spread-out final eps
 
 from __future__ import annotations
 
-import json
 import statistics
 from pathlib import Path
 from typing import Any
 
-import tomllib
-
-from dpfl.experiments.common import randomness_note
+from dpfl.experiments.common import (
+    Reproduction,
+    cell_method_seed,
+    load_records,
+    pyplot,
+    save_figure,
+    table_header,
+    write_table,
+)
 
 METHODS = ("dpfedavg", "pegasus")
+DEFAULT_METHODS = METHODS
 CLIENTS = 50
 PAPER = {"accuracy": 97.0, "reduction": 58.0}
 CELLS = {"calibrated": "mnist.toml", "common-sigma": "mnist-common-sigma.toml"}
@@ -37,20 +45,7 @@ DEFAULT_CELLS = ("calibrated",)
 
 def record_name(cell: str, method: str, seed: int) -> str:
     """``calibrated`` keeps the names its first records were written under."""
-    return f"{method}__seed{seed}" if cell == "calibrated" else f"{cell}__{method}__seed{seed}"
-
-
-def run_one(root: Path, cell: str, method: str, seed: int, results: Path,
-            work: Path) -> dict[str, Any]:
-    from dpfl.experiments.common import simulate_record, write_record
-
-    preset = tomllib.loads((root / "conf" / "pegasus" / CELLS[cell]).read_text())
-    name = record_name(cell, method, seed)
-    record = {"cell": cell, "method": method, "seed": seed,
-              **simulate_record(root, CLIENTS, {**preset, "strategy": method, "seed": seed,
-                                                "run-name": name}, work)}
-    write_record(results, name, record)
-    return record
+    return f"{method}__seed{seed}" if cell == "calibrated" else cell_method_seed(cell, method, seed)
 
 
 def reduction_percent(dpfedavg_mean_eps: list[float], pegasus_mean_eps: list[float]) -> float:
@@ -85,12 +80,12 @@ def _cell_rows(rs_by_method: dict[str, list[dict[str, Any]]]) -> tuple[dict[str,
 
 
 def build_table(results: Path, command: str) -> str:
-    runs = [json.loads(p.read_text()) for p in sorted((results / "runs").glob("*.json"))]
-    lines = ["# PEGASUS reproduction (MNIST, 50 clients, 50 rounds)", "",
-             f"Command: `{command}`", "",
-             "Mean over seeds; final mean ε: the mean over all 50 clients of each client's "
-             "cumulative ε after the last round (RDP, δ = 1e-5).", ""]
-    lines += [randomness_note(runs), ""]
+    """Markdown table per cell of every recorded run (mean over seeds), with the reduction."""
+    runs = load_records(results)
+    lines = table_header(
+        "PEGASUS reproduction (MNIST, 50 clients, 50 rounds)", command,
+        "Mean over seeds; final mean ε: the mean over all 50 clients of each client's "
+        "cumulative ε after the last round (RDP, δ = 1e-5).", runs)
     table: dict[str, Any] = {}
     by_cell: dict[str, dict[str, list[dict[str, Any]]]] = {}
     for cell in CELLS:
@@ -101,9 +96,7 @@ def build_table(results: Path, command: str) -> str:
         by_cell[cell] = by
         table[cell], rows = _cell_rows(by)
         lines += [f"## {cell}", "", *rows, ""]
-    (results / "table.json").write_text(json.dumps(table, indent=1))
-    text = "\n".join(lines) + "\n"
-    (results / "table.md").write_text(text)
+    text = write_table(results, lines, table)
     _plot(by_cell, results / "epsilon.png")
     return text
 
@@ -141,11 +134,7 @@ def epsilon_spread(record: dict[str, Any]) -> tuple[list[float], list[float]]:
 
 
 def _plot(by_cell: dict[str, dict[str, list[dict[str, Any]]]], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     if not by_cell:
         return
     fig, axes = plt.subplots(len(by_cell), 2, figsize=(10, 3.6 * len(by_cell)), squeeze=False)
@@ -170,23 +159,16 @@ def _plot(by_cell: dict[str, dict[str, list[dict[str, Any]]]], path: Path) -> No
         ax_stairs.set_xlabel("round")
         if stairs:
             ax_stairs.legend(fontsize=6)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
-def reproduce(root: Path, results: Path, work: Path, cells: list[str], methods: list[str],
-              seeds: list[int], skip_existing: bool, command: str) -> str:
-    """Run every (seed, cell, method) seed-major, rebuilding the table after each run."""
-    results.mkdir(parents=True, exist_ok=True)
-    for seed in seeds:
-        for cell in cells:
-            for method in methods:
-                name = record_name(cell, method, seed)
-                if skip_existing and (results / "runs" / f"{name}.json").exists():
-                    continue
-                rec = run_one(root, cell, method, seed, results, work)
-                print(f"{cell} {method} seed {seed}: accuracy {rec['accuracy']:.4f}, mean eps "
-                      f"{statistics.fmean(rec['epsilon'].values()):.3f}", flush=True)
-                build_table(results, command)
-    return build_table(results, command)
+REPRODUCTION = Reproduction(
+    name="pegasus", presets="pegasus", clients=CLIENTS, cells=CELLS,
+    default_cells=DEFAULT_CELLS, methods=METHODS, default_methods=DEFAULT_METHODS,
+    build_table=build_table, record_name=record_name)
+
+
+def run_one(root: Path, cell: str, method: str, seed: int, results: Path,
+            work: Path) -> dict[str, Any]:
+    """One simulation (preset + ``strategy`` + ``seed``); writes and returns its record."""
+    return REPRODUCTION.run_one(root, cell, method, seed, results, work)

@@ -1,25 +1,29 @@
 """Does GCFL help when it projects per-step noisy gradients, as the paper's Algorithm 1 does?
 
 dpfl's `gcfl` strategy projects the clients' round updates (one local epoch of DP-SGD each);
-those are nearly orthogonal (cosine_probe.py), so GCFL rarely fires and equals DP-FedAvg.
+those are nearly orthogonal (gcfl_cosine), so GCFL rarely fires and equals DP-FedAvg.
 Algorithm 1 instead exchanges every client's noisy gradient at every local iteration and
 projects those. This probe runs that protocol in one process for the preset's setting
 (2 clients, batch 32 by Poisson sampling, per-sample clip C = 1.5, sigma calibrated so each
 client reaches the target epsilon after 5 epochs, plain SGD lr 0.03, mnist-cnn) and compares
     avg:  theta <- theta - lr * (n_0 g_0 + n_1 g_1) / (n_0 + n_1)
     gcfl: the same after the projection of the non-reference gradient (reference drawn
-          uniformly per step, seeded), dpfl.strategies.gcfl.gcfl_aggregate.
+          uniformly per step, seeded), dpfl.methods.gcfl.gcfl_aggregate.
 Each client's noisy gradient is exactly one DP-SGD step (Poisson rate q_i = 1/ceil(n_i/32),
 sum of clipped per-sample gradients + N(0, sigma_i^2 C^2), divided by q_i n_i), so both arms
 are (epsilon, 1e-5)-DP per client at sample level, the same accounting as the Flower runs;
 the projection is post-processing. Steps: the smaller client's 5-epoch budget, so no client
 exceeds its calibration.
 
-    python results/gcfl/per_step_probe.py [partitioning=gcfl-contiguous] [target-epsilon=2]
+    python -m dpfl.experiments.probes.gcfl_per_step [partitioning=gcfl-contiguous] \
+        [target-epsilon=2] [seed=1] [arms=avg,gcfl]      # log: results/gcfl/per_step_probe.log
 
 Prints test accuracy after each epoch, the share of steps whose two gradients conflict
 (cos < 0) and their mean cosine.
 """
+
+from __future__ import annotations
+
 import math
 import sys
 import time
@@ -28,19 +32,20 @@ import warnings
 import torch
 from torch.func import functional_call, grad, vmap
 
-from dpfl.privacy.plan import noise_multiplier_for
-from dpfl.client.trainers import evaluate_model
-from dpfl.privacy.plan import steps_per_epoch
 from dpfl.config import RunConfig
 from dpfl.data import client_data, test_tensors
+from dpfl.experiments.probes import config_from, parse_args
+from dpfl.methods.gcfl import gcfl_aggregate
 from dpfl.models import build_model
-from dpfl.strategies.gcfl import gcfl_aggregate
+from dpfl.models.evaluation import evaluate_model
+from dpfl.privacy.plan import noise_multiplier_for, steps_per_epoch
 
-warnings.simplefilter("ignore")
-torch.set_num_threads(1)
+BASE = RunConfig(dataset="mnist", model="mnist-cnn", batch_size=32, max_grad_norm=1.5,
+                 target_epsilon=2.0, num_rounds=5, val_fraction=0.0, lr=0.03)
 
 
-def per_sample_clipped_sum(model, params, x, y, clip):
+def per_sample_clipped_sum(model: torch.nn.Module, params: dict[str, torch.Tensor],
+                           x: torch.Tensor, y: torch.Tensor, clip: float) -> torch.Tensor:
     """Sum over the batch of per-sample gradients clipped to norm ``clip`` (flat)."""
     def loss(p, xi, yi):
         out = functional_call(model, p, (xi.unsqueeze(0),))
@@ -52,6 +57,7 @@ def per_sample_clipped_sum(model, params, x, y, clip):
 
 
 def run(cfg: RunConfig, arm: str) -> None:
+    """One arm (``avg`` or ``gcfl``) for ``num-rounds`` epochs; one line per epoch."""
     data = [client_data(cfg, i, 2) for i in range(2)]
     n = [len(d.y_train) for d in data]
     q = [1.0 / steps_per_epoch(k, cfg.batch_size) for k in n]
@@ -101,12 +107,16 @@ def run(cfg: RunConfig, arm: str) -> None:
           f"steps {cfg.num_rounds * per_epoch}", flush=True)
 
 
-if __name__ == "__main__":
-    kw = dict(a.split("=") for a in sys.argv[1:])
+def main(argv: list[str]) -> None:
+    """Run the arms (``arms=avg,gcfl`` by default) on ``BASE`` + ``argv``."""
+    warnings.simplefilter("ignore")
+    torch.set_num_threads(1)
+    kw = parse_args(argv)
     arms = kw.pop("arms", "avg,gcfl").split(",")
-    base = RunConfig(dataset="mnist", model="mnist-cnn", batch_size=32, max_grad_norm=1.5,
-                     target_epsilon=2.0, num_rounds=5, val_fraction=0.0, lr=0.03)
-    cfg = base.replace(**{k.replace("-", "_"): type(getattr(base, k.replace("-", "_")))(v)
-                          for k, v in kw.items()})
+    cfg = config_from(BASE, kw)
     for arm in arms:
         run(cfg, arm)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

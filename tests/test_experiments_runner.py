@@ -1,0 +1,197 @@
+"""The generic reproduction runner: per (paper, cell, method, seed) the run-config it hands to
+``simulate_record``, the record it writes, the seed-major loop with --skip-existing, the CLI
+defaults and help, and that the committed tables rebuild unchanged from the committed records."""
+
+import json
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+import tomllib
+
+from dpfl.experiments import common
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _preset(folder: str, file: str) -> dict:
+    return tomllib.loads((ROOT / "conf" / folder / file).read_text())
+
+
+_AADP_CALIBRATED = {"strategy": "aadp", "trainer": "update-dp", "aadp-epsilon": 4.0,
+                    "clip-norm": 0.25, "server-lr": 0.01, "aadp-threshold": 1e-3,
+                    "target-epsilon": 1e15}
+# (paper, cell, method, seed) -> (SuperNodes, record name, run-config), written out by hand
+# from the presets and the methods as the per-paper runners built them before the refactor
+# (except the AADP-FL filter cap: calibrated ``aadp`` had 1e6, now 1e15 like the others).
+CASES = [
+    ("gcfl", "eps2", "gcfl", 1, 2, "eps2__gcfl__seed1",
+     {**_preset("gcfl", "mnist_eps2.toml"), "strategy": "gcfl"}),
+    ("gcfl", "noniid-eps2", "dpscaffold", 0, 2, "noniid-eps2__dpscaffold__seed0",
+     {**_preset("gcfl", "mnist_noniid_eps2.toml"), "strategy": "dpscaffold"}),
+    ("pegasus", "calibrated", "pegasus", 0, 50, "pegasus__seed0",
+     {**_preset("pegasus", "mnist.toml"), "strategy": "pegasus"}),
+    ("pegasus", "common-sigma", "dpfedavg", 3, 50, "common-sigma__dpfedavg__seed3",
+     {**_preset("pegasus", "mnist-common-sigma.toml"), "strategy": "dpfedavg"}),
+    ("aadp", "mnist-cnn", "dpfedavg", 2, 20, "mnist-cnn__dpfedavg__seed2",
+     {**_preset("aadp", "mnist.toml"), "model": "mnist-cnn", "strategy": "dpfedavg",
+      "trainer": "dpsgd", "target-epsilon": 4.0, "max-grad-norm": 1.0}),
+    ("aadp", "fmnist-mlp", "fedavg", 0, 20, "fmnist-mlp__fedavg__seed0",
+     {**_preset("aadp", "fmnist.toml"), "model": "mlp", "strategy": "fedavg",
+      "trainer": "plain"}),
+    ("aadp", "mnist-mlp", "aadp", 4, 20, "mnist-mlp__aadp__seed4",
+     {**_preset("aadp", "mnist.toml"), "model": "mlp", **_AADP_CALIBRATED}),
+    ("aadp", "mnist-mlp", "aadp-paper-noise", 1, 20, "mnist-mlp__aadp-paper-noise__seed1",
+     {**_preset("aadp", "mnist.toml"), "model": "mlp", **_AADP_CALIBRATED,
+      "aadp-noise": "paper"}),
+    ("aadp", "fmnist-cnn", "aadp-eps64", 0, 20, "fmnist-cnn__aadp-eps64__seed0",
+     {**_preset("aadp", "fmnist.toml"), "model": "mnist-cnn", **_AADP_CALIBRATED,
+      "aadp-epsilon": 64.0}),
+]
+
+
+class FakeSimulation:
+    """Stands in for ``simulate_record`` (as bench/regression.py wraps it): records every call
+    and returns a minimal record whose run-dir holds a ledger in which client-0's noise drops
+    at round 3 (an AADP-FL budget raise)."""
+
+    def __init__(self, run_dir: Path):
+        self.calls: list[tuple[int, dict]] = []
+        self.run_dir = run_dir
+        events = [{"round": 1, "sigma": 2.0}, {"round": 2, "sigma": 2.0},
+                  {"round": 3, "sigma": 0.2}]
+        (run_dir / "ledger.json").write_text(json.dumps({"clients": {"client-0": {"events": events}}}))
+
+    def __call__(self, root, clients, overrides, work):
+        self.calls.append((clients, overrides))
+        return {"config": overrides, "run-dir": str(self.run_dir), "accuracy": 0.5,
+                "epsilon": {"client-0": 1.0, "client-1": 3.0}}
+
+
+@pytest.fixture
+def fake(tmp_path, monkeypatch):
+    sim = FakeSimulation(tmp_path)
+    monkeypatch.setattr(common, "simulate_record", sim)
+    return sim
+
+
+@pytest.mark.parametrize("paper,cell,method,seed,clients,name,config", CASES,
+                         ids=[f"{c[0]}-{c[1]}-{c[2]}" for c in CASES])
+def test_run_one_hands_simulate_record_the_paper_run_config(
+        tmp_path, fake, paper, cell, method, seed, clients, name, config):
+    import importlib
+
+    module = importlib.import_module(f"dpfl.experiments.{paper}")
+    results = tmp_path / "results"
+    record = module.run_one(ROOT, cell, method, seed, results, tmp_path / "work")
+    expected = {**config, "seed": seed, "run-name": name}
+    [(used_clients, overrides)] = fake.calls
+    assert used_clients == clients
+    assert overrides == expected and list(overrides) == list(expected)  # same keys, same order
+    written = json.loads((results / "runs" / f"{name}.json").read_text())
+    assert written == record
+    assert list(written)[:3] == ["cell", "method", "seed"]
+    assert (written["cell"], written["method"], written["seed"]) == (cell, method, seed)
+    if method.startswith("aadp"):  # the raise at round 3 read from the run's ledger
+        assert written["raised-at-rounds"] == [3]
+    else:
+        assert "raised-at-rounds" not in written
+
+
+def test_reproduce_is_seed_major_and_skips_recorded_runs(tmp_path, fake, monkeypatch):
+    from dataclasses import replace
+
+    from dpfl.experiments.pegasus import REPRODUCTION
+
+    tables: list[str] = []
+    paper = replace(REPRODUCTION, build_table=lambda results, command: tables.append(command) or "T")
+    results = tmp_path / "results"
+    (results / "runs").mkdir(parents=True)
+    (results / "runs" / "pegasus__seed0.json").write_text("{}")  # calibrated keeps old names
+    out = paper.reproduce(ROOT, results, tmp_path / "work", ["calibrated", "common-sigma"],
+                          ["dpfedavg", "pegasus"], [0, 1], True, "cmd")
+    assert [o["run-name"] for _, o in fake.calls] == [
+        "dpfedavg__seed0", "common-sigma__dpfedavg__seed0", "common-sigma__pegasus__seed0",
+        "dpfedavg__seed1", "pegasus__seed1", "common-sigma__dpfedavg__seed1",
+        "common-sigma__pegasus__seed1"]
+    assert out == "T" and tables == ["cmd"] * 8  # after each of the 7 runs, then once more
+    fake.calls.clear()
+    paper.reproduce(ROOT, results, tmp_path / "work", ["calibrated"], ["pegasus"], [0], False, "c")
+    assert [o["run-name"] for _, o in fake.calls] == ["pegasus__seed0"]  # no skip: rerun
+
+
+@pytest.mark.parametrize("paper,cells,methods", [
+    ("gcfl", ["eps2", "noniid-eps2", "eps3", "eps4"],
+     ["dpfedavg", "dpfedprox", "dpscaffold", "dpfedexp", "gcfl"]),
+    ("pegasus", ["calibrated"], ["dpfedavg", "pegasus"]),
+    ("aadp", ["mnist-mlp", "mnist-cnn"],
+     ["aadp", "aadp-paper-noise", "fedavg", "dpfedavg", "dpscaffold"]),
+])
+def test_cli_runs_the_default_grid_of_each_paper(tmp_path, monkeypatch, capsys, paper, cells,
+                                                 methods):
+    from dpfl.cli import main
+
+    seen = []
+
+    def fake_reproduce(self, root, results, work, c, m, seeds, skip, command):
+        seen.append((self.name, results, work, c, m, seeds, skip, command))
+        return "table"
+
+    monkeypatch.setattr(common.Reproduction, "reproduce", fake_reproduce)
+    assert main(["reproduce", paper, "--results", str(tmp_path), "--work-dir", "w"]) == 0
+    assert seen == [(paper, tmp_path, Path("w"), cells, methods, [0, 1, 2], False,
+                     f"dpfl reproduce {paper}")]
+    assert capsys.readouterr().out == "table\n"
+    seen.clear()
+    assert main(["reproduce", paper, "--cells", cells[-1], "--methods", methods[0],
+                 "--seeds", "4", "--skip-existing", "--results", str(tmp_path)]) == 0
+    assert seen[0][3:7] == ([cells[-1]], [methods[0]], [4], True)
+
+
+def test_reproduce_help_lists_papers_cells_and_methods(capsys):
+    from dpfl.cli import main
+
+    with pytest.raises(SystemExit) as stop:
+        main(["reproduce", "--help"])
+    assert stop.value.code == 0
+    text = capsys.readouterr().out
+    for line in ("gcfl: 2 clients", "pegasus: 50 clients", "aadp: 20 clients"):
+        assert line in text
+    for name in ("paper-sigma", "noniid-eps2*", "common-sigma", "calibrated*", "fmnist-cnn",
+                 "dpfedexp*", "aadp-paper-noise*", "aadp-eps16384", "pegasus*"):
+        assert re.search(rf"(^|[ ,]){re.escape(name)}(,|$)", text, re.MULTILINE), name
+    assert "aadp-eps8*" not in text  # the sweep is not in the default grid
+
+
+def test_aadp_filter_cap_is_beyond_every_recorded_epsilon():
+    """All AADP-FL methods share one cap, above the whole-run epsilon of every committed
+    AADP-FL record (the paper-noise runs end near 1e14): the filter never refused a round."""
+    from dpfl.experiments.aadp import FILTER_OUT_OF_REACH, METHODS
+
+    caps = {m: v["target-epsilon"] for m, v in METHODS.items() if m.startswith("aadp")}
+    assert set(caps.values()) == {FILTER_OUT_OF_REACH}
+    runs = (ROOT / "results" / "aadp" / "runs").glob("*.json")
+    records = [json.loads(p.read_text()) for p in runs]
+    reached = [max(r["epsilon"].values()) for r in records if r["method"].startswith("aadp")]
+    assert reached and max(reached) < FILTER_OUT_OF_REACH
+    assert max(reached) > 1e13  # the cap matters: 1e6 would have stopped these runs
+
+
+@pytest.mark.parametrize("paper", ["gcfl", "pegasus", "aadp"])
+def test_committed_tables_rebuild_unchanged_from_committed_records(tmp_path, paper):
+    import importlib
+
+    committed = ROOT / "results" / paper
+    results = tmp_path / paper
+    shutil.copytree(committed / "runs", results / "runs")
+    command = re.search(r"^Command: `(.*)`$", (committed / "table.md").read_text(), re.MULTILINE)[1]
+    importlib.import_module(f"dpfl.experiments.{paper}").build_table(results, command)
+    for name in ("table.md", "table.json"):
+        assert (results / name).read_text() == (committed / name).read_text(), name
+
+
+def test_mean_std_formats_percent_mean_and_sample_std():
+    assert common.mean_std([0.90, 0.92]) == "91.00 ± 1.41"
+    assert common.mean_std([0.88]) == "88.00"
+    assert common.mean_std([]) == "—"
