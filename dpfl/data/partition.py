@@ -8,10 +8,10 @@ Schemes (run-config ``partitioning``):
 - ``shards``: pathological, ``labels-per-client`` classes per client
   (``PathologicalPartitioner``, the first class is ``partition_id mod num_classes``).
 - ``size``: size-skewed, client i gets a share proportional to i+1 (``LinearPartitioner``).
-- ``gcfl-contiguous``: GCFL's non-IID split (seed 000): contiguous label groups, so with 2
+- ``gcfl-contiguous``: GCFL's non-IID split (Wan et al., arXiv 2506.03618, 2025): contiguous label groups, so with 2
   clients on MNIST client 0 holds labels 0-4 (30,596 samples; the paper says "the first
   30,000") and client 1 labels 5-9.
-- ``noniid-fraction``: AADP-FL's "percentage of non-IID" f (seed 002 gives no formula; we use
+- ``noniid-fraction``: AADP-FL's "percentage of non-IID" f (the AADP-FL paper gives no formula; we use
   the DP-SCAFFOLD "similarity" construction, s = 1 - f): a fraction f of the training set is
   sorted by label and dealt in contiguous equal blocks, one per client; the remaining 1 - f
   is shuffled and split IID. f = 0 is IID; f = 1 is a pure label-sorted split.

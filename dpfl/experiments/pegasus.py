@@ -1,6 +1,6 @@
 """`dpfl reproduce pegasus`: PEGASUS vs DP-FedAvg (all clients every round), after Alves, da
 Costa, Gonzalez, de Souza & Villas, "Seleção de Clientes Adaptativa baseada em Privacidade
-Diferencial para Aprendizado Federado", SBRC 2024.
+Diferencial para Aprendizado Federado", SBRC (year not in our copy; 2024 inferred).
 
 Two cells, one preset each, differing only in how sigma is chosen:
 

@@ -1,6 +1,6 @@
-"""``gcfl``: server-side gradient correction by projection (Wan, Zhu, Liu, Fan & Xu, "GCFL",
-a gradient-correction method for differentially private federated learning, arXiv
-2506.03618, 2025; the title is not in our copy of the text).
+"""``gcfl``: server-side gradient correction by projection (Wan, Zhu, Liu, Fan & Xu, "GCFL: A
+Gradient Correction-based Federated Learning Framework for Privacy-preserving CPSS", arXiv
+2506.03618, 2025).
 
 Each round the server draws a random reference subset R of the clients' updates (size
 ``gcfl-references``, seeded). For every other update g_i, and for each reference g_j in
@@ -194,8 +194,8 @@ class GCFLStrategy(DPFLStrategy):
 
 METHOD = Method(
     name="gcfl",
-    citation="Wan, Zhu, Liu, Fan & Xu, GCFL: gradient correction for differentially "
-             "private federated learning, arXiv 2506.03618, 2025",
+    citation="Wan, Zhu, Liu, Fan & Xu, GCFL: A Gradient Correction-based Federated "
+             "Learning Framework for Privacy-preserving CPSS, arXiv 2506.03618, 2025",
     strategy=GCFLStrategy,
     params=GCFLParams,
     presets="gcfl",
