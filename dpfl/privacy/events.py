@@ -30,9 +30,12 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 from functools import lru_cache
-from typing import Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Iterable, Mapping, Sequence
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from dp_accounting import dp_event
 
 SAMPLE_LEVEL = ("dpsgd",)
 ACCOUNTANTS = ("rdp", "prv", "pld")
@@ -102,6 +105,10 @@ class PrivacyEvent:
     def to_dict(self) -> dict:
         return asdict(self)
 
+    def to_dp_event(self) -> "dp_event.DpEvent":
+        """ONE step of this event as a dp-accounting ``DpEvent`` (:func:`dp_event_of`)."""
+        return dp_event_of(self.key)
+
 
 # ---------------------------------------------------------------------------------------
 # RDP curves
@@ -124,23 +131,37 @@ def orders_for(unit: str) -> np.ndarray:
     return _opacus_orders() if unit == "sample" else _dp_accounting_orders()
 
 
-def _dp_event(key: tuple):
+def dp_event_of(key: tuple) -> "dp_event.DpEvent":
+    """THE translation of a dpfl event (its :attr:`PrivacyEvent.key`) into ONE step of a
+    dp-accounting ``DpEvent``; every accountant path (RDP curves, PLD, sigma calibration
+    in :mod:`dpfl.privacy.accounting`) goes through here.
+
+    - ``laplace``: ``LaplaceDpEvent(1 / epsilon)`` (sensitivity 1, scale 1 / epsilon).
+    - ``dpsgd``: ``GaussianDpEvent(sigma)`` on a Poisson(rate) sample, add-remove (the
+      Opacus model; the event's relation is not used).
+    - ``gaussian`` / ``quantile-count``: ``GaussianDpEvent(sigma)`` under add-remove;
+      replace-one doubles the sensitivity of the released sum, i.e. ``sigma / 2``; a rate
+      below 1 wraps it in ``PoissonSampledDpEvent(rate, .)`` (add-remove only).
+    - ``sparse-vector`` has no dp-accounting event (ValueError): its RDP enters through
+      the pure-DP bound in :func:`rdp_curve`.
+    """
     from dp_accounting import dp_event
 
     mechanism, sigma, rate, epsilon, relation = key
-    if mechanism == "dpsgd":
-        from dpfl.privacy.accounting import dpsgd_event
-
-        return dpsgd_event(sigma, rate)
     if mechanism == "laplace":
-        return dp_event.LaplaceDpEvent(1.0 / epsilon)
-    sigma_eff = sigma / 2.0 if relation == "replace-one" else sigma
-    base = dp_event.GaussianDpEvent(sigma_eff)
-    if rate < 1.0:
-        if relation != "add-remove":
-            raise ValueError("Poisson-sampled Gaussian events are accounted under add-remove")
-        return dp_event.PoissonSampledDpEvent(rate, base)
-    return base
+        return dp_event.LaplaceDpEvent(1.0 / float(epsilon))
+    if mechanism not in SAMPLE_LEVEL + GAUSSIAN:
+        raise ValueError(f"no dp-accounting event for mechanism {mechanism!r}")
+    sigma, rate = float(sigma), float(rate)
+    if mechanism in SAMPLE_LEVEL:
+        relation = "add-remove"
+    # replace-one doubles the sensitivity of the released sum: sigma_eff = sigma / 2
+    base = dp_event.GaussianDpEvent(sigma / 2.0 if relation == "replace-one" else sigma)
+    if rate >= 1.0:
+        return base
+    if relation != "add-remove":
+        raise ValueError("Poisson-sampled Gaussian events are accounted under add-remove")
+    return dp_event.PoissonSampledDpEvent(rate, base)
 
 
 @lru_cache(maxsize=4096)
@@ -158,7 +179,7 @@ def rdp_curve(key: tuple) -> np.ndarray:
     from dp_accounting.rdp.rdp_privacy_accountant import RdpAccountant
 
     acc = RdpAccountant(orders=list(orders))
-    acc.compose(_dp_event(key), 1)
+    acc.compose(dp_event_of(key), 1)
     return np.asarray(acc.rdp, dtype=float)
 
 
@@ -240,7 +261,7 @@ def _signature_epsilon(signature: tuple[tuple[tuple, int], ...], delta: float,
         raise ValueError(PRV_CLIENT_LEVEL)
     if any(e.mechanism == "sparse-vector" for e in events):
         raise ValueError("the PLD accountant has no sparse-vector event; use accountant 'rdp'")
-    return events_epsilon_detail([(_dp_event(e.key), e.steps) for e in events], delta, "pld")
+    return events_epsilon_detail([(e.to_dp_event(), e.steps) for e in events], delta, "pld")
 
 
 def history_epsilon_detail(events: Sequence[PrivacyEvent], delta: float,
@@ -258,13 +279,11 @@ def history_epsilon_detail(events: Sequence[PrivacyEvent], delta: float,
         raise ValueError(f"delta must be in (0, 1), got {delta}")
     if accountant not in ACCOUNTANTS:
         raise ValueError(f"accountant must be one of {ACCOUNTANTS}, got {accountant!r}")
-    events = [e for e in events if e.steps > 0]
-    unit = history_unit(events)
+    if accountant == "prv" and history_unit(events) == "client":
+        raise ValueError(PRV_CLIENT_LEVEL)  # even when nothing is charged yet
     signature = history_signature(events)
     if not signature:
         return 0.0, accountant
-    if accountant == "prv" and unit == "client":
-        raise ValueError(PRV_CLIENT_LEVEL)
     return _signature_epsilon(signature, float(delta), accountant)
 
 
@@ -313,6 +332,3 @@ def histories_epsilon(histories: Mapping[str, Sequence[PrivacyEvent]], delta: fl
         out.setdefault(name, 0.0)
     return out
 
-
-def events_from_dicts(items: Iterable[Mapping]) -> list[PrivacyEvent]:
-    return [PrivacyEvent(**dict(d)) for d in items]
