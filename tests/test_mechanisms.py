@@ -198,7 +198,8 @@ def test_quantile_tracker_update_event_and_noise_split():
     assert float(f.mean()) == pytest.approx(1.0, abs=4 * 0.5 / math.sqrt(4000))
     assert float(f.std()) == pytest.approx(0.5, abs=4 * 0.5 / math.sqrt(2 * 3999))
     # Andrew et al.'s split: the update at sigma_Delta and the count at 2 sigma_b compose to
-    # one Gaussian at z (RDP adds 1 / sigma^2 at every order): float rounding (measured 0)
+    # one Gaussian at z (RDP adds 1 / sigma^2 at every order): float rounding (measured
+    # 2.2e-16)
     z, sb = 1.0, 10.0
     s_delta = QuantileClipTracker.update_noise_multiplier(z, sb)
     assert s_delta ** -2 + (2 * sb) ** -2 == pytest.approx(z ** -2, rel=1e-15)
