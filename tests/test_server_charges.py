@@ -177,9 +177,7 @@ def test_privacy_report_shows_the_server_releases(tmp_path):
     assert "2 server release(s) composed into the clients' epsilon" in text
     assert "0 charge(s) not matching the plan" in text
     lines = [line for line in text.splitlines() if line.startswith("SERVER")]
-    assert lines == [
-        "SERVER round 1: adaptive-clipping count [quantile-count sigma=20 x1 (replace-one)] "
-        "charged to client-0, client-1, client-2",
-        "SERVER round 2: adaptive-clipping count [quantile-count sigma=20 x1 (replace-one)] "
-        "charged to client-0, client-1"]
+    released = "adaptive-clipping count [quantile-count sigma=20 x1 (replace-one)] charged to"
+    assert lines == [f"SERVER round 1: {released} client-0, client-1, client-2",
+                     f"SERVER round 2: {released} client-0, client-1"]
     assert "server releases" in text

@@ -7,10 +7,14 @@ No home-made accountant: every epsilon below comes from ``opacus.accountants`` o
 - Neighbouring relation ``add-remove``: one unit (a sample for DP-SGD, a client's whole
   contribution for update-level DP) is added or removed; the clipped contribution moves the
   released sum by at most C. ``replace-one``: one unit is replaced by another; the sum moves
-  by up to 2C, i.e. the effective noise multiplier is sigma / 2.
+  by up to 2C, i.e. the effective noise multiplier is sigma / 2. That halving and the
+  Poisson wrapping live in ONE place, :func:`dpfl.privacy.events.dp_event_of` (the
+  translation of a dpfl event into a dp-accounting ``DpEvent``), which
+  :func:`gaussian_event` and :func:`dpsgd_event` go through.
 - Sampling ``poisson``: each unit joins a round independently with probability q (the
   Opacus DP-SGD model, add-remove only). ``fixed``: a fixed-size sample without
-  replacement (analysed under replace-one, as in Wang, Balle & Kasiviswanathan 2019).
+  replacement (analysed under replace-one, as in Wang, Balle & Kasiviswanathan 2019;
+  ``rdp`` only: dp-accounting's PLD accountant has no such event).
   ``none``: every round uses the unit (a ``sampling_rate`` below 1 is then refused rather
   than silently dropped).
 
@@ -18,7 +22,9 @@ Accountants:
 
 - ``rdp``: Rényi DP (Opacus' for DP-SGD, dp-accounting's otherwise). A valid upper bound,
   the loosest of the three.
-- ``prv``: Opacus' PRV accountant, DP-SGD (sample-level) histories only.
+- ``prv``: Opacus' PRV accountant, DP-SGD (sample-level) histories only; every
+  client-level entry point refuses it (:func:`check_event_accountant`), it is never read
+  as ``pld``.
 - ``pld``: dp-accounting's ``PLDAccountant`` (privacy loss distributions, pessimistic
   discretisation: an upper bound at every discretisation interval) for both DP-SGD steps
   (``PoissonSampledDpEvent(q, GaussianDpEvent(sigma))`` composed ``steps`` times,
@@ -43,7 +49,7 @@ from dp_accounting import dp_event
 from dp_accounting.pld import pld_privacy_accountant
 from dp_accounting.rdp import rdp_privacy_accountant
 
-from dpfl.privacy.events import PRV_CLIENT_LEVEL, PrivacyEvent, dp_event_of
+from dpfl.privacy.events import PRV_CLIENT_LEVEL, PrivacyEvent
 
 log = logging.getLogger("flwr.dpfl.accounting")
 

@@ -14,6 +14,9 @@ sparse-vector technique). Epsilon always comes from the field's libraries:
   the exact Laplace RDP/PLD; a generic pure eps-DP release (sparse vector) enters RDP
   through eps-DP => (alpha, min(eps, alpha eps^2 / 2))-RDP (Bun & Steinke 2016).
 
+Every non-Opacus path (RDP curves, PLD) turns an event into a dp-accounting ``DpEvent``
+through ONE function, :func:`dp_event_of` (:meth:`PrivacyEvent.to_dp_event`).
+
 ``pld`` is the tightest valid choice for both units. Its epsilon, like every epsilon here,
 is computed from the history's canonical signature (:func:`history_signature`: distinct
 event keys with their summed step counts, sorted), so equal histories in any order give
