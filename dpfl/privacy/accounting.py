@@ -8,9 +8,10 @@ No home-made accountant: every epsilon below comes from ``opacus.accountants`` o
   contribution for update-level DP) is added or removed; the clipped contribution moves the
   released sum by at most C. ``replace-one``: one unit is replaced by another; the sum moves
   by up to 2C, i.e. the effective noise multiplier is sigma / 2. That halving and the
-  Poisson wrapping live in ONE place, :func:`dpfl.privacy.events.dp_event_of` (the
-  translation of a dpfl event into a dp-accounting ``DpEvent``), which
-  :func:`gaussian_event` and :func:`dpsgd_event` go through.
+  Poisson wrapping live in ONE place, :func:`dp_event_of` (the translation of a dpfl
+  event into a dp-accounting ``DpEvent``), which :func:`gaussian_event`,
+  :func:`dpsgd_event` and :meth:`dpfl.privacy.events.PrivacyEvent.to_dp_event` go
+  through.
 - Sampling ``poisson``: each unit joins a round independently with probability q (the
   Opacus DP-SGD model, add-remove only). ``fixed``: a fixed-size sample without
   replacement (analysed under replace-one, as in Wang, Balle & Kasiviswanathan 2019;
@@ -49,10 +50,15 @@ from dp_accounting import dp_event
 from dp_accounting.pld import pld_privacy_accountant
 from dp_accounting.rdp import rdp_privacy_accountant
 
-from dpfl.privacy.events import PRV_CLIENT_LEVEL, PrivacyEvent
-
 log = logging.getLogger("flwr.dpfl.accounting")
 
+# dpfl's mechanisms (the ``mechanism`` of :class:`dpfl.privacy.events.PrivacyEvent`)
+SAMPLE_LEVEL = ("dpsgd",)
+GAUSSIAN = ("gaussian", "quantile-count")
+PURE = ("laplace", "sparse-vector")
+MECHANISMS = SAMPLE_LEVEL + GAUSSIAN + PURE
+PRV_CLIENT_LEVEL = ("accountant 'prv' is Opacus' DP-SGD accountant; use 'pld' or 'rdp' for "
+                    "client-level events")
 RELATIONS = ("add-remove", "replace-one")
 SAMPLINGS = ("none", "poisson", "fixed")
 DPSGD_ACCOUNTANTS = ("rdp", "prv", "pld")
@@ -85,6 +91,8 @@ BRACKET_FACTOR = 2.0
 # (noise_multiplier, sample_rate, steps): Opacus' own history format for DP-SGD.
 DpsgdHistory = Sequence[tuple[float, float, int]]
 EventCounts = Iterable[tuple[dp_event.DpEvent, int]]
+# A dpfl event's key, PrivacyEvent.key: (mechanism, sigma, rate, epsilon, relation)
+EventKey = tuple[str, float, float, float, str]
 
 
 def _check_delta(delta: float) -> None:
@@ -110,6 +118,42 @@ def _interval_label(interval: float) -> str:
 
 
 # ---------------------------------------------------------------------------------------
+# dpfl events -> dp-accounting events
+
+
+def dp_event_of(key: EventKey) -> dp_event.DpEvent:
+    """THE translation of a dpfl event (its key, :attr:`dpfl.privacy.events.PrivacyEvent.key`)
+    into ONE step of a dp-accounting ``DpEvent``; every non-Opacus accountant path (RDP
+    curves, PLD, :func:`gaussian_event`, :func:`dpsgd_event`, sigma calibration) goes
+    through here.
+
+    - ``laplace``: ``LaplaceDpEvent(1 / epsilon)`` (sensitivity 1, scale 1 / epsilon).
+    - ``dpsgd``: ``GaussianDpEvent(sigma)`` on a Poisson(rate) sample, add-remove (the
+      Opacus model; the event's relation is not used).
+    - ``gaussian`` / ``quantile-count``: ``GaussianDpEvent(sigma)`` under add-remove;
+      replace-one doubles the sensitivity of the released sum, i.e. ``sigma / 2``; a rate
+      below 1 wraps it in ``PoissonSampledDpEvent(rate, .)`` (add-remove only).
+    - ``sparse-vector`` has no dp-accounting event (ValueError): its RDP enters through
+      the pure-DP bound in :func:`rdp_curve`.
+    """
+    mechanism, sigma, rate, epsilon, relation = key
+    if mechanism == "laplace":
+        return dp_event.LaplaceDpEvent(1.0 / float(epsilon))
+    if mechanism not in SAMPLE_LEVEL + GAUSSIAN:
+        raise ValueError(f"no dp-accounting event for mechanism {mechanism!r}")
+    sigma, rate = float(sigma), float(rate)
+    if mechanism in SAMPLE_LEVEL:
+        relation = "add-remove"
+    # replace-one doubles the sensitivity of the released sum: sigma_eff = sigma / 2
+    base = dp_event.GaussianDpEvent(sigma / 2.0 if relation == "replace-one" else sigma)
+    if rate >= 1.0:
+        return base
+    if relation != "add-remove":
+        raise ValueError("Poisson-sampled Gaussian events are accounted under add-remove")
+    return dp_event.PoissonSampledDpEvent(rate, base)
+
+
+# ---------------------------------------------------------------------------------------
 # DP-SGD (sample-level)
 
 
@@ -126,13 +170,13 @@ def _opacus_accountant(accountant: str):
 def dpsgd_event(noise_multiplier: float, sample_rate: float) -> dp_event.DpEvent:
     """The dp-accounting event of ONE DP-SGD step: a Gaussian of multiplier sigma on a
     Poisson(q) sample (add-remove, the Opacus model); q = 1 is the plain Gaussian.
-    Built by :func:`dpfl.privacy.events.dp_event_of`."""
+    Built by :func:`dp_event_of`."""
     sigma, q = float(noise_multiplier), float(sample_rate)
     if not sigma > 0:
         raise ValueError("noise_multiplier must be > 0")
     if not 0.0 < q <= 1.0:
         raise ValueError(f"sample_rate must be in (0, 1], got {sample_rate}")
-    return PrivacyEvent.dpsgd(0, sigma, q, 1).to_dp_event()
+    return dp_event_of(("dpsgd", sigma, q, 0.0, "add-remove"))
 
 
 def dpsgd_history_epsilon_detail(history: DpsgdHistory, delta: float,
@@ -229,15 +273,15 @@ def gaussian_event(noise_multiplier: float, sampling_rate: float = 1.0, sampling
     if sampling != "fixed" or rate >= 1.0:
         # replace-one's sigma / 2 and the Poisson wrapping (add-remove only, else
         # ValueError): dp_event_of, nowhere else
-        return PrivacyEvent.gaussian(0, sigma, rate if sampling == "poisson" else 1.0,
-                                     relation=relation).to_dp_event()
+        return dp_event_of(("gaussian", sigma, rate if sampling == "poisson" else 1.0, 0.0,
+                            relation))
     if relation != "replace-one":
         raise ValueError("fixed-size sampling without replacement is accounted under "
                          "replace-one (pass relation='replace-one')")
     if population_size is None or population_size < 1:
         raise ValueError("fixed-size sampling needs population_size (number of units)")
     sample_size = max(1, round(rate * population_size))
-    base = PrivacyEvent.gaussian(0, sigma, relation=relation).to_dp_event()
+    base = dp_event_of(("gaussian", sigma, 1.0, 0.0, relation))
     return dp_event.SampledWithoutReplacementDpEvent(population_size, sample_size, base)
 
 

@@ -15,7 +15,8 @@ sparse-vector technique). Epsilon always comes from the field's libraries:
   through eps-DP => (alpha, min(eps, alpha eps^2 / 2))-RDP (Bun & Steinke 2016).
 
 Every non-Opacus path (RDP curves, PLD) turns an event into a dp-accounting ``DpEvent``
-through ONE function, :func:`dp_event_of` (:meth:`PrivacyEvent.to_dp_event`).
+through ONE function, :func:`dpfl.privacy.accounting.dp_event_of`
+(:meth:`PrivacyEvent.to_dp_event`).
 
 ``pld`` is the tightest valid choice for both units. Its epsilon, like every epsilon here,
 is computed from the history's canonical signature (:func:`history_signature`: distinct
@@ -33,20 +34,29 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 from functools import lru_cache
-from typing import TYPE_CHECKING, Iterable, Mapping, Sequence
+from typing import Iterable, Mapping, Sequence
 
 import numpy as np
+from dp_accounting import dp_event
 
-if TYPE_CHECKING:
-    from dp_accounting import dp_event
+from dpfl.privacy.accounting import (
+    DPSGD_ACCOUNTANTS,
+    GAUSSIAN,
+    MECHANISMS,
+    PRV_CLIENT_LEVEL,
+    PURE,
+    SAMPLE_LEVEL,
+    dp_event_of,
+    dpsgd_history_epsilon_detail,
+    events_epsilon_detail,
+)
 
-SAMPLE_LEVEL = ("dpsgd",)
-ACCOUNTANTS = ("rdp", "prv", "pld")
-PRV_CLIENT_LEVEL = ("accountant 'prv' is Opacus' DP-SGD accountant; use 'pld' or 'rdp' for "
-                    "client-level events")
-GAUSSIAN = ("gaussian", "quantile-count")
-PURE = ("laplace", "sparse-vector")
-MECHANISMS = SAMPLE_LEVEL + GAUSSIAN + PURE
+__all__ = ["ACCOUNTANTS", "GAUSSIAN", "MECHANISMS", "PRV_CLIENT_LEVEL", "PURE", "SAMPLE_LEVEL",
+           "PrivacyEvent", "dp_event_of", "histories_epsilon", "history_epsilon",
+           "history_epsilon_detail", "history_rdp", "history_signature", "history_unit",
+           "orders_for", "rdp_curve", "rdp_to_epsilon"]
+
+ACCOUNTANTS = DPSGD_ACCOUNTANTS  # rdp and pld for both units, prv for DP-SGD only
 
 
 @dataclass(frozen=True)
@@ -108,7 +118,7 @@ class PrivacyEvent:
     def to_dict(self) -> dict:
         return asdict(self)
 
-    def to_dp_event(self) -> "dp_event.DpEvent":
+    def to_dp_event(self) -> dp_event.DpEvent:
         """ONE step of this event as a dp-accounting ``DpEvent`` (:func:`dp_event_of`)."""
         return dp_event_of(self.key)
 
@@ -132,39 +142,6 @@ def _dp_accounting_orders() -> np.ndarray:
 def orders_for(unit: str) -> np.ndarray:
     """The RDP orders of a unit's accountant (Opacus for samples, dp-accounting else)."""
     return _opacus_orders() if unit == "sample" else _dp_accounting_orders()
-
-
-def dp_event_of(key: tuple) -> "dp_event.DpEvent":
-    """THE translation of a dpfl event (its :attr:`PrivacyEvent.key`) into ONE step of a
-    dp-accounting ``DpEvent``; every accountant path (RDP curves, PLD, sigma calibration
-    in :mod:`dpfl.privacy.accounting`) goes through here.
-
-    - ``laplace``: ``LaplaceDpEvent(1 / epsilon)`` (sensitivity 1, scale 1 / epsilon).
-    - ``dpsgd``: ``GaussianDpEvent(sigma)`` on a Poisson(rate) sample, add-remove (the
-      Opacus model; the event's relation is not used).
-    - ``gaussian`` / ``quantile-count``: ``GaussianDpEvent(sigma)`` under add-remove;
-      replace-one doubles the sensitivity of the released sum, i.e. ``sigma / 2``; a rate
-      below 1 wraps it in ``PoissonSampledDpEvent(rate, .)`` (add-remove only).
-    - ``sparse-vector`` has no dp-accounting event (ValueError): its RDP enters through
-      the pure-DP bound in :func:`rdp_curve`.
-    """
-    from dp_accounting import dp_event
-
-    mechanism, sigma, rate, epsilon, relation = key
-    if mechanism == "laplace":
-        return dp_event.LaplaceDpEvent(1.0 / float(epsilon))
-    if mechanism not in SAMPLE_LEVEL + GAUSSIAN:
-        raise ValueError(f"no dp-accounting event for mechanism {mechanism!r}")
-    sigma, rate = float(sigma), float(rate)
-    if mechanism in SAMPLE_LEVEL:
-        relation = "add-remove"
-    # replace-one doubles the sensitivity of the released sum: sigma_eff = sigma / 2
-    base = dp_event.GaussianDpEvent(sigma / 2.0 if relation == "replace-one" else sigma)
-    if rate >= 1.0:
-        return base
-    if relation != "add-remove":
-        raise ValueError("Poisson-sampled Gaussian events are accounted under add-remove")
-    return dp_event.PoissonSampledDpEvent(rate, base)
 
 
 @lru_cache(maxsize=4096)
@@ -255,8 +232,6 @@ def _signature_epsilon(signature: tuple[tuple[tuple, int], ...], delta: float,
     if accountant == "rdp":
         eps = rdp_to_epsilon(unit, history_rdp(events), delta)
         return _pure_bound(unit, events, eps, delta), "rdp"
-    from dpfl.privacy.accounting import dpsgd_history_epsilon_detail, events_epsilon_detail
-
     if unit == "sample":
         return dpsgd_history_epsilon_detail([(e.sigma, e.rate, e.steps) for e in events],
                                             delta, accountant)
