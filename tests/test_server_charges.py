@@ -173,7 +173,17 @@ def test_privacy_report_shows_the_server_releases(tmp_path):
     guarantee = {"verdict": "client-level (epsilon, delta)-DP", "scope": "test",
                  "relation": "replace-one", "sampling": "none"}
     (tmp_path / "summary.json").write_text(json.dumps({"guarantee": guarantee}))
-    text = privacy_report(tmp_path, plot=False)
+    drawn = {}
+
+    def plot(series, path, budget, title):
+        drawn.update(series=series, path=path)
+        return path
+
+    text = privacy_report(tmp_path, plot)
+    # the plot gets each client's epsilon by round, the server's counts included
+    assert drawn["path"] == tmp_path / "privacy-report.png"
+    assert drawn["series"]["client-2"][-1][1] == pytest.approx(ledger.epsilon("client-2"),
+                                                                rel=1e-12)
     assert "2 server release(s) composed into the clients' epsilon" in text
     assert "0 charge(s) not matching the plan" in text
     lines = [line for line in text.splitlines() if line.startswith("SERVER")]

@@ -8,7 +8,7 @@ from __future__ import annotations
 import io
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from rich.console import Console
 from rich.table import Table
@@ -35,7 +35,14 @@ def _describe(event: tuple) -> str:
     return f"{e['mechanism']} sigma={e['sigma']:g}{rate} x{e['steps']} ({e['relation']})"
 
 
-def privacy_report(run_dir: Path, plot: bool = True) -> str:
+# draws epsilon by round per client: (series, path, budget or None, title) -> path
+PlotEpsilon = Callable[[dict[str, list[tuple[int, float]]], Path, Any, str], Path]
+
+
+def privacy_report(run_dir: Path, plot: PlotEpsilon | None = None) -> str:
+    """The report's text. ``plot``: the function that draws ``privacy-report.png``
+    (the CLI passes ``dpfl.server.plots.plot_epsilon``: the privacy layer imports nothing
+    from the server); None draws nothing."""
     run_dir = Path(run_dir)
     summary = json.loads((run_dir / "summary.json").read_text())
     ledger = Ledger.load(run_dir / "ledger.json")
@@ -75,11 +82,9 @@ def privacy_report(run_dir: Path, plot: bool = True) -> str:
         described = ", ".join(_describe(e) for e in events)
         console.print(f"SERVER round {server_round}: {note or 'server release'} [{described}] "
                       f"charged to {', '.join(clients)}", soft_wrap=True)
-    if plot and eps:
-        from dpfl.server.plots import plot_epsilon
-
+    if plot is not None and eps:
         series = {c: [(0, 0.0)] + ledger.epsilon_by_round(c) for c in eps}
-        path = plot_epsilon(series, run_dir / "privacy-report.png",
-                            summary.get("epsilon-budget"), f"epsilon by round: {run_dir.name}")
+        path = plot(series, run_dir / "privacy-report.png", summary.get("epsilon-budget"),
+                    f"epsilon by round: {run_dir.name}")
         console.print(f"plot: {path}")
     return buf.getvalue()
