@@ -151,3 +151,48 @@ def test_bad_arguments():
         gaussian_epsilon(1.0, 3, 1e-5, 0.1, "fixed", population_size=10)
     with pytest.raises(ValueError, match="add-remove"):
         gaussian_epsilon(1.0, 3, 1e-5, 0.1, "poisson", relation="replace-one")
+
+
+def test_prv_is_refused_for_client_level_computations():
+    # 'prv' is Opacus' DP-SGD accountant: every client-level entry point refuses it with
+    # that reason (it is never read as dp-accounting's PLD), even with nothing to account
+    from dpfl.privacy.accounting import events_epsilon_detail, gaussian_epsilon_detail
+    from dpfl.privacy.events import PrivacyEvent, history_epsilon
+
+    reason = "'prv' is Opacus' DP-SGD accountant; use 'pld' or 'rdp'"
+    calls = [
+        lambda: gaussian_epsilon(1.0, 3, 1e-5, accountant="prv"),
+        lambda: gaussian_epsilon_detail(1.0, 0, 1e-5, accountant="prv"),  # zero rounds
+        lambda: calibrate_noise(2.0, 1e-5, 3, accountant="prv"),
+        lambda: events_epsilon_detail([(dp_event.GaussianDpEvent(1.0), 3)], 1e-5, "prv"),
+        lambda: events_epsilon_detail([], 1e-5, "prv"),
+        lambda: history_epsilon([PrivacyEvent.gaussian(1, 1.0)], 1e-5, "prv"),
+        lambda: history_epsilon([PrivacyEvent.gaussian(1, 1.0, steps=0)], 1e-5, "prv"),
+    ]
+    for call in calls:
+        with pytest.raises(ValueError, match=reason):
+            call()
+    # 'pld' is its own name: dp-accounting's PLD, for both units; 'prv' stays Opacus' PRV
+    # for DP-SGD (bit-identical to Opacus called directly)
+    prv = PRVAccountant()
+    prv.history = [(1.1, 0.02, 100)]
+    assert history_epsilon([PrivacyEvent.dpsgd(1, 1.1, 0.02, 100)], 1e-5, "prv") == \
+        prv.get_epsilon(1e-5)
+
+
+def test_pld_has_no_fixed_size_sampling_and_sigma_is_capped(monkeypatch):
+    from dpfl.privacy import accounting
+
+    # dp-accounting's PLD accountant cannot compose a sample without replacement: refused
+    # with the accountant to use instead (not dp-accounting's UnsupportedEventError)
+    with pytest.raises(ValueError, match="use accountant 'rdp'"):
+        gaussian_epsilon(1.2, 3, 1e-5, 0.1, "fixed", accountant="pld", relation="replace-one",
+                         population_size=100)
+    # the calibration bracket stops at SIGMA_MAX (1e6): lowered to 10 here, a target that
+    # needs sigma ~ 31-34 (one release, eps 0.1) is refused as unreachable, for both
+    # accountants
+    assert accounting.SIGMA_MAX == 1e6
+    monkeypatch.setattr(accounting, "SIGMA_MAX", 10.0)
+    for name in ("rdp", "pld"):
+        with pytest.raises(ValueError, match="unreachable with sigma <= 10"):
+            calibrate_noise(0.1, 1e-5, 1, accountant=name, rel_tol=1e-3)

@@ -1,5 +1,6 @@
 """Privacy core: events vs the libraries' own accountants, the Rényi filter's stopping
-point, the ledger's vectorised epsilons and its persistence, the mechanisms' behaviour.
+point, the ledger's vectorised epsilons and its persistence (the mechanisms: see
+test_mechanisms.py).
 
 Tolerances: bit-identical where the code makes the same library call as the reference,
 otherwise a small factor above the measured agreement (float rounding) or, for sampled
@@ -9,7 +10,6 @@ import math
 
 import numpy as np
 import pytest
-import torch
 from dp_accounting import dp_event
 from dp_accounting.rdp.rdp_privacy_accountant import RdpAccountant, compute_epsilon
 from opacus.accountants import RDPAccountant
@@ -18,13 +18,6 @@ from dpfl.privacy.budget import PrivacyHistory
 from dpfl.privacy.events import PrivacyEvent, histories_epsilon, history_epsilon, orders_for
 from dpfl.privacy.filter import RenyiFilter
 from dpfl.privacy.ledger import Ledger, ledger_config, prior_history
-from dpfl.privacy.mechanisms import (
-    GaussianMechanism,
-    LaplaceMechanism,
-    NormClip,
-    QuantileClipTracker,
-    SparseVector,
-)
 
 D = 1e-5
 
@@ -242,48 +235,3 @@ def test_history_state_round_trip():
     assert again.events == h.events
     mine = PrivacyHistory([PrivacyEvent.gaussian(2, 1.0)])
     assert mine.merge(h) and mine.rounds == [1, 2] and len(mine.events) == 2
-
-
-def test_mechanisms_apply_and_describe_themselves():
-    g = torch.Generator().manual_seed(0)
-    x = torch.full((50_000,), 0.01)
-    # two float32 norms of 50,000 terms (the clip's and this one), each off by ~7e-6 here
-    # (measured 2.2e-5 in total)
-    assert float(NormClip(1.0).apply(x).norm()) == pytest.approx(1.0, rel=5e-5)
-    gm = GaussianMechanism(noise_multiplier=2.0, sensitivity=1.0)
-    noisy = gm.apply(torch.zeros(50_000), g)
-    # sampling error: the std of n normal draws has relative s.e. 1/sqrt(2(n-1)) = 3.2e-3;
-    # allow 4 s.e. (measured 2.6e-5 with this seed)
-    assert float(noisy.std()) == pytest.approx(2.0, rel=4 / math.sqrt(2 * (50_000 - 1)))
-    assert gm.event(3) == PrivacyEvent.gaussian(3, 2.0)
-    lap = LaplaceMechanism(epsilon=0.5, l1_sensitivity=1.0).apply(torch.zeros(100_000), g)
-    # E|Lap(b)| = b = 2 and sd|Lap(b)| = b: relative s.e. 1/sqrt(n) = 3.2e-3; allow 4 s.e.
-    # (measured 2.3e-3 with this seed)
-    assert float(lap.abs().mean()) == pytest.approx(2.0, rel=4 / math.sqrt(100_000))
-    assert LaplaceMechanism(0.5, 1.0).event(1).epsilon == 0.5
-
-
-def test_sparse_vector_releases_at_most_c_above_threshold():
-    g = torch.Generator().manual_seed(1)
-    x = torch.zeros(1000)
-    x[[10, 20, 30, 40]] = 100.0
-    svt = SparseVector(eps_threshold=1.0, eps_queries=1.0, eps_answers=8.0, sensitivity=0.01,
-                       threshold=50.0, max_answers=3)
-    out = svt.apply(x, g)
-    assert torch.count_nonzero(out) == 3
-    assert set(torch.nonzero(out).flatten().tolist()) == {10, 20, 30}
-    assert svt.event(1).epsilon == pytest.approx(10.0)
-
-
-def test_quantile_tracker_geometric_update_and_noise_split():
-    t = QuantileClipTracker(clip=1.0, target_quantile=0.5, learning_rate=0.2,
-                            count_noise_multiplier=1e-9)
-    new = t.update(torch.tensor([0.1, 0.2, 0.3, 5.0]))  # 3 of 4 under C: b = 0.75
-    # the count noise (std 1e-9) moves b by 1e-9 |N| / 4 and C by 0.2 times that:
-    # 5e-11 |N| relative, under 2e-10 for |N| < 4 (measured 1.9e-11)
-    assert new == pytest.approx(math.exp(-0.2 * 0.25), rel=2e-10)
-    z, sb = 1.0, 10.0
-    s_delta = QuantileClipTracker.update_noise_multiplier(z, sb)
-    # closed form inverted: float rounding (measured 2.2e-16)
-    assert s_delta ** -2 + (2 * sb) ** -2 == pytest.approx(z ** -2, rel=1e-15)
-    assert t.event(2).mechanism == "quantile-count"

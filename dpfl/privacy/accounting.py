@@ -7,10 +7,15 @@ No home-made accountant: every epsilon below comes from ``opacus.accountants`` o
 - Neighbouring relation ``add-remove``: one unit (a sample for DP-SGD, a client's whole
   contribution for update-level DP) is added or removed; the clipped contribution moves the
   released sum by at most C. ``replace-one``: one unit is replaced by another; the sum moves
-  by up to 2C, i.e. the effective noise multiplier is sigma / 2.
+  by up to 2C, i.e. the effective noise multiplier is sigma / 2. That halving and the
+  Poisson wrapping live in ONE place, :func:`dp_event_of` (the translation of a dpfl
+  event into a dp-accounting ``DpEvent``), which :func:`gaussian_event`,
+  :func:`dpsgd_event` and :meth:`dpfl.privacy.events.PrivacyEvent.to_dp_event` go
+  through.
 - Sampling ``poisson``: each unit joins a round independently with probability q (the
   Opacus DP-SGD model, add-remove only). ``fixed``: a fixed-size sample without
-  replacement (analysed under replace-one, as in Wang, Balle & Kasiviswanathan 2019).
+  replacement (analysed under replace-one, as in Wang, Balle & Kasiviswanathan 2019;
+  ``rdp`` only: dp-accounting's PLD accountant has no such event).
   ``none``: every round uses the unit (a ``sampling_rate`` below 1 is then refused rather
   than silently dropped).
 
@@ -18,7 +23,9 @@ Accountants:
 
 - ``rdp``: Rényi DP (Opacus' for DP-SGD, dp-accounting's otherwise). A valid upper bound,
   the loosest of the three.
-- ``prv``: Opacus' PRV accountant, DP-SGD (sample-level) histories only.
+- ``prv``: Opacus' PRV accountant, DP-SGD (sample-level) histories only; every
+  client-level entry point refuses it (:func:`check_event_accountant`), it is never read
+  as ``pld``.
 - ``pld``: dp-accounting's ``PLDAccountant`` (privacy loss distributions, pessimistic
   discretisation: an upper bound at every discretisation interval) for both DP-SGD steps
   (``PoissonSampledDpEvent(q, GaussianDpEvent(sigma))`` composed ``steps`` times,
@@ -45,6 +52,13 @@ from dp_accounting.rdp import rdp_privacy_accountant
 
 log = logging.getLogger("flwr.dpfl.accounting")
 
+# dpfl's mechanisms (the ``mechanism`` of :class:`dpfl.privacy.events.PrivacyEvent`)
+SAMPLE_LEVEL = ("dpsgd",)
+GAUSSIAN = ("gaussian", "quantile-count")
+PURE = ("laplace", "sparse-vector")
+MECHANISMS = SAMPLE_LEVEL + GAUSSIAN + PURE
+PRV_CLIENT_LEVEL = ("accountant 'prv' is Opacus' DP-SGD accountant; use 'pld' or 'rdp' for "
+                    "client-level events")
 RELATIONS = ("add-remove", "replace-one")
 SAMPLINGS = ("none", "poisson", "fixed")
 DPSGD_ACCOUNTANTS = ("rdp", "prv", "pld")
@@ -63,9 +77,22 @@ _PLD_TAIL_DELTA = 1e-15
 # one and the estimate only errs on the large side.
 _PLD_SIZE_ORDERS = (2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 48, 63, 128, 256, 512, 1024)
 
+# Calibration brackets (noise multipliers): a target that needs more noise than
+# SIGMA_MAX is refused as unreachable; the bracket search stops shrinking at SIGMA_MIN
+# (any smaller sigma would already be far beyond every useful epsilon).
+SIGMA_MAX = 1e6
+SIGMA_MIN = 1e-6
+# calibrate_noise's first RDP bracket [lo, hi], doubled until eps(hi) <= target.
+RDP_BRACKET = (1e-3, 1.0)
+# _bisect_sigma's first guess and growth factor of the bracket around it.
+SIGMA_GUESS = 1.0
+BRACKET_FACTOR = 2.0
+
 # (noise_multiplier, sample_rate, steps): Opacus' own history format for DP-SGD.
 DpsgdHistory = Sequence[tuple[float, float, int]]
 EventCounts = Iterable[tuple[dp_event.DpEvent, int]]
+# A dpfl event's key, PrivacyEvent.key: (mechanism, sigma, rate, epsilon, relation)
+EventKey = tuple[str, float, float, float, str]
 
 
 def _check_delta(delta: float) -> None:
@@ -73,10 +100,57 @@ def _check_delta(delta: float) -> None:
         raise ValueError(f"delta must be in (0, 1), got {delta}")
 
 
+def check_event_accountant(accountant: str) -> None:
+    """Client-level (non-DP-SGD) computations take ``rdp`` or ``pld``. ``prv`` is Opacus'
+    DP-SGD accountant: it has no client-level events and is never translated into
+    another accountant (ValueError naming ``pld`` and ``rdp``)."""
+    if accountant == "prv":
+        raise ValueError(f"accountant must be one of {EVENT_ACCOUNTANTS} here, got 'prv': "
+                         f"{PRV_CLIENT_LEVEL}")
+    if accountant not in EVENT_ACCOUNTANTS:
+        raise ValueError(f"accountant must be one of {EVENT_ACCOUNTANTS}, got {accountant!r}")
+
+
 def _interval_label(interval: float) -> str:
     """1e-4 -> '1e-4' (method descriptions)."""
     mantissa, exponent = f"{interval:.0e}".split("e")
     return f"{mantissa}e{int(exponent)}"
+
+
+# ---------------------------------------------------------------------------------------
+# dpfl events -> dp-accounting events
+
+
+def dp_event_of(key: EventKey) -> dp_event.DpEvent:
+    """THE translation of a dpfl event (its key, :attr:`dpfl.privacy.events.PrivacyEvent.key`)
+    into ONE step of a dp-accounting ``DpEvent``; every non-Opacus accountant path (RDP
+    curves, PLD, :func:`gaussian_event`, :func:`dpsgd_event`, sigma calibration) goes
+    through here.
+
+    - ``laplace``: ``LaplaceDpEvent(1 / epsilon)`` (sensitivity 1, scale 1 / epsilon).
+    - ``dpsgd``: ``GaussianDpEvent(sigma)`` on a Poisson(rate) sample, add-remove (the
+      Opacus model; the event's relation is not used).
+    - ``gaussian`` / ``quantile-count``: ``GaussianDpEvent(sigma)`` under add-remove;
+      replace-one doubles the sensitivity of the released sum, i.e. ``sigma / 2``; a rate
+      below 1 wraps it in ``PoissonSampledDpEvent(rate, .)`` (add-remove only).
+    - ``sparse-vector`` has no dp-accounting event (ValueError): its RDP enters through
+      the pure-DP bound in :func:`rdp_curve`.
+    """
+    mechanism, sigma, rate, epsilon, relation = key
+    if mechanism == "laplace":
+        return dp_event.LaplaceDpEvent(1.0 / float(epsilon))
+    if mechanism not in SAMPLE_LEVEL + GAUSSIAN:
+        raise ValueError(f"no dp-accounting event for mechanism {mechanism!r}")
+    sigma, rate = float(sigma), float(rate)
+    if mechanism in SAMPLE_LEVEL:
+        relation = "add-remove"
+    # replace-one doubles the sensitivity of the released sum: sigma_eff = sigma / 2
+    base = dp_event.GaussianDpEvent(sigma / 2.0 if relation == "replace-one" else sigma)
+    if rate >= 1.0:
+        return base
+    if relation != "add-remove":
+        raise ValueError("Poisson-sampled Gaussian events are accounted under add-remove")
+    return dp_event.PoissonSampledDpEvent(rate, base)
 
 
 # ---------------------------------------------------------------------------------------
@@ -95,14 +169,14 @@ def _opacus_accountant(accountant: str):
 
 def dpsgd_event(noise_multiplier: float, sample_rate: float) -> dp_event.DpEvent:
     """The dp-accounting event of ONE DP-SGD step: a Gaussian of multiplier sigma on a
-    Poisson(q) sample (add-remove, the Opacus model); q = 1 is the plain Gaussian."""
+    Poisson(q) sample (add-remove, the Opacus model); q = 1 is the plain Gaussian.
+    Built by :func:`dp_event_of`."""
     sigma, q = float(noise_multiplier), float(sample_rate)
     if not sigma > 0:
         raise ValueError("noise_multiplier must be > 0")
     if not 0.0 < q <= 1.0:
         raise ValueError(f"sample_rate must be in (0, 1], got {sample_rate}")
-    base = dp_event.GaussianDpEvent(sigma)
-    return base if q >= 1.0 else dp_event.PoissonSampledDpEvent(q, base)
+    return dp_event_of(("dpsgd", sigma, q, 0.0, "add-remove"))
 
 
 def dpsgd_history_epsilon_detail(history: DpsgdHistory, delta: float,
@@ -195,21 +269,19 @@ def gaussian_event(noise_multiplier: float, sampling_rate: float = 1.0, sampling
             "ignored (every round would be accounted as using the unit); pass "
             "sampling='poisson' (or sampling='fixed' with relation='replace-one') to account "
             "for the sampling, or sampling_rate=1.0")
-    # replace-one doubles the sensitivity of the released sum: sigma_eff = sigma / 2
-    sigma = noise_multiplier / 2.0 if relation == "replace-one" else noise_multiplier
-    base = dp_event.GaussianDpEvent(sigma)
-    if sampling == "none" or sampling_rate >= 1.0:
-        return base
-    if sampling == "poisson":
-        if relation != "add-remove":
-            raise ValueError("Poisson sampling is accounted under add-remove only")
-        return dp_event.PoissonSampledDpEvent(sampling_rate, base)
+    sigma, rate = float(noise_multiplier), float(sampling_rate)
+    if sampling != "fixed" or rate >= 1.0:
+        # replace-one's sigma / 2 and the Poisson wrapping (add-remove only, else
+        # ValueError): dp_event_of, nowhere else
+        return dp_event_of(("gaussian", sigma, rate if sampling == "poisson" else 1.0, 0.0,
+                            relation))
     if relation != "replace-one":
         raise ValueError("fixed-size sampling without replacement is accounted under "
                          "replace-one (pass relation='replace-one')")
     if population_size is None or population_size < 1:
         raise ValueError("fixed-size sampling needs population_size (number of units)")
-    sample_size = max(1, round(sampling_rate * population_size))
+    sample_size = max(1, round(rate * population_size))
+    base = dp_event_of(("gaussian", sigma, 1.0, 0.0, relation))
     return dp_event.SampledWithoutReplacementDpEvent(population_size, sample_size, base)
 
 
@@ -310,6 +382,9 @@ _warned: set[tuple] = set()
 
 def _pld_detail(items: tuple[tuple[dp_event.DpEvent, int], ...], delta: float,
                 finest: float = PLD_INTERVALS[0], warn: bool = True) -> tuple[float, str]:
+    if any(isinstance(e, dp_event.SampledWithoutReplacementDpEvent) for e, _ in items):
+        raise ValueError("dp-accounting's PLD accountant has no fixed-size sampling "
+                         "(SampledWithoutReplacementDpEvent); use accountant 'rdp'")
     eps, method, skipped = _pld_compute(items, delta, finest)
     if skipped and warn and (items, delta, finest) not in _warned:
         _warned.add((items, delta, finest))
@@ -329,8 +404,7 @@ def events_epsilon_detail(events: EventCounts, delta: float,
     composition's canonical signature (order-free).
     """
     _check_delta(delta)
-    if accountant not in EVENT_ACCOUNTANTS:
-        raise ValueError(f"accountant must be one of {EVENT_ACCOUNTANTS}, got {accountant!r}")
+    check_event_accountant(accountant)
     items = _canonical(events)
     if not items:
         return 0.0, accountant
@@ -350,6 +424,7 @@ def gaussian_epsilon_detail(noise_multiplier: float, rounds: int, delta: float,
                             accountant: str = "rdp", relation: str = "add-remove",
                             population_size: int | None = None) -> tuple[float, str]:
     """(epsilon, method) of ``rounds`` Gaussian releases (client-level update DP)."""
+    check_event_accountant(accountant)
     event = gaussian_event(noise_multiplier, sampling_rate, sampling, relation, population_size)
     if rounds <= 0:
         return 0.0, accountant
@@ -370,7 +445,7 @@ def gaussian_epsilon(noise_multiplier: float, rounds: int, delta: float,
 
 
 def _bisect_sigma(eps: Callable[[float], float], target: float, rel_tol: float,
-                  guess: float = 1.0, factor: float = 2.0) -> float:
+                  guess: float = SIGMA_GUESS, factor: float = BRACKET_FACTOR) -> float:
     """hi with eps(hi) <= target < eps(lo), hi - lo <= rel_tol * hi (eps decreasing).
 
     The bracket is grown geometrically from ``guess`` (steps ``factor``, then doubling the
@@ -381,15 +456,15 @@ def _bisect_sigma(eps: Callable[[float], float], target: float, rel_tol: float,
         lo = hi
         while True:
             hi = lo * (1.0 + step)
-            if hi > 1e6:
-                raise ValueError("target epsilon unreachable with sigma <= 1e6")
+            if hi > SIGMA_MAX:
+                raise ValueError(f"target epsilon unreachable with sigma <= {SIGMA_MAX:g}")
             if eps(hi) <= target:
                 break
             lo, step = hi, 2.0 * step
     else:
         while True:
             lo = hi / (1.0 + step)
-            if lo < 1e-6:
+            if lo < SIGMA_MIN:
                 return hi
             if eps(lo) > target:
                 break
@@ -415,7 +490,7 @@ def _calibrate_pld(items: Callable[[float], tuple], delta: float, target: float,
     """Bisection on the PLD epsilon, coarse to fine: located on the cheap 1e-2 grid, then
     refined on 1e-3 and finally on the accounting function itself (1e-4 with its
     fallbacks), which decides the answer: eps(sigma) <= target < eps(sigma (1 - rel_tol))."""
-    sigma, factor = 1.0, 2.0
+    sigma, factor = SIGMA_GUESS, BRACKET_FACTOR
     stages = sorted(PLD_INTERVALS, reverse=True)
     for i, finest in enumerate(stages):
         # the coarse stages only steer the search: no fallback warnings from them
@@ -442,8 +517,7 @@ def calibrate_noise(target_epsilon: float, delta: float, rounds: int,
     if target_epsilon <= 0:
         raise ValueError("target_epsilon must be > 0")
     _check_delta(delta)
-    if accountant not in EVENT_ACCOUNTANTS:
-        raise ValueError(f"accountant must be one of {EVENT_ACCOUNTANTS}, got {accountant!r}")
+    check_event_accountant(accountant)
     gaussian_event(1.0, sampling_rate, sampling, relation, population_size)  # validate
 
     if accountant == "pld" and rounds > 0:
@@ -457,11 +531,11 @@ def calibrate_noise(target_epsilon: float, delta: float, rounds: int,
         return gaussian_epsilon(sigma, rounds, delta, sampling_rate, sampling, accountant,
                                 relation, population_size)
 
-    lo, hi = 1e-3, 1.0
+    lo, hi = RDP_BRACKET
     while eps(hi) > target_epsilon:
-        lo, hi = hi, hi * 2.0
-        if hi > 1e6:
-            raise ValueError("target epsilon unreachable with sigma <= 1e6")
+        lo, hi = hi, hi * BRACKET_FACTOR
+        if hi > SIGMA_MAX:
+            raise ValueError(f"target epsilon unreachable with sigma <= {SIGMA_MAX:g}")
     return bisect_sigma(eps, lo, hi, target_epsilon, rel_tol)
 
 

@@ -14,6 +14,10 @@ sparse-vector technique). Epsilon always comes from the field's libraries:
   the exact Laplace RDP/PLD; a generic pure eps-DP release (sparse vector) enters RDP
   through eps-DP => (alpha, min(eps, alpha eps^2 / 2))-RDP (Bun & Steinke 2016).
 
+Every non-Opacus path (RDP curves, PLD) turns an event into a dp-accounting ``DpEvent``
+through ONE function, :func:`dpfl.privacy.accounting.dp_event_of`
+(:meth:`PrivacyEvent.to_dp_event`).
+
 ``pld`` is the tightest valid choice for both units. Its epsilon, like every epsilon here,
 is computed from the history's canonical signature (:func:`history_signature`: distinct
 event keys with their summed step counts, sorted), so equal histories in any order give
@@ -33,14 +37,26 @@ from functools import lru_cache
 from typing import Iterable, Mapping, Sequence
 
 import numpy as np
+from dp_accounting import dp_event
 
-SAMPLE_LEVEL = ("dpsgd",)
-ACCOUNTANTS = ("rdp", "prv", "pld")
-PRV_CLIENT_LEVEL = ("accountant 'prv' is Opacus' DP-SGD accountant; use 'pld' or 'rdp' for "
-                    "client-level events")
-GAUSSIAN = ("gaussian", "quantile-count")
-PURE = ("laplace", "sparse-vector")
-MECHANISMS = SAMPLE_LEVEL + GAUSSIAN + PURE
+from dpfl.privacy.accounting import (
+    DPSGD_ACCOUNTANTS,
+    GAUSSIAN,
+    MECHANISMS,
+    PRV_CLIENT_LEVEL,
+    PURE,
+    SAMPLE_LEVEL,
+    dp_event_of,
+    dpsgd_history_epsilon_detail,
+    events_epsilon_detail,
+)
+
+__all__ = ["ACCOUNTANTS", "GAUSSIAN", "MECHANISMS", "PRV_CLIENT_LEVEL", "PURE", "SAMPLE_LEVEL",
+           "PrivacyEvent", "dp_event_of", "histories_epsilon", "history_epsilon",
+           "history_epsilon_detail", "history_rdp", "history_signature", "history_unit",
+           "orders_for", "rdp_curve", "rdp_to_epsilon"]
+
+ACCOUNTANTS = DPSGD_ACCOUNTANTS  # rdp and pld for both units, prv for DP-SGD only
 
 
 @dataclass(frozen=True)
@@ -102,6 +118,10 @@ class PrivacyEvent:
     def to_dict(self) -> dict:
         return asdict(self)
 
+    def to_dp_event(self) -> dp_event.DpEvent:
+        """ONE step of this event as a dp-accounting ``DpEvent`` (:func:`dp_event_of`)."""
+        return dp_event_of(self.key)
+
 
 # ---------------------------------------------------------------------------------------
 # RDP curves
@@ -124,25 +144,6 @@ def orders_for(unit: str) -> np.ndarray:
     return _opacus_orders() if unit == "sample" else _dp_accounting_orders()
 
 
-def _dp_event(key: tuple):
-    from dp_accounting import dp_event
-
-    mechanism, sigma, rate, epsilon, relation = key
-    if mechanism == "dpsgd":
-        from dpfl.privacy.accounting import dpsgd_event
-
-        return dpsgd_event(sigma, rate)
-    if mechanism == "laplace":
-        return dp_event.LaplaceDpEvent(1.0 / epsilon)
-    sigma_eff = sigma / 2.0 if relation == "replace-one" else sigma
-    base = dp_event.GaussianDpEvent(sigma_eff)
-    if rate < 1.0:
-        if relation != "add-remove":
-            raise ValueError("Poisson-sampled Gaussian events are accounted under add-remove")
-        return dp_event.PoissonSampledDpEvent(rate, base)
-    return base
-
-
 @lru_cache(maxsize=4096)
 def rdp_curve(key: tuple) -> np.ndarray:
     """RDP of ONE step of the event with this key, at :func:`orders_for` its unit."""
@@ -158,7 +159,7 @@ def rdp_curve(key: tuple) -> np.ndarray:
     from dp_accounting.rdp.rdp_privacy_accountant import RdpAccountant
 
     acc = RdpAccountant(orders=list(orders))
-    acc.compose(_dp_event(key), 1)
+    acc.compose(dp_event_of(key), 1)
     return np.asarray(acc.rdp, dtype=float)
 
 
@@ -231,8 +232,6 @@ def _signature_epsilon(signature: tuple[tuple[tuple, int], ...], delta: float,
     if accountant == "rdp":
         eps = rdp_to_epsilon(unit, history_rdp(events), delta)
         return _pure_bound(unit, events, eps, delta), "rdp"
-    from dpfl.privacy.accounting import dpsgd_history_epsilon_detail, events_epsilon_detail
-
     if unit == "sample":
         return dpsgd_history_epsilon_detail([(e.sigma, e.rate, e.steps) for e in events],
                                             delta, accountant)
@@ -240,7 +239,7 @@ def _signature_epsilon(signature: tuple[tuple[tuple, int], ...], delta: float,
         raise ValueError(PRV_CLIENT_LEVEL)
     if any(e.mechanism == "sparse-vector" for e in events):
         raise ValueError("the PLD accountant has no sparse-vector event; use accountant 'rdp'")
-    return events_epsilon_detail([(_dp_event(e.key), e.steps) for e in events], delta, "pld")
+    return events_epsilon_detail([(e.to_dp_event(), e.steps) for e in events], delta, "pld")
 
 
 def history_epsilon_detail(events: Sequence[PrivacyEvent], delta: float,
@@ -258,13 +257,11 @@ def history_epsilon_detail(events: Sequence[PrivacyEvent], delta: float,
         raise ValueError(f"delta must be in (0, 1), got {delta}")
     if accountant not in ACCOUNTANTS:
         raise ValueError(f"accountant must be one of {ACCOUNTANTS}, got {accountant!r}")
-    events = [e for e in events if e.steps > 0]
-    unit = history_unit(events)
+    if accountant == "prv" and history_unit(events) == "client":
+        raise ValueError(PRV_CLIENT_LEVEL)  # even when nothing is charged yet
     signature = history_signature(events)
     if not signature:
         return 0.0, accountant
-    if accountant == "prv" and unit == "client":
-        raise ValueError(PRV_CLIENT_LEVEL)
     return _signature_epsilon(signature, float(delta), accountant)
 
 
@@ -313,6 +310,3 @@ def histories_epsilon(histories: Mapping[str, Sequence[PrivacyEvent]], delta: fl
         out.setdefault(name, 0.0)
     return out
 
-
-def events_from_dicts(items: Iterable[Mapping]) -> list[PrivacyEvent]:
-    return [PrivacyEvent(**dict(d)) for d in items]

@@ -10,6 +10,12 @@ publishes a figure below the client's own report. Persisted as ``ledger.json`` i
 directory and in the checkpoint; on resume the server hands every client its recorded
 events back so a client whose node state was lost still counts them (:func:`ledger_config`
 / :func:`prior_history`).
+
+Releases the SERVER makes itself (the noisy clipped count of adaptive clipping, central
+Gaussian noise on a sum) involve every client they cover: :meth:`Ledger.charge_server_release`
+composes their events into each covered client's epsilon, kept apart from the events the
+client reported (:attr:`Ledger.server`) so that a client's report is still compared with its
+own events only, and marked ``"source": "server"`` in :attr:`Ledger.charges`.
 """
 
 from __future__ import annotations
@@ -22,7 +28,13 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from dpfl.privacy.budget import _FIELDS, PrivacyHistory
-from dpfl.privacy.events import PrivacyEvent, histories_epsilon, history_rdp, rdp_to_epsilon
+from dpfl.privacy.events import (
+    PrivacyEvent,
+    histories_epsilon,
+    history_rdp,
+    history_unit,
+    rdp_to_epsilon,
+)
 
 log = logging.getLogger("flwr.dpfl.ledger")
 MISMATCH_RTOL = 1e-6
@@ -30,7 +42,9 @@ MISMATCH_RTOL = 1e-6
 
 @dataclass
 class Ledger:
-    """Per-client privacy histories (keyed ``client-<partition-id>``)."""
+    """Per-client privacy histories (keyed ``client-<partition-id>``): the events each
+    client reported (:attr:`clients`) and the server's own releases covering it
+    (:attr:`server`); a client's epsilon composes both."""
 
     delta: float
     accountant: str = "rdp"
@@ -38,33 +52,66 @@ class Ledger:
     reported: dict[str, float] = field(default_factory=dict)
     mismatches: list[dict[str, Any]] = field(default_factory=list)
     charges: list[dict[str, Any]] = field(default_factory=list)
+    server: dict[str, list[PrivacyEvent]] = field(default_factory=dict)
+
+    def history(self, client: str) -> PrivacyHistory:
+        """Everything charged to ``client``: its own events, then the server's releases
+        covering it (adaptive if its own history is)."""
+        own = self.clients.get(client, PrivacyHistory())
+        extra = self.server.get(client, [])
+        return PrivacyHistory(own.events + extra, own.adaptive) if extra else own
 
     def record(self, client: str, server_round: int, events: Sequence[PrivacyEvent],
                reported_epsilon: float | None = None, note: str = "",
                adaptive: bool = False) -> float:
         """Charge ``events`` to ``client`` (every update the server received, accepted or
         not); return the client's epsilon figure. ``note`` says why this charge (kept in
-        :attr:`charges`). A reported epsilon that differs from the recomputed one is
-        flagged in :attr:`mismatches`; the figure is never below the client's report."""
+        :attr:`charges`). A reported epsilon that differs from the one recomputed from the
+        client's own events is flagged in :attr:`mismatches`; the figure (own events and
+        the server's releases covering the client) is never below the client's report."""
         history = self.clients.setdefault(client, PrivacyHistory(adaptive=adaptive))
+        history_unit(history.events + list(events) + self.server.get(client, []))
         for e in events:
             history.charge(e)
         self.charges.append({"client": client, "round": server_round, "note": note,
-                             "events": [e.to_dict() for e in events]})
-        eps = history.epsilon(self.delta, self.accountant)
+                             "source": "client", "events": [e.to_dict() for e in events]})
+        own = history.epsilon(self.delta, self.accountant)
         if reported_epsilon is not None and math.isfinite(reported_epsilon):
             self.reported[client] = max(float(reported_epsilon), self.reported.get(client, 0.0))
-            if abs(eps - reported_epsilon) > MISMATCH_RTOL * max(1.0, eps):
+            if abs(own - reported_epsilon) > MISMATCH_RTOL * max(1.0, own):
                 entry = {"client": client, "round": server_round,
-                         "reported": float(reported_epsilon), "recomputed": eps}
+                         "reported": float(reported_epsilon), "recomputed": own}
                 self.mismatches.append(entry)
                 log.warning("ledger mismatch: %s", entry)
+        eps = self.recomputed(client) if client in self.server else own
         return max(eps, self.reported.get(client, 0.0))
 
+    def charge_server_release(self, server_round: int, events: Sequence[PrivacyEvent],
+                              clients: Sequence[str], note: str = "",
+                              adaptive: bool = False) -> None:
+        """Charge a release the server made itself to every client it ``covers``.
+
+        One noisy count (Andrew et al. 2021's clipped count) or one central Gaussian noise
+        on a sum involves every participating client: the same ``events`` are composed
+        into each covered client's epsilon. Their unit must match each client's history
+        (ValueError "mixes sample-level and client-level", before anything is charged).
+        ``adaptive``: the release steers later rounds (e.g. the clip), so the covered
+        histories need adaptive composition (the Rényi filter)."""
+        events, covered = list(events), list(dict.fromkeys(clients))
+        for client in covered:
+            history_unit(self.history(client).events + events)
+        for client in covered:
+            own = self.clients.setdefault(client, PrivacyHistory(adaptive=adaptive))
+            own.adaptive = own.adaptive or adaptive
+            self.server.setdefault(client, []).extend(events)
+            self.charges.append({"client": client, "round": server_round, "note": note,
+                                 "source": "server", "events": [e.to_dict() for e in events]})
+
     def recomputed(self, client: str) -> float:
-        """Epsilon recomputed from the charged events alone."""
-        history = self.clients.get(client)
-        return history.epsilon(self.delta, self.accountant) if history else 0.0
+        """Epsilon recomputed from the charged events alone (the client's and the server's)."""
+        if client not in self.clients and client not in self.server:
+            return 0.0
+        return self.history(client).epsilon(self.delta, self.accountant)
 
     def epsilon(self, client: str) -> float:
         """The client's figure: the recomputed epsilon, or the client's own report when
@@ -75,7 +122,7 @@ class Ledger:
         """Every client's recomputed epsilon, in client order (RDP: one vectorised pass)."""
         names = sorted(self.clients, key=client_order)
         if self.accountant == "rdp":
-            eps = histories_epsilon({n: self.clients[n].events for n in names}, self.delta)
+            eps = histories_epsilon({n: self.history(n).events for n in names}, self.delta)
             return {n: eps[n] for n in names}
         return {n: self.recomputed(n) for n in names}
 
@@ -83,22 +130,25 @@ class Ledger:
         """Every client's figure: recomputed, or the client's own report when higher."""
         return {n: max(e, self.reported.get(n, 0.0)) for n, e in self.recomputed_all().items()}
 
+    def server_charges(self) -> list[dict[str, Any]]:
+        """The server's own releases in :attr:`charges` (one entry per covered client)."""
+        return [c for c in self.charges if c.get("source") == "server"]
+
     def mismatches_in(self, server_round: int) -> list[dict[str, Any]]:
         return [m for m in self.mismatches if m["round"] == server_round]
 
     def would_exceed(self, client: str, event: PrivacyEvent, budget: float) -> bool:
         """Would charging ``event`` to ``client`` pass ``budget``? (for selection)"""
-        history = self.clients.get(client, PrivacyHistory())
-        return history.would_exceed(event, budget, self.delta, self.accountant)[0]
+        return self.history(client).would_exceed(event, budget, self.delta, self.accountant)[0]
 
     def rounds(self, client: str) -> list[int]:
-        history = self.clients.get(client)
-        return history.rounds if history else []
+        """Rounds in which something was charged to ``client`` (its own or the server's)."""
+        return self.history(client).rounds
 
     def epsilon_by_round(self, client: str) -> list[tuple[int, float]]:
-        """Cumulative epsilon after each round the client took part in (RDP prefix sums)."""
-        history = self.clients.get(client)
-        if not history:
+        """Cumulative epsilon after each round charged to the client (RDP prefix sums)."""
+        history = self.history(client)
+        if not history.events:
             return []
         out = []
         for r in history.rounds:
@@ -114,10 +164,12 @@ class Ledger:
         eps = {c: max(e, self.reported.get(c, 0.0)) for c, e in recomputed.items()}
         return {
             "delta": self.delta, "accountant": self.accountant,
-            "clients": {c: {"unit": h.unit, "adaptive": h.adaptive, "epsilon": eps[c],
-                            "recomputed-epsilon": recomputed[c],
-                            "reported-epsilon": self.reported.get(c), "rounds": h.rounds,
-                            "events": [e.to_dict() for e in h.events]}
+            "clients": {c: {"unit": self.history(c).unit, "adaptive": h.adaptive,
+                            "epsilon": eps[c], "recomputed-epsilon": recomputed[c],
+                            "reported-epsilon": self.reported.get(c),
+                            "rounds": self.rounds(c),
+                            "events": [e.to_dict() for e in h.events],
+                            "server-events": [e.to_dict() for e in self.server.get(c, [])]}
                         for c, h in ((c, self.clients[c]) for c in eps)},
             "mismatches": self.mismatches,
             "charges": self.charges,
@@ -129,6 +181,8 @@ class Ledger:
         for c, d in data.get("clients", {}).items():
             ledger.clients[c] = PrivacyHistory([PrivacyEvent(**e) for e in d["events"]],
                                                bool(d.get("adaptive", False)))
+            if d.get("server-events"):
+                ledger.server[c] = [PrivacyEvent(**e) for e in d["server-events"]]
             if d.get("reported-epsilon") is not None:
                 ledger.reported[c] = float(d["reported-epsilon"])
         ledger.mismatches = list(data.get("mismatches", []))

@@ -1,91 +1,145 @@
-"""Privacy mechanisms as small composable objects.
+"""Privacy mechanisms as objects: each applies itself and returns the event it caused.
 
-Each mechanism applies itself to a flat tensor (``apply``) and describes the accounting
-event of one application (``event``), which :mod:`dpfl.privacy.events` turns into an
-epsilon with Opacus or dp-accounting. Clipping has no event of its own: it sets the
-sensitivity that the noise mechanisms are calibrated to.
+``release(x, generator, round_) -> (output, PrivacyEvent)``: the output is what may be
+published, the event is what to charge for it (turned into an epsilon by
+:mod:`dpfl.privacy.events` with Opacus or dp-accounting). The ``generator`` is required:
+DP noise is drawn only from an explicit generator, secret unless the run is reproducible
+(:func:`dpfl.privacy.randomness.mechanism_generator`). Clipping has no event of its own: it
+sets the sensitivity the noise is calibrated to (:func:`l2_clip`).
+
+- :class:`GaussianMechanism`: clip, then add N(0, (sigma C)^2 I) (client-level update DP,
+  or central noise on a sum of clipped contributions).
+- :class:`DpsgdRelease`: the event of a DP-SGD run (the noise is added by Opacus).
+- :class:`LaplaceMechanism`: pure epsilon-DP noise.
+- :class:`SparseVector`: the sparse-vector technique (Lyu, Su & Li 2017).
+- :class:`QuantileClipTracker`: the noisy clipped count of adaptive clipping (Andrew,
+  Thakkar, McMahan & Ramaswamy 2021).
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
 from dpfl.privacy.events import PrivacyEvent
 
+# A clipping function (x, bound) -> y with ||y||_2 <= bound (e.g. AADP-FL's longitudinal
+# clipping, dpfl.privacy.longitudinal).
+ClipFn = Callable[[torch.Tensor, float], torch.Tensor]
+
 
 def l2_clip(x: torch.Tensor, bound: float) -> torch.Tensor:
-    """x * min(1, bound / ||x||_2)."""
+    """x * min(1, bound / ||x||_2) (a copy when nothing is clipped)."""
     norm = float(torch.linalg.vector_norm(x))
-    return x * (bound / norm) if norm > bound else x.clone()
-
-
-@dataclass(frozen=True)
-class NormClip:
-    """L2 norm clipping to ``bound`` (sensitivity of a single contribution: bound under
-    add-remove, 2 * bound under replace-one). Not private on its own."""
-
-    bound: float
-
-    def apply(self, x: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
-        return l2_clip(x, self.bound)
-
-    def event(self, round_: int = 0) -> None:
-        return None
+    return x * min(1.0, bound / norm) if norm > 0 else x.clone()
 
 
 @dataclass(frozen=True)
 class GaussianMechanism:
-    """Add N(0, (noise_multiplier * sensitivity)^2) to every coordinate (clip first).
+    """The Gaussian mechanism on a clipped vector: clip(x, C) + N(0, (sigma C)^2 I).
 
-    With ``clip`` set, ``apply`` clips to ``sensitivity`` before adding noise (the
-    Gaussian mechanism on a clipped update or on a sum of clipped contributions)."""
+    ``noise_multiplier`` sigma is the noise std over ``sensitivity`` C, the L2 bound every
+    contribution is clipped to (the add-remove sensitivity; replace-one's is 2C, which the
+    event's ``relation`` accounts for as sigma / 2). ``clip=False`` adds noise to ``x`` as
+    it is (its norm must already be <= C, e.g. a sum of clipped contributions); ``clip_fn``
+    replaces the L2 clipping by another one whose output norm is <= C (AADP-FL's
+    longitudinal clipping). ``sample_rate`` < 1: the contribution was Poisson-sampled
+    (add-remove). For the same generator state the output is bit-identical to the
+    client's ``clip_and_noise`` (same clipping arithmetic, same ``torch.randn`` draw)."""
 
     noise_multiplier: float
     sensitivity: float
-    clip: bool = True
-    sample_rate: float = 1.0
     relation: str = "add-remove"
+    clip: bool = True
+    clip_fn: ClipFn | None = None
+    sample_rate: float = 1.0
+    mechanism: str = "gaussian"
 
-    def apply(self, x: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
-        base = l2_clip(x, self.sensitivity) if self.clip else x
+    def __post_init__(self) -> None:
+        if not self.sensitivity > 0:
+            raise ValueError("sensitivity (the clipping bound) must be > 0")
+        self.event(0)  # validates sigma, rate, relation, mechanism
+
+    def apply(self, x: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+        if self.clip_fn is not None:
+            base = self.clip_fn(x, self.sensitivity)
+        else:
+            base = l2_clip(x, self.sensitivity) if self.clip else x
         noise = torch.randn(x.shape, generator=generator, dtype=x.dtype)
         return base + noise.to(x.device) * (self.noise_multiplier * self.sensitivity)
 
-    def event(self, round_: int = 0) -> PrivacyEvent:
+    def event(self, round_: int) -> PrivacyEvent:
         return PrivacyEvent.gaussian(round_, self.noise_multiplier, self.sample_rate,
-                                     relation=self.relation)
+                                     relation=self.relation, mechanism=self.mechanism)
+
+    def release(self, x: torch.Tensor, generator: torch.Generator,
+                round_: int) -> tuple[torch.Tensor, PrivacyEvent]:
+        return self.apply(x, generator), self.event(round_)
 
 
-def _laplace(shape: torch.Size, scale: float, generator: torch.Generator | None) -> torch.Tensor:
-    """Laplace(0, scale) samples by inverse CDF from uniforms (generator-seeded)."""
+@dataclass(frozen=True)
+class DpsgdRelease:
+    """A DP-SGD run of ``steps`` Poisson-sampled (rate q) Gaussian steps with noise
+    multiplier sigma (Abadi et al. 2016; Opacus adds the noise). Sample-level, add-remove."""
+
+    noise_multiplier: float
+    sample_rate: float
+    steps: int
+
+    def event(self, round_: int) -> PrivacyEvent:
+        return PrivacyEvent.dpsgd(round_, self.noise_multiplier, self.sample_rate, self.steps)
+
+
+def laplace_noise(shape: torch.Size | tuple[int, ...], scale: float,
+                  generator: torch.Generator, dtype: torch.dtype = torch.float32
+                  ) -> torch.Tensor:
+    """Laplace(0, scale) samples by inverse CDF of float64 uniforms from ``generator``:
+    -scale sign(u) log(1 - 2|u|), u uniform on (-1/2, 1/2)."""
     u = torch.rand(shape, generator=generator, dtype=torch.float64) - 0.5
-    return (-scale * torch.sign(u) * torch.log1p(-2.0 * u.abs())).to(torch.float32)
+    # torch.rand is in [0, 1): u = -1/2 (log 0) is moved to the next float64 inside
+    u = u.clamp(min=math.nextafter(-0.5, 0.0))
+    return (-scale * torch.sign(u) * torch.log1p(-2.0 * u.abs())).to(dtype)
 
 
 @dataclass(frozen=True)
 class LaplaceMechanism:
-    """Add Lap(l1_sensitivity / epsilon) to every coordinate: epsilon-DP (pure)."""
+    """Add Lap(l1_sensitivity / epsilon) to every coordinate: epsilon-DP (pure; Dwork,
+    McSherry, Nissim & Smith 2006)."""
 
     epsilon: float
     l1_sensitivity: float
 
-    def apply(self, x: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
-        return x + _laplace(x.shape, self.l1_sensitivity / self.epsilon, generator).to(x.device)
+    def __post_init__(self) -> None:
+        if not (self.epsilon > 0 and self.l1_sensitivity > 0):
+            raise ValueError("epsilon and l1_sensitivity must be > 0")
 
-    def event(self, round_: int = 0) -> PrivacyEvent:
+    @property
+    def scale(self) -> float:
+        return self.l1_sensitivity / self.epsilon
+
+    def apply(self, x: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+        return x + laplace_noise(x.shape, self.scale, generator, x.dtype).to(x.device)
+
+    def event(self, round_: int) -> PrivacyEvent:
         return PrivacyEvent.pure(round_, self.epsilon, "laplace")
+
+    def release(self, x: torch.Tensor, generator: torch.Generator,
+                round_: int) -> tuple[torch.Tensor, PrivacyEvent]:
+        return self.apply(x, generator), self.event(round_)
 
 
 @dataclass(frozen=True)
 class SparseVector:
-    """The sparse-vector technique (Lyu, Su & Li 2017, Alg. 1 with numeric answers):
-    a noisy threshold rho = threshold + Lap(Delta / eps1); each coordinate's query
-    v_i + Lap(2 c Delta / eps2) is compared with rho; at most ``max_answers`` = c
-    coordinates above it are released as v_i + Lap(c Delta / eps3); every other coordinate
-    is withheld (zero). Total: (eps1 + eps2 + eps3)-DP, for queries of sensitivity Delta."""
+    """The sparse-vector technique with numeric answers (Lyu, Su & Li 2017, "Understanding
+    the Sparse Vector Technique for Differential Privacy", Alg. 1, with numeric answers
+    paid for by a third budget eps3, as in their general form): a noisy threshold rho = T + Lap(Delta / eps1); query i is
+    positive when v_i + Lap(2 c Delta / eps2) >= rho; the first c positives (in index
+    order: the algorithm stops after c) are released as v_i + Lap(c Delta / eps3), every
+    other coordinate is withheld (0). (eps1 + eps2 + eps3)-DP for queries of sensitivity
+    Delta."""
 
     eps_threshold: float
     eps_queries: float
@@ -94,61 +148,88 @@ class SparseVector:
     threshold: float
     max_answers: int
 
-    def apply(self, x: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
-        c, d = self.max_answers, self.sensitivity
-        rho = self.threshold + float(_laplace(torch.Size([1]), d / self.eps_threshold, generator))
-        noisy = x + _laplace(x.shape, 2.0 * c * d / self.eps_queries, generator).to(x.device)
-        above = torch.nonzero(noisy >= rho).flatten()[:c]  # the first c positives, in order
-        out = torch.zeros_like(x)
-        answers = x[above] + _laplace(above.shape, c * d / self.eps_answers, generator).to(x.device)
-        out[above] = answers
-        return out
+    def __post_init__(self) -> None:
+        if min(self.eps_threshold, self.eps_queries, self.eps_answers, self.sensitivity) <= 0:
+            raise ValueError("the three epsilons and the sensitivity must be > 0")
+        if int(self.max_answers) != self.max_answers or self.max_answers < 1:
+            raise ValueError("max_answers must be an integer >= 1")
 
     @property
     def epsilon(self) -> float:
         return self.eps_threshold + self.eps_queries + self.eps_answers
 
-    def event(self, round_: int = 0) -> PrivacyEvent:
+    def apply(self, x: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+        c, d = int(self.max_answers), self.sensitivity
+        rho = self.threshold + float(laplace_noise((1,), d / self.eps_threshold, generator,
+                                                   torch.float64))
+        noisy = x + laplace_noise(x.shape, 2.0 * c * d / self.eps_queries, generator,
+                                  x.dtype).to(x.device)
+        above = torch.nonzero(noisy >= rho).flatten()[:c]
+        out = torch.zeros_like(x)
+        out[above] = x[above] + laplace_noise(above.shape, c * d / self.eps_answers, generator,
+                                              x.dtype).to(x.device)
+        return out
+
+    def event(self, round_: int) -> PrivacyEvent:
         return PrivacyEvent.pure(round_, self.epsilon, "sparse-vector")
+
+    def release(self, x: torch.Tensor, generator: torch.Generator,
+                round_: int) -> tuple[torch.Tensor, PrivacyEvent]:
+        return self.apply(x, generator), self.event(round_)
 
 
 @dataclass
 class QuantileClipTracker:
-    """Private adaptive clipping (Andrew, Thakkar, McMahan & Ramaswamy 2021, Alg. 1).
+    """Private adaptive clipping (Andrew, Thakkar, McMahan & Ramaswamy 2021, "Differentially
+    Private Learning with Adaptive Clipping", Alg. 1).
 
-    Each round the server receives, per client, b_i = 1[||u_i|| <= C] and releases the
-    noisy fraction b = (sum_i b_i + N(0, sigma_b^2)) / m; then C <- C * exp(-eta (b - gamma))
-    (geometric update towards the ``target_quantile`` gamma). The count has sensitivity 1:
-    its cost is a Gaussian event with noise multiplier sigma_b, accounted per round
-    beside the update noise. Because C is chosen from earlier outputs, the run's
-    accounting must use adaptive composition (:class:`dpfl.privacy.filter.RenyiFilter`)."""
+    Each round the server gets, per participating client, b_i = 1[||u_i|| <= C] and
+    releases the noisy fraction b = (sum_i (b_i - 1/2) + N(0, sigma_b^2)) / m + 1/2, then
+    sets C <- C exp(-eta (b - gamma)) (geometric update towards the ``target_quantile``
+    gamma). Centring b_i on 1/2 (their Sec. 3.1) gives the sum sensitivity 1/2 under
+    add-remove, so one count is a Gaussian release of noise multiplier 2 sigma_b
+    (:meth:`event`); under replace-one its sensitivity is 1, which the event's relation
+    accounts for (sigma / 2). m is the public participant count (``expected_clients``;
+    by default the number of norms given, as when every selected client replied); with
+    m clients replying b = (sum_i b_i + noise) / m. The count involves every
+    participating client: charge its event to each of them
+    (:meth:`dpfl.privacy.ledger.Ledger.charge_server_release`). C is chosen from earlier
+    outputs, so a run that uses it needs adaptive composition
+    (:class:`dpfl.privacy.filter.RenyiFilter`)."""
 
     clip: float
     target_quantile: float = 0.5
     learning_rate: float = 0.2
     count_noise_multiplier: float = 10.0
+    relation: str = "add-remove"
     history: list[float] = field(default_factory=list)
 
-    def update(self, norms: torch.Tensor, generator: torch.Generator | None = None) -> float:
-        """One geometric update from the clients' update norms; returns the new C."""
-        m = len(norms)
-        if m == 0:
-            return self.clip
-        count = float((norms <= self.clip).sum())
-        noise = float(torch.randn(1, generator=generator)) * self.count_noise_multiplier
-        fraction = (count + noise) / m
+    def event(self, round_: int) -> PrivacyEvent:
+        """The event of one noisy count: Gaussian, multiplier 2 sigma_b (sensitivity 1/2)."""
+        return PrivacyEvent.gaussian(round_, 2.0 * self.count_noise_multiplier,
+                                     relation=self.relation, mechanism="quantile-count")
+
+    def release(self, norms: torch.Tensor, generator: torch.Generator, round_: int,
+                expected_clients: int | None = None) -> tuple[float, PrivacyEvent]:
+        """One geometric update from the clients' update norms: (new C, the count's event).
+        ``expected_clients`` is the public denominator m (TensorFlow Privacy's
+        ``expected_num_records``); ValueError without norms (nothing to release)."""
+        m = len(norms) if expected_clients is None else int(expected_clients)
+        if m < 1 or len(norms) == 0:
+            raise ValueError("a clipped count needs at least one client")
+        centred = float((norms <= self.clip).sum()) - 0.5 * len(norms)
+        noise = float(torch.randn(1, generator=generator, dtype=torch.float64))
+        fraction = (centred + noise * self.count_noise_multiplier) / m + 0.5
         self.history.append(self.clip)
         self.clip = self.clip * math.exp(-self.learning_rate * (fraction - self.target_quantile))
-        return self.clip
-
-    def event(self, round_: int = 0) -> PrivacyEvent:
-        return PrivacyEvent.gaussian(round_, self.count_noise_multiplier, 1.0,
-                                     mechanism="quantile-count")
+        return self.clip, self.event(round_)
 
     @staticmethod
-    def update_noise_multiplier(total_noise_multiplier: float, count_noise_multiplier: float) -> float:
-        """sigma_Delta = (z^-2 - (2 sigma_b)^-2)^(-1/2): the update noise that, together with
-        the count, costs the same as one Gaussian release with multiplier z (Andrew et al.)."""
+    def update_noise_multiplier(total_noise_multiplier: float,
+                                count_noise_multiplier: float) -> float:
+        """sigma_Delta = (z^-2 - (2 sigma_b)^-2)^(-1/2): the update noise that, composed
+        with the count, costs the same as one Gaussian release of multiplier z (Andrew et
+        al. 2021)."""
         rest = total_noise_multiplier ** -2 - (2.0 * count_noise_multiplier) ** -2
         if rest <= 0:
             raise ValueError("count_noise_multiplier too small for this total noise")
