@@ -91,7 +91,9 @@ def cmd_summary(args: argparse.Namespace) -> int:
 def cmd_privacy_report(args: argparse.Namespace) -> int:
     from dpfl.privacy.report import privacy_report
 
-    print(privacy_report(Path(args.run_dir)))
+    from dpfl.server.plots import plot_epsilon
+
+    print(privacy_report(Path(args.run_dir), plot=plot_epsilon))
     return 0
 
 

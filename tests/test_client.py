@@ -10,7 +10,8 @@ from opacus.accountants import RDPAccountant
 from opacus.accountants.utils import get_noise_multiplier
 
 from dpfl.apps.client import train
-from dpfl.client.trainers import clip_and_noise, train_dpsgd
+from dpfl.client.trainers import train_dpsgd
+from dpfl.privacy.mechanisms import GaussianMechanism, l2_clip
 from dpfl.config import RunConfig
 from dpfl.data import ClientData, client_data
 from dpfl.models import build_model
@@ -57,12 +58,18 @@ def test_dpsgd_step_equals_mean_of_clipped_per_sample_gradients(mode):
     assert torch.allclose(update, expected, atol=1e-6)
 
 
+def clip_and_noise(u, clip, sigma, gen):
+    """The client's update-DP mechanism (what dpfl.apps.client applies)."""
+    return GaussianMechanism(sigma, clip, relation="replace-one").apply(u, gen)
+
+
 def test_clip_and_noise_bound_and_noise_scale():
     u = torch.full((10_000,), 1.0)
-    gen = torch.Generator().manual_seed(0)
-    assert float(clip_and_noise(u, 2.0, 0.0, gen).norm()) == pytest.approx(2.0, rel=1e-5)
+    assert float(l2_clip(u, 2.0).norm()) == pytest.approx(2.0, rel=1e-5)
     small = torch.full((4,), 0.1)
-    assert torch.equal(clip_and_noise(small, 2.0, 0.0, gen), small)
+    assert torch.equal(l2_clip(small, 2.0), small)
+    with pytest.raises(ValueError):      # no noise is no mechanism
+        GaussianMechanism(0.0, 2.0)
     noisy = clip_and_noise(torch.zeros(100_000), 1.5, 0.8, torch.Generator().manual_seed(0))
     assert float(noisy.std()) == pytest.approx(1.2, rel=0.02)
     assert float(noisy.norm()) < gaussian_norm_bound(1.5, 0.8, 100_000)

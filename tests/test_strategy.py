@@ -106,3 +106,35 @@ def test_every_method_gets_the_guards_norm_bound_under_update_dp():
         strategy = build_strategy(cfg)
         assert strategy.guard.norm_bound(100, 1) == pytest.approx(1 + 1 * (10 + 10)), name
         assert strategy.guard.weights(torch.tensor([3.0, 1.0])).tolist() == [1.0, 1.0], name
+
+
+def test_a_server_release_is_charged_through_the_guard_to_the_clients_it_covers():
+    """One noisy count (Gaussian, sigma 20, replace-one) covering clients 0 and 2 in each of
+    two rounds, beside each client's own update release: epsilon composed by hand with
+    dp-accounting; client 1 is charged only its own."""
+    import dp_accounting
+    from dp_accounting.rdp import RdpAccountant
+
+    from dpfl.methods import run_config
+    from dpfl.privacy.events import PrivacyEvent
+    from dpfl.privacy.ledger import Ledger
+
+    cfg = run_config(trainer="update-dp", noise_multiplier=2.0, accountant="rdp")
+    strategy = build_strategy(cfg)
+    ledger = Ledger(cfg.delta, "rdp")
+    strategy.bind_ledger(ledger)
+    count = PrivacyEvent.gaussian(0, 20.0, relation="replace-one", mechanism="quantile-count")
+    for rnd in (1, 2):
+        for pid in (0, 1, 2):
+            ledger.record(f"client-{pid}", rnd, [PrivacyEvent.gaussian(rnd, 2.0,
+                                                                       relation="replace-one")])
+        strategy.guard.charge_server_release(rnd, [count], [0, 2], "clipped count")
+    acc = RdpAccountant()
+    acc.compose(dp_accounting.GaussianDpEvent(1.0), 2)     # sigma 2, sensitivity 2C
+    own = acc.get_epsilon(cfg.delta)
+    acc.compose(dp_accounting.GaussianDpEvent(10.0), 2)    # the count, sigma 20 / 2
+    both = acc.get_epsilon(cfg.delta)
+    eps = ledger.epsilons()
+    assert eps["client-1"] == pytest.approx(own, rel=1e-9)
+    assert eps["client-0"] == pytest.approx(both, rel=1e-9) == eps["client-2"]
+    assert both > own

@@ -19,16 +19,16 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
-from dpfl.client.trainers import clip_and_noise, train_dpsgd, train_plain
+from dpfl.client.trainers import train_dpsgd, train_plain
 from dpfl.config import RunConfig
 from dpfl.data import ClientData, client_data
 from dpfl.methods import method_for, parse_run_config
 from dpfl.models import build_model
 from dpfl.models.evaluation import device_for, evaluate_model
 from dpfl.privacy.budget import PrivacyHistory
-from dpfl.privacy.events import PrivacyEvent
 from dpfl.privacy.ledger import prior_history
-from dpfl.privacy.plan import plan_from_record, plan_problem, planned_event
+from dpfl.privacy.mechanisms import DpsgdRelease, GaussianMechanism
+from dpfl.privacy.plan import UPDATE_DP_RELATION, plan_from_record, plan_problem, planned_event
 from dpfl.privacy.randomness import mechanism_generator, public_seed
 from dpfl.tensors import flatten, state_difference, unflatten
 
@@ -119,7 +119,7 @@ def train(msg: Message, context: Context) -> Message:
                         mechanism_generator(cfg.reproducible, cfg.seed, pid, server_round))
         result = train_dpsgd(model, data, cfg, sigma, sampling_rng, noise_rng, device,
                              hooks.post_step)
-        event = PrivacyEvent.dpsgd(server_round, sigma, result.sample_rate, result.steps)
+        event = DpsgdRelease(sigma, result.sample_rate, result.steps).event(server_round)
         update = state_difference(model.state_dict(), received)
         num_examples = n
     else:
@@ -127,9 +127,10 @@ def train(msg: Message, context: Context) -> Message:
         raw = flatten(state_difference(model.state_dict(), received))
         if device.type != "cpu":  # the flat update lives on the CPU: so must its noise
             noise_rng = mechanism_generator(cfg.reproducible, cfg.seed, pid, server_round)
-        clip = method.client.update_clip(cfg)
-        update = unflatten(clip_and_noise(raw, cfg.clip_norm, sigma, noise_rng, clip), received)
-        event = planned
+        mechanism = GaussianMechanism(sigma, cfg.clip_norm, relation=UPDATE_DP_RELATION,
+                                      clip_fn=method.client.update_clip(cfg))
+        noisy, event = mechanism.release(raw, noise_rng, server_round)
+        update = unflatten(noisy, received)
         # The data set size is private under client-level DP: aggregate with equal weights.
         # (A method that treats sizes as public derives them on the server itself.)
         num_examples = 1

@@ -249,7 +249,9 @@ def finish(fed: Federation) -> dict[str, Any]:
         "ledger-mismatches": len(ledger.mismatches),
         "mismatches": ledger.mismatches,
         "charges-not-matching-plan": sum(1 for c in ledger.charges
-                                         if c["note"] != "reported = plan"),
+                                         if c.get("source", "client") == "client"
+                                         and c["note"] != "reported = plan"),
+        "server-releases": len(ledger.server_charges()),
         "wall-seconds": round(time.time() - fed.t_start, 2),
         "run-dir": str(fed.run_dir.path),
     }

@@ -162,20 +162,3 @@ def _noise_only_step(opt: torch.optim.Optimizer, model: nn.Module, mode: str) ->
         if mode != "ghost":  # per-sample modes clip p.grad_sample: give it zero rows
             p.grad_sample = torch.zeros((0, *p.shape), dtype=p.dtype, device=p.device)
     opt.step()
-
-
-def clip_and_noise(update: torch.Tensor, clip_norm: float, noise_multiplier: float,
-                   generator: torch.Generator,
-                   clip: Callable[[torch.Tensor, float], torch.Tensor] | None = None
-                   ) -> torch.Tensor:
-    """Client-level Gaussian mechanism on a flat update:
-    clip(u, C) + N(0, (sigma C)^2 I), with clip = u * min(1, C / ||u||_2) unless another
-    clipping with output norm <= C is given (e.g. longitudinal clipping).
-    ``generator`` draws the noise: it must be secret (see ``dpfl.privacy.randomness``)."""
-    if clip is not None:
-        clipped = clip(update, clip_norm)
-    else:
-        norm = float(torch.linalg.vector_norm(update))
-        clipped = update * min(1.0, clip_norm / norm) if norm > 0 else update.clone()
-    noise = torch.randn(update.shape, generator=generator, dtype=update.dtype)
-    return clipped + noise.to(update.device) * (noise_multiplier * clip_norm)

@@ -132,6 +132,18 @@ class DPGuard:
                         [e.to_dict() for e in charge.events], charge.note)
         return charge
 
+    def charge_server_release(self, server_round: int, events: list[PrivacyEvent],
+                              partition_ids: list[int], note: str) -> None:
+        """Charge a release the server made itself (e.g. adaptive clipping's noisy count,
+        central noise) to every client it covers, beside the clients' own events."""
+        if not self.cfg.is_private or self.ledger is None:
+            return
+        clients = [f"client-{p}" for p in partition_ids]
+        self.ledger.charge_server_release(server_round, events, clients, note,
+                                          adaptive=self.adaptive)
+        log.info("round %d: server release %s charged to %d clients (%s)", server_round,
+                 [e.to_dict() for e in events], len(clients), note)
+
     def _costliest_plan(self, client: str, server_round: int) -> PrivacyEvent:
         history = self.ledger.clients.get(client, PrivacyHistory())
         plans = [self.planned_event(p, server_round) for p in sorted(self.partition_sizes)]
