@@ -106,6 +106,14 @@ def coerce(key: str, value: Any, kind: type) -> Any:
     return value
 
 
+_TYPES = {"bool": bool, "int": int, "float": float, "str": str}
+
+
+def coerce_field(key: str, value: Any, field: dataclasses.Field) -> Any:
+    """``coerce`` to a dataclass field's annotated type (bool, int, float or str)."""
+    return coerce(key, value, _TYPES[str(field.type)])
+
+
 GLOBAL_KEYS = tuple(f.name.replace("_", "-") for f in fields(RunConfig) if f.name != "params")
 
 
@@ -115,7 +123,6 @@ def parse_global(raw: Mapping[str, Any], method_keys: frozenset[str] = frozenset
 
     A key that is neither global nor in ``method_keys`` (every registered method's own
     keys) is an error: a typo would otherwise be ignored."""
-    types = {"bool": bool, "int": int, "float": float, "str": str}
     by_key = {f.name.replace("_", "-"): f for f in fields(RunConfig) if f.name != "params"}
     values: dict[str, Any] = {}
     for key, value in raw.items():
@@ -125,7 +132,7 @@ def parse_global(raw: Mapping[str, Any], method_keys: frozenset[str] = frozenset
                 known = ", ".join(sorted(set(by_key) | set(method_keys)))
                 raise ConfigError(f"unknown run-config key '{key}' (known keys: {known})")
             continue
-        values[field.name] = coerce(key, value, types[str(field.type)])
+        values[field.name] = coerce_field(key, value, field)
     return validate(RunConfig(**values))
 
 

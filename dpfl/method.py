@@ -17,7 +17,7 @@ import torch
 from flwr.app import Context, Message
 
 from dpfl.client.hooks import MethodHooks
-from dpfl.config import RunConfig, coerce, need
+from dpfl.config import RunConfig, coerce_field, need
 from dpfl.privacy.verdict import MethodPrivacy
 from dpfl.server.strategy import DPFLStrategy
 
@@ -36,10 +36,8 @@ class MethodParams:
     @classmethod
     def parse(cls, raw: Mapping[str, Any]) -> "MethodParams":
         """The parameters from the run-config keys present in ``raw`` (others default)."""
-        types = {f.name: str(f.type) for f in fields(cls)}
-        py = {"bool": bool, "int": int, "float": float, "str": str}
-        values = {name: coerce(name.replace("_", "-"), raw[name.replace("_", "-")], py[kind])
-                  for name, kind in types.items() if name.replace("_", "-") in raw}
+        values = {f.name: coerce_field(key, raw[key], f) for f in fields(cls)
+                  if (key := f.name.replace("_", "-")) in raw}
         params = cls(**values)
         params.validate()
         return params
