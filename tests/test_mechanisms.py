@@ -204,3 +204,16 @@ def test_quantile_tracker_update_event_and_noise_split():
         _rdp([(dp_event.GaussianDpEvent(z), 1)]), rel=1e-12)
     with pytest.raises(ValueError):
         QuantileClipTracker.update_noise_multiplier(1.0, 0.4)
+
+
+def test_a_diverged_update_is_released_as_noise_around_zero():
+    """NaN/inf from local training become the zero vector before clipping: the output is
+    finite, its noise has the planned scale, and the event is the planned one."""
+    x = torch.full((50_000,), float("nan"))
+    x[:10] = float("inf")
+    out, event = GaussianMechanism(0.8, 1.5, relation="replace-one").release(
+        x, torch.Generator().manual_seed(3), 2)
+    assert bool(torch.isfinite(out).all())
+    assert float(out.std()) == pytest.approx(1.2, rel=0.02)
+    assert float(out.mean()) == pytest.approx(0.0, abs=0.03)
+    assert event == PrivacyEvent.gaussian(2, 0.8, relation="replace-one")

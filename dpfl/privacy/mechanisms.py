@@ -64,6 +64,12 @@ class GaussianMechanism:
         self.event(0)  # validates sigma, rate, relation, mechanism
 
     def apply(self, x: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+        """The noisy clipped vector. A non-finite input (local training diverged) is
+        released as the zero vector plus noise: any map of the data to norm <= C keeps the
+        sensitivity, and the release — already charged — stays usable instead of being
+        rejected by the server."""
+        if self.clip and not bool(torch.isfinite(x).all()):
+            x = torch.zeros_like(x)
         if self.clip_fn is not None:
             base = self.clip_fn(x, self.sensitivity)
         else:
