@@ -35,7 +35,6 @@ def _read(run: Path) -> tuple[list[dict], dict, dict, dict]:
 @pytest.mark.parametrize("strategy,extra", [
     ("dpfedprox", ["prox-mu=0.1"]),
     ("dpfedavg", ["trainer=update-dp", "clip-norm=0.5", "lr=0.1", "local-epochs=2"]),
-    ("dpfedavgm", ["server-momentum=0.5", "server-lr=0.8"]),
 ])
 def test_method_runs_by_name(tmp_path, strategy, extra):
     proc = subprocess.run(
