@@ -5,7 +5,6 @@ import pytest
 import torch
 
 from dpfl.methods import run_config
-from dpfl.config import RunConfig
 from dpfl.methods import build_strategy
 from dpfl.methods.aadp import (
     NadamState,

@@ -9,7 +9,6 @@ from flwr.app import ArrayRecord, Message, MetricRecord, RecordDict
 from dpfl.config import ConfigError
 from dpfl.methods import METHODS, build_strategy, guarantee, run_config
 from dpfl.methods.dpfedavgm import momentum_step
-from dpfl.server.strategy import RoundRecord
 
 
 class FakeGrid:

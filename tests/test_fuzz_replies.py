@@ -107,7 +107,7 @@ def test_thousand_crafted_replies(name, server_identity):
              for _ in range(1000)]
     replies = [_reply(k, template, node, rng, extra) for node, k in enumerate(kinds, start=1)]
     outcome = strategy.finish_round(1, rec, replies)
-    new_arrays, metrics = outcome.arrays, outcome.metrics
+    new_arrays = outcome.arrays
     good = {i for i, k in enumerate(kinds, start=1) if k == "good"}
     where = f"strategy {name}, seed {seed}"
     accepted = {u.node_id for u in rec.accepted}

@@ -40,9 +40,7 @@ def parse_run_config(raw: Mapping[str, Any]) -> RunConfig:
     """Flower's run-config mapping as a validated :class:`RunConfig` carrying the
     configured method's parameters. Every method's keys are type- and range-checked (the
     pyproject lists them all), so a bad value stops the run whichever method it belongs to."""
-    cfg = parse_global(raw, method_keys())
-    if not cfg.strategy:
-        cfg = dataclasses.replace(cfg, strategy=DEFAULT_METHOD)
+    cfg = _with_default_method(parse_global(raw, method_keys()))
     need(cfg.strategy in METHODS, "strategy", f"must be one of {tuple(METHODS)}", cfg.strategy)
     need(cfg.model in MODELS, "model", f"must be one of {tuple(MODELS)}", cfg.model)
     for method in METHODS.values():
@@ -53,11 +51,14 @@ def parse_run_config(raw: Mapping[str, Any]) -> RunConfig:
     return method.with_params(cfg, raw)
 
 
+def _with_default_method(cfg: RunConfig) -> RunConfig:
+    return cfg if cfg.strategy else dataclasses.replace(cfg, strategy=DEFAULT_METHOD)
+
+
 def configured(cfg: RunConfig) -> RunConfig:
     """``cfg`` with the default method when it names none, and its method's default
     parameters when it carries none (e.g. a RunConfig built directly in code)."""
-    if not cfg.strategy:
-        cfg = dataclasses.replace(cfg, strategy=DEFAULT_METHOD)
+    cfg = _with_default_method(cfg)
     if cfg.params is None and METHODS[cfg.strategy].params is not None:
         return METHODS[cfg.strategy].with_params(cfg, {})
     return cfg
