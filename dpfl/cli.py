@@ -32,6 +32,7 @@ import tomllib
 from pathlib import Path
 
 from dpfl.config import ConfigError
+from dpfl.errors import EXIT_USER_ERROR, UserError, read_json_file
 from dpfl.methods import parse_run_config
 
 
@@ -46,7 +47,7 @@ def _overrides(pairs: list[str]) -> dict[str, object]:
     out: dict[str, object] = {}
     for pair in pairs:
         if "=" not in pair:
-            raise SystemExit(f"expected key=value, got {pair!r}")
+            raise UserError(f"expected key=value, got {pair!r}")
         key, value = pair.split("=", 1)
         out[key.strip()] = _parse_value(value.strip())
     return out
@@ -83,9 +84,19 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 def cmd_summary(args: argparse.Namespace) -> int:
     from dpfl.server.report import epsilon_table
 
-    summary = json.loads((Path(args.run_dir) / "summary.json").read_text())
+    summary = read_json_file(run_directory(args.run_dir) / "summary.json", "run summary")
     print(epsilon_table(summary))
     return 0
+
+
+def run_directory(text: str) -> Path:
+    """A run directory given on the command line, or a :class:`UserError` naming it."""
+    path = Path(text)
+    if not path.is_dir():
+        raise UserError(f"{path}: no such run directory")
+    if not (path / "config.json").exists():
+        raise UserError(f"{path}: not a dpfl run directory (no config.json)")
+    return path
 
 
 def cmd_privacy_report(args: argparse.Namespace) -> int:
@@ -93,7 +104,7 @@ def cmd_privacy_report(args: argparse.Namespace) -> int:
 
     from dpfl.server.plots import plot_epsilon
 
-    print(privacy_report(Path(args.run_dir), plot=plot_epsilon))
+    print(privacy_report(run_directory(args.run_dir), plot=plot_epsilon))
     return 0
 
 
@@ -124,7 +135,7 @@ def cmd_deploy(args: argparse.Namespace) -> int:
     state = Path(args.state)
     if args.action == "up":
         if args.flwr_args:
-            raise SystemExit(f"unexpected arguments: {args.flwr_args}")
+            raise UserError(f"unexpected arguments: {args.flwr_args}")
         fed = containers.up(args.clients, state, image=args.image, name=args.name,
                             insecure=args.insecure, control_port=args.control_port)
         print(f"federation {fed.name} up: {fed.clients} SuperNodes, Control API "
@@ -190,7 +201,11 @@ def main(argv: list[str] | None = None) -> int:
     # A SIGTERM (e.g. `kill PID` of a background run) unwinds normally, so the SuperLink
     # and everything it started are stopped by the launcher's cleanup.
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
-    return int(args.func(args))
+    try:
+        return int(args.func(args))
+    except UserError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_USER_ERROR
 
 
 if __name__ == "__main__":

@@ -13,6 +13,8 @@ import dataclasses
 from dataclasses import dataclass, fields
 from typing import Any, Mapping
 
+from dpfl.errors import UserError
+
 DATASETS = ("mnist", "fashion-mnist", "digits", "cifar10", "cifar100", "svhn")
 PARTITIONINGS = ("iid", "dirichlet", "shards", "size", "gcfl-contiguous", "noniid-fraction")
 TRAINERS = ("plain", "dpsgd", "update-dp")
@@ -22,7 +24,7 @@ ACCOUNTANTS = ("pld", "rdp", "prv")
 OPACUS_MODES = ("ghost", "hooks", "functorch", "ew")
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError, ValueError):
     """An invalid run-config value; the message names the key."""
 
 
