@@ -25,15 +25,13 @@
 from __future__ import annotations
 
 import argparse
-import json
 import signal
 import sys
-import tomllib
 from pathlib import Path
 
-from dpfl.config import ConfigError
+import tomllib
+
 from dpfl.errors import EXIT_USER_ERROR, UserError, read_json_file
-from dpfl.methods import parse_run_config
 
 
 def _parse_value(text: str) -> object:
@@ -62,20 +60,19 @@ def app_dir() -> Path:
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
-    from dpfl.launch import simulate
+    """Invalid settings stop before any process starts (exit 2); a federation that did not
+    finish exits 1, whatever files an earlier run left."""
+    from dpfl.launch import RunFailed, simulate
     from dpfl.server.report import epsilon_table
 
     root = app_dir()
-    overrides = _overrides(args.overrides)
-    defaults = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["flwr"]["app"]["config"]
-    try:  # invalid configs stop here, before any process starts
-        parse_run_config({**defaults, **overrides})
-    except ConfigError as exc:
+    try:
+        run_dir = simulate(root, args.clients, _overrides(args.overrides),
+                           Path(args.output_dir), num_cpus=args.cpus_per_client)
+    except RunFailed as exc:
         print(f"error: {exc}", file=sys.stderr)
-        return 2
-    run_dir = simulate(root, args.clients, overrides, Path(args.output_dir),
-                       num_cpus=args.cpus_per_client)
-    summary = json.loads((run_dir / "summary.json").read_text())
+        return 1
+    summary = read_json_file(run_dir / "summary.json", "run summary")
     print(epsilon_table(summary))
     print(f"run directory: {run_dir}")
     return 0
@@ -101,7 +98,6 @@ def run_directory(text: str) -> Path:
 
 def cmd_privacy_report(args: argparse.Namespace) -> int:
     from dpfl.privacy.report import privacy_report
-
     from dpfl.server.plots import plot_epsilon
 
     print(privacy_report(run_directory(args.run_dir), plot=plot_epsilon))
@@ -199,7 +195,8 @@ def main(argv: list[str] | None = None) -> int:
     elif extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     # A SIGTERM (e.g. `kill PID` of a background run) unwinds normally, so the SuperLink
-    # and everything it started are stopped by the launcher's cleanup.
+    # and everything it started are stopped by the launcher's cleanup (and on SIGKILL by
+    # the watchdog the launcher put above them, dpfl.watchdog).
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     try:
         return int(args.func(args))

@@ -68,6 +68,9 @@ class RunConfig:
     output_dir: str = "runs"
     run_name: str = ""
     resume: bool = False
+    # with resume=true and a lost/damaged checkpoint: continue with a fresh model after the
+    # ledger's last round, every recorded spend kept charged (else the resume is refused)
+    resume_without_checkpoint: bool = False
     report_train_loss: bool = False
     # the active method's own parameters (a dpfl.method.MethodParams, or None)
     params: Any = None
@@ -185,5 +188,7 @@ def validate(cfg: RunConfig) -> RunConfig:
     need(cfg.max_update_norm >= 0, "max-update-norm", "must be >= 0 (0 = off)",
           cfg.max_update_norm)
     need(cfg.round_timeout > 0, "round-timeout", "must be > 0", cfg.round_timeout)
+    need(cfg.resume or not cfg.resume_without_checkpoint, "resume-without-checkpoint",
+          "needs resume=true", cfg.resume_without_checkpoint)
     need(bool(cfg.output_dir), "output-dir", "must not be empty", cfg.output_dir)
     return cfg

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -21,6 +22,15 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
+
+import tomllib
+
+from dpfl.apps.status import STATUS_ENV, read_status
+from dpfl.config import RunConfig
+from dpfl.errors import UserError
+from dpfl.methods import DEFAULT_METHOD, parse_run_config
+from dpfl.server.rundir import check_new_run_dir, existing_run_files, unique_run_name
+from dpfl.watchdog import alive, descendants, die_with_parent
 
 CONNECTION = "dpfl-sim"
 
@@ -82,33 +92,6 @@ def _wait_http(port: int, proc: subprocess.Popen, timeout: float = 60.0) -> None
     raise TimeoutError("flower-superlink did not become ready")
 
 
-def _children_map() -> dict[int, list[int]]:
-    """ppid -> child pids, from /proc (Linux)."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                stat = f.read()
-        except OSError:
-            continue
-        ppid = int(stat.rsplit(")", 1)[1].split()[1])
-        children.setdefault(ppid, []).append(int(entry))
-    return children
-
-
-def descendants(pid: int) -> list[int]:
-    """Every process below ``pid`` (the SuperLink starts its SuperExec, the simulation and
-    Ray in process groups of their own, so a group signal alone does not reach them)."""
-    children, out, todo = _children_map(), [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            out.append(child)
-            todo.append(child)
-    return out
-
-
 def _signal_groups(pgids: set[int], sig: int) -> None:
     for pgid in pgids:
         try:
@@ -135,21 +118,13 @@ def stop_process_group(proc: subprocess.Popen, grace: float = 10.0) -> None:
     except subprocess.TimeoutExpired:
         pass
     deadline = time.monotonic() + grace
-    while time.monotonic() < deadline and any(_alive(p) for p in pids[1:]):
+    while time.monotonic() < deadline and any(alive(p) for p in pids[1:]):
         time.sleep(0.2)
     _signal_groups(pgids, signal.SIGKILL)
     try:
         proc.wait(timeout=5.0)
     except subprocess.TimeoutExpired:
         pass
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 @contextmanager
@@ -163,9 +138,11 @@ def simulation_superlink(flwr_home: Path, env: dict[str, str]) -> Iterator[str]:
            "--control-api-address", f"127.0.0.1:{control_port}",
            "--fleet-api-address", f"127.0.0.1:{fleet_port}",
            "--disable-runtime-dependency-installation", "--log-file", str(log_file)]
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True)
-    (flwr_home / "superlink.pid").write_text(str(proc.pid))
+    # under a watchdog that stops the whole tree when this process dies, even by SIGKILL
+    watched = [sys.executable, "-m", "dpfl.watchdog", "--parent", str(os.getpid()), "--", *cmd]
+    proc = subprocess.Popen(watched, env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True)
+    (flwr_home / "federation.pid").write_text(str(proc.pid))  # the watchdog: the tree's root
     try:
         _wait_http(http_port, proc)
         yield f"127.0.0.1:{http_port}"
@@ -186,18 +163,67 @@ def run_config_arg(overrides: dict[str, object]) -> str:
     return " ".join(parts)
 
 
+class RunFailed(RuntimeError):
+    """The federation did not finish (the ServerApp crashed, was killed, or Flower failed)."""
+
+
+def preflight(cfg: RunConfig, num_clients: int, run_dir: Path) -> None:
+    """Settings that cannot work stop here, before any process starts (one-line
+    :class:`UserError` each): no clients, more ``min-train-nodes`` than clients (the server
+    would wait for nodes that never come), a new run on an existing run directory, a resume
+    of a directory that is not there."""
+    if num_clients < 1:
+        raise UserError(f"--clients must be at least 1, got {num_clients}")
+    if cfg.min_train_nodes > num_clients:
+        raise UserError(f"run-config key 'min-train-nodes': {cfg.min_train_nodes} nodes "
+                        f"needed but --clients is {num_clients}: the server would wait for "
+                        "nodes that never come")
+    if cfg.resume:
+        if not existing_run_files(run_dir):
+            raise UserError(f"resume=true but there is no run to resume in {run_dir}: check "
+                            "run-name and output-dir, or drop resume=true")
+    else:
+        check_new_run_dir(run_dir)
+
+
+def _outcome(status_file: Path, run_dir: Path, returncode: int, log_file: Path) -> Path:
+    """The run directory when the ServerApp of THIS launch wrote its summary; else the
+    error it reported (:class:`UserError` for the user's, :class:`RunFailed` otherwise)."""
+    status = read_status(status_file)
+    if status is None:
+        raise RunFailed(f"the ServerApp did not finish (flwr run exited {returncode}); see the "
+                        f"log above and {log_file}")
+    if status["status"] != "ok":
+        if status.get("user-error"):
+            raise UserError(status["message"])
+        raise RunFailed(f"the ServerApp failed: {status['message']}; see the log above and "
+                        f"{log_file}")
+    if not (run_dir / "summary.json").exists():
+        raise RunFailed(f"the ServerApp reported success but wrote no {run_dir / 'summary.json'}")
+    return run_dir
+
+
 def simulate(app_dir: Path, num_clients: int, overrides: dict[str, object],
              output_root: Path, flwr_home: Path | None = None, num_cpus: float = 1.0,
              timeout: float | None = None, quiet: bool = False) -> Path:
-    """Run one simulated federation; return its run directory (which holds summary.json)."""
+    """Run one simulated federation; return its run directory, whose ``summary.json`` this
+    run wrote. Raises :class:`UserError` for settings that cannot work (before anything
+    starts) or that the ServerApp refused, :class:`RunFailed` when it did not finish."""
     output_root = output_root.resolve()
     overrides = dict(overrides)
-    overrides.setdefault("run-name", f"{time.strftime('%Y%m%d-%H%M%S')}-"
-                         f"{overrides.get('strategy', 'dpfedavg')}")
+    overrides.setdefault("run-name", unique_run_name(str(overrides.get("strategy") or
+                                                         DEFAULT_METHOD)))
     overrides.setdefault("output-dir", str(output_root))
-    run_dir = Path(str(overrides["output-dir"])) / str(overrides["run-name"])
+    run_dir = Path(str(overrides["output-dir"])).expanduser()
+    run_dir = (run_dir if run_dir.is_absolute() else output_root / run_dir) / \
+        str(overrides["run-name"])
+    defaults = tomllib.loads((app_dir / "pyproject.toml").read_text())["tool"]["flwr"]["app"]
+    cfg = parse_run_config({**defaults["config"], **overrides})
+    preflight(cfg, num_clients, run_dir)
     flwr_home = (flwr_home or run_dir / ".flwr").resolve()
     env = flower_env(flwr_home, output_root)
+    status_file = flwr_home / f"status-{secrets.token_hex(8)}.json"
+    env[STATUS_ENV] = str(status_file)
     with simulation_superlink(flwr_home, env) as address:
         write_flower_config(flwr_home, address)
         cmd = [_bin("flwr"), "run", str(app_dir), CONNECTION, "--stream",
@@ -205,12 +231,9 @@ def simulate(app_dir: Path, num_clients: int, overrides: dict[str, object],
                "--federation-config",
                f"num-supernodes={num_clients} client-resources-num-cpus={_num(num_cpus)}"]
         out = subprocess.DEVNULL if quiet else None
-        subprocess.run(cmd, env=env, check=True, timeout=timeout, stdout=out,
-                       cwd=str(app_dir))
-    if not (run_dir / "summary.json").exists():
-        raise RuntimeError(f"the run ended without {run_dir / 'summary.json'}; see "
-                           f"{flwr_home / 'superlink.log'}")
-    return run_dir
+        proc = subprocess.run(cmd, env=env, timeout=timeout, stdout=out, cwd=str(app_dir),
+                              preexec_fn=die_with_parent, check=False)
+    return _outcome(status_file, run_dir, proc.returncode, flwr_home / "superlink.log")
 
 
 def _num(value: float) -> int | float:

@@ -4,7 +4,8 @@
 import subprocess
 import time
 
-from dpfl.launch import _alive, descendants, run_config_arg, stop_process_group
+from dpfl.launch import run_config_arg, stop_process_group
+from dpfl.watchdog import alive as _alive, descendants
 
 
 def test_stop_process_group_reaches_children_in_their_own_groups():

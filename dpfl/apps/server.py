@@ -18,12 +18,15 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context
 from flwr.serverapp import Grid, ServerApp
 
+from dpfl.apps.status import write_status
 from dpfl.config import ConfigError, RunConfig
 from dpfl.data import label_counts, load_dataset, splits_for, test_tensors
 from dpfl.data.plots import plot_label_counts
+from dpfl.errors import UserError
 from dpfl.methods import build_strategy, configured, guarantee, parse_run_config
 from dpfl.models import build_model
 from dpfl.models.evaluation import device_for
+from dpfl.privacy.budget import PrivacyHistory
 from dpfl.privacy.ledger import Ledger, ledger_config
 from dpfl.privacy.verdict import Guarantee
 from dpfl.server.evaluation import classification_metrics
@@ -116,8 +119,9 @@ def budgets_exhausted(record, num_nodes: int) -> bool:
 
 
 def setup(grid: Grid, cfg: RunConfig) -> Federation:
-    """Open the run directory, build the strategy and model, wait for the nodes, bind the
-    public partition sizes and a fresh ledger."""
+    """Check the run directory, build the strategy and model, wait for the nodes, bind the
+    public partition sizes, check that a fresh run's first round fits the budget, create
+    the run directory and a fresh ledger."""
     t_start = time.time()
     cfg = configured(cfg)
     run_dir = RunDir.open(cfg)
@@ -136,10 +140,12 @@ def setup(grid: Grid, cfg: RunConfig) -> Federation:
              cfg.dataset, num_nodes, cfg.num_rounds)
     log.info("privacy guarantee: %s (unit=%s, relation=%s, sampling=%s, delta=%g)",
              claim.verdict, claim.unit, claim.relation, claim.sampling, cfg.delta)
-    run_dir.write_json("config.json", {**cfg.to_dict(), "num-clients": num_nodes})
     splits = list(splits_for(cfg, num_nodes))
     # public sizes: the server plans each client's release (and a method may allocate by them)
     strategy.bind_partition_sizes({i: len(s.train) for i, s in enumerate(splits)})
+    if not cfg.resume:
+        first_round_affordable(strategy, cfg)
+    run_dir.create()
     counts = label_counts(ds.y_train, splits, ds.num_classes)
     plot_label_counts(counts, run_dir.file("labels.png"),
                       f"{cfg.dataset}, {cfg.partitioning}, {num_nodes} clients")
@@ -151,30 +157,67 @@ def setup(grid: Grid, cfg: RunConfig) -> Federation:
 
 
 def resume(fed: Federation) -> bool:
-    """Continue from the run directory's checkpoint when ``resume=true`` and there is one
-    (model, strategy state, ledger, rounds so far); True when resumed."""
-    checkpoint = fed.run_dir.load_checkpoint() if fed.cfg.resume else None
-    if checkpoint is None:
+    """Continue the run directory's run when ``resume=true`` and it recorded anything
+    (:meth:`RunDir.resume_point`: the checkpoint's model and strategy state, the privacy
+    history of ``ledger.json``; refusals are one-line errors); True when resumed."""
+    point = fed.run_dir.resume_point(fed.cfg.resume_without_checkpoint) if fed.cfg.resume \
+        else None
+    if point is None:
         return False
-    fed.arrays = ArrayRecord(checkpoint["model"])
-    fed.strategy.load_state_dict(checkpoint["strategy"])
-    fed.ledger = Ledger.from_json(checkpoint["ledger"])
+    if point.model is not None:
+        fed.arrays = ArrayRecord(point.model)
+        fed.strategy.load_state_dict(point.strategy)
+    fed.ledger = point.ledger
     fed.strategy.bind_ledger(fed.ledger)
-    fed.start = int(checkpoint["round"]) + 1
-    fed.initial = checkpoint.get("initial", {})
-    fed.rounds = fed.run_dir.truncate_rounds(fed.start - 1)
+    fed.start = point.round + 1
+    fed.rounds = point.rounds
+    fed.initial = point.initial or classification_metrics(
+        _with_weights(fed.model, fed.arrays), fed.x_test, fed.y_test, fed.device)
     # clients whose node state was lost get their recorded events back
     fed.resume_config = ledger_config(fed.ledger)
-    log.info("resuming %s after round %d", fed.run_dir.path, fed.start - 1)
+    log.info("resuming %s after round %d (%d charges on the ledger)", fed.run_dir.path,
+             point.round, len(fed.ledger.charges))
     return True
 
 
+def _with_weights(model: torch.nn.Module, arrays: ArrayRecord) -> torch.nn.Module:
+    model.load_state_dict(arrays.to_torch_state_dict())
+    return model
+
+
+def first_round_affordable(strategy: DPFLStrategy, cfg: RunConfig) -> None:
+    """A fresh run whose first round alone already costs some client more than
+    ``target-epsilon`` (with the same accountant and budget check the client uses) stops
+    here, before any training, instead of after a round of refusals."""
+    if not cfg.is_private:
+        return
+    for pid in sorted(strategy.guard.partition_sizes):
+        event = strategy.guard.planned_event(pid, 1)
+        history = PrivacyHistory(adaptive=strategy.guard.adaptive)
+        refuse, eps = history.would_exceed(event, cfg.target_epsilon, cfg.delta, cfg.accountant)
+        if refuse:
+            raise ConfigError(
+                f"run-config key 'target-epsilon': one round already costs client-{pid} "
+                f"epsilon {eps:.4g} > {cfg.target_epsilon:g} (sigma {event.sigma:.4g}, "
+                f"{cfg.accountant} accountant): raise target-epsilon or the noise "
+                "(noise-multiplier=0 calibrates it)")
+
+
 def start_fresh(fed: Federation) -> None:
-    """Round 0: an empty rounds file and the initial model's accuracy."""
-    fed.model.load_state_dict(fed.arrays.to_torch_state_dict())
+    """Round 0: an empty ledger and rounds file, the initial model's accuracy and a
+    round-0 checkpoint (so that from the first charge on, a resume has a model)."""
+    fed.run_dir.save_ledger(fed.ledger)
     fed.run_dir.file("rounds.jsonl").write_text("")
-    fed.initial = classification_metrics(fed.model, fed.x_test, fed.y_test, fed.device)
+    fed.initial = classification_metrics(_with_weights(fed.model, fed.arrays), fed.x_test,
+                                         fed.y_test, fed.device)
+    fed.run_dir.save_checkpoint(_checkpoint(fed, 0))
     log.info("round 0 (initial model): accuracy %.4f", fed.initial["accuracy"])
+
+
+def _checkpoint(fed: Federation, rnd: int) -> dict[str, Any]:
+    return {"round": rnd, "model": fed.arrays.to_torch_state_dict(),
+            "strategy": fed.strategy.state_dict(), "initial": fed.initial,
+            "ledger": fed.ledger.to_json()}
 
 
 def run_round(fed: Federation, rnd: int) -> RoundRecord:
@@ -189,6 +232,8 @@ def run_round(fed: Federation, rnd: int) -> RoundRecord:
     if outcome.arrays is not None:
         fed.arrays = outcome.arrays
     _charge_late(strategy, record, late)
+    # every release of the round is charged: on disk before anything else is published
+    fed.run_dir.save_ledger(ledger)
     fed_eval = _federated_evaluation(strategy, fed.grid, rnd, fed.arrays, cfg)
     fed.model.load_state_dict(fed.arrays.to_torch_state_dict())
     central = classification_metrics(fed.model, fed.x_test, fed.y_test, fed.device)
@@ -205,11 +250,7 @@ def run_round(fed: Federation, rnd: int) -> RoundRecord:
     if fed_eval is not None:
         line["federated-evaluation"] = fed_eval
     fed.rounds.append(line)
-    fed.run_dir.append_round(line)
-    fed.run_dir.save_checkpoint({"round": rnd, "model": fed.arrays.to_torch_state_dict(),
-                                 "strategy": strategy.state_dict(), "initial": fed.initial,
-                                 "ledger": ledger.to_json()})
-    ledger.save(fed.run_dir.file("ledger.json"))
+    fed.run_dir.publish_round(line, _checkpoint(fed, rnd))
     eps = line["epsilon"]
     elapsed = time.time() - fed.t_start
     eta = elapsed / (rnd - fed.start + 1) * (cfg.num_rounds - rnd)
@@ -233,7 +274,7 @@ def finish(fed: Federation) -> dict[str, Any]:
         strategy.charge_late_reply(msg, sent)
     if late_at_end:
         log.warning("%d late replies charged after the last round", len(late_at_end))
-    ledger.save(fed.run_dir.file("ledger.json"))
+    fed.run_dir.save_ledger(ledger)
     summary = {
         "guarantee": fed.guarantee.to_dict(),
         "strategy": cfg.strategy, "trainer": cfg.trainer, "dataset": cfg.dataset,
@@ -270,6 +311,7 @@ def run(grid: Grid, cfg: RunConfig) -> dict[str, Any]:
     fed = setup(grid, cfg)
     if not resume(fed):
         start_fresh(fed)
+    fed.run_dir.write_json("config.json", {**fed.cfg.to_dict(), "num-clients": fed.num_nodes})
     for rnd in range(fed.start, cfg.num_rounds + 1):
         record = run_round(fed, rnd)
         if budgets_exhausted(record, len(grid.get_node_ids())):
@@ -280,6 +322,17 @@ def run(grid: Grid, cfg: RunConfig) -> dict[str, Any]:
 
 @app.main()
 def main(grid: Grid, context: Context) -> None:
-    """Entry point for ``flwr run``: parse the run-config once, then run."""
-    cfg = parse_run_config(context.run_config)
-    run(grid, cfg)
+    """Entry point for ``flwr run``: parse the run-config once, then run. A user error
+    (bad setting, missing or damaged file, a run directory that must not be reused) ends
+    the run with one ERROR line, not a traceback; the launcher's status file says how the
+    run ended (:mod:`dpfl.apps.status`)."""
+    try:
+        summary = run(grid, parse_run_config(context.run_config))
+    except UserError as exc:
+        log.error("error: %s", exc)
+        write_status("error", **{"user-error": True, "message": str(exc)})
+        return
+    except BaseException as exc:
+        write_status("error", **{"user-error": False, "message": f"{type(exc).__name__}: {exc}"})
+        raise
+    write_status("ok", **{"run-dir": summary["run-dir"]})

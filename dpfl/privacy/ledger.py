@@ -27,6 +27,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
+from dpfl.durable import atomic_write_text
+from dpfl.errors import UserError, read_json_file
 from dpfl.privacy.budget import _FIELDS, PrivacyHistory
 from dpfl.privacy.events import (
     PrivacyEvent,
@@ -190,13 +192,31 @@ class Ledger:
         return ledger
 
     def save(self, path: Path) -> None:
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(self.to_json(), indent=1))
-        tmp.replace(path)
+        """Write ``ledger.json`` atomically and durably (the privacy history must survive
+        a kill at any instant: old version or new, never a torn file)."""
+        atomic_write_text(path, json.dumps(self.to_json(), indent=1))
 
     @classmethod
     def load(cls, path: Path) -> "Ledger":
-        return cls.from_json(json.loads(path.read_text()))
+        """Read ``ledger.json``; a missing, empty, damaged or non-ledger file is a
+        :class:`UserError` naming it (never an empty history)."""
+        data = read_json_file(path, "privacy ledger")
+        try:
+            if not isinstance(data, dict) or "delta" not in data or "clients" not in data:
+                raise ValueError("no 'delta' or 'clients'")
+            return cls.from_json(data)
+        except (KeyError, TypeError, ValueError) as exc:
+            raise UserError(f"{path}: not a dpfl privacy ledger ({exc})") from exc
+
+    @property
+    def last_round(self) -> int:
+        """The latest round anything was charged for (0 when nothing was)."""
+        return max((int(c["round"]) for c in self.charges), default=0)
+
+    def covers(self, other: "Ledger") -> bool:
+        """True when this ledger holds every charge of ``other`` (ledgers only grow)."""
+        return len(self.charges) >= len(other.charges) and \
+            self.charges[:len(other.charges)] == other.charges
 
 
 def client_order(name: str) -> tuple[int, str]:

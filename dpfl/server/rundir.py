@@ -1,10 +1,21 @@
-"""The run directory: config.json, rounds.jsonl, ledger.json, summary.json, checkpoint, plots."""
+"""The run directory: config.json, rounds.jsonl, ledger.json, summary.json, checkpoint, plots.
+
+What a crash must not lose is written durably (:mod:`dpfl.durable`), in this order each
+round: ``ledger.json`` (every charge of the round) → the round's line in ``rounds.jsonl``
+→ ``checkpoint.pt``. A kill at any instant therefore leaves a ledger at least as long as
+the checkpoint's, and :meth:`RunDir.resume_point` resumes from the checkpoint's model with
+the ledger file's history (a round charged but not checkpointed is trained again and
+charged again: two releases, two charges). A directory whose privacy history cannot be
+read, or whose model is lost, is never silently restarted.
+"""
 
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
+import secrets
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -13,6 +24,13 @@ from typing import Any
 import torch
 
 from dpfl.config import RunConfig
+from dpfl.durable import append_line, atomic_write, atomic_write_text, read_lines
+from dpfl.errors import UserError
+from dpfl.privacy.ledger import Ledger
+
+log = logging.getLogger("flwr.dpfl.rundir")
+# Files a launcher may create in a run directory before the server opens it.
+LAUNCHER_FILES = {".flwr"}
 
 
 def _jsonable(value: Any) -> Any:
@@ -25,8 +43,16 @@ def _jsonable(value: Any) -> Any:
     return value
 
 
+def unique_run_name(label: str) -> str:
+    """``YYYYmmdd-HHMMSS-mmm-<8 hex>-<label>``: two runs started in the same millisecond
+    still get different names."""
+    now = time.time()
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(now))
+    return f"{stamp}-{int(now * 1000) % 1000:03d}-{secrets.token_hex(4)}-{label}"
+
+
 def default_run_name(cfg: RunConfig) -> str:
-    return f"{time.strftime('%Y%m%d-%H%M%S')}-{cfg.strategy}-{cfg.dataset}"
+    return unique_run_name(f"{cfg.strategy}-{cfg.dataset}")
 
 
 def resolve_output_dir(cfg: RunConfig) -> Path:
@@ -37,6 +63,34 @@ def resolve_output_dir(cfg: RunConfig) -> Path:
     return out
 
 
+def existing_run_files(path: Path) -> list[str]:
+    """What a run directory already holds (ignoring what a launcher put there)."""
+    if not path.is_dir():
+        return []
+    return sorted(p.name for p in path.iterdir() if p.name not in LAUNCHER_FILES)
+
+
+def check_new_run_dir(path: Path) -> None:
+    """A new run never reuses a directory: :class:`UserError` if ``path`` holds anything."""
+    held = existing_run_files(path)
+    if held:
+        raise UserError(f"run directory {path} already exists (holds {', '.join(held[:4])}"
+                        f"{', ...' if len(held) > 4 else ''}): choose another run-name, or "
+                        "set resume=true to continue that run")
+
+
+@dataclass
+class ResumePoint:
+    """Where a resumed run continues: after ``round``, with the ledger file's history."""
+
+    round: int
+    ledger: Ledger
+    rounds: list[dict[str, Any]]
+    model: dict[str, Any] | None           # None: resume-without-checkpoint, fresh model
+    strategy: dict[str, Any]
+    initial: dict[str, float]
+
+
 @dataclass
 class RunDir:
     """Files of one run."""
@@ -45,45 +99,119 @@ class RunDir:
 
     @classmethod
     def open(cls, cfg: RunConfig) -> "RunDir":
+        """The run directory of ``cfg``, checked but not created (:meth:`create`): a new
+        run never reuses one; ``resume=true`` needs one."""
         name = cfg.run_name or default_run_name(cfg)
         path = resolve_output_dir(cfg) / name
-        if not cfg.resume and any((path / f).exists() for f in ("config.json", "rounds.jsonl")):
-            raise FileExistsError(f"run directory {path} exists; set resume=true to continue "
-                                  "it or choose another run-name")
-        path.mkdir(parents=True, exist_ok=True)
+        if cfg.resume:
+            if not existing_run_files(path):
+                raise UserError(f"resume=true but there is no run to resume in {path}: "
+                                "check run-name and output-dir, or drop resume=true")
+        else:
+            check_new_run_dir(path)
         return cls(path)
+
+    def create(self) -> "RunDir":
+        self.path.mkdir(parents=True, exist_ok=True)
+        return self
 
     def file(self, name: str) -> Path:
         return self.path / name
 
     def write_json(self, name: str, data: Any) -> Path:
-        target = self.file(name)
-        tmp = target.with_suffix(target.suffix + ".tmp")
-        tmp.write_text(json.dumps(_jsonable(data), indent=1))
-        tmp.replace(target)
-        return target
+        return atomic_write_text(self.file(name), json.dumps(_jsonable(data), indent=1))
 
     def append_round(self, record: dict[str, Any]) -> None:
-        with open(self.file("rounds.jsonl"), "a") as f:
-            f.write(json.dumps(_jsonable(record)) + "\n")
+        append_line(self.file("rounds.jsonl"), json.dumps(_jsonable(record)))
 
     def read_rounds(self) -> list[dict[str, Any]]:
+        """The complete round lines; a partial last line (a kill mid-append) is dropped
+        with a warning, a damaged line elsewhere is a :class:`UserError`."""
         path = self.file("rounds.jsonl")
-        if not path.exists():
-            return []
-        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        lines, partial = read_lines(path)
+        if partial is not None:
+            log.warning("%s: dropping a partial last line left by an interruption", path)
+        out = []
+        for number, line in enumerate(lines, 1):
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError as exc:
+                raise UserError(f"{path}: line {number} is damaged ({exc.msg})") from exc
+        return out
 
     def truncate_rounds(self, last_round: int) -> list[dict[str, Any]]:
         """Keep the rounds up to ``last_round`` (those the checkpoint covers)."""
         kept = [r for r in self.read_rounds() if r["round"] <= last_round]
-        self.file("rounds.jsonl").write_text("".join(json.dumps(r) + "\n" for r in kept))
+        atomic_write_text(self.file("rounds.jsonl"), "".join(json.dumps(r) + "\n" for r in kept))
         return kept
 
-    def save_checkpoint(self, state: dict[str, Any]) -> None:
-        tmp = self.file("checkpoint.pt.tmp")
-        torch.save(state, tmp)
-        tmp.replace(self.file("checkpoint.pt"))
+    def save_ledger(self, ledger: Ledger) -> None:
+        """Step 1 of a round's persistence, as soon as its charges are made."""
+        ledger.save(self.file("ledger.json"))
 
-    def load_checkpoint(self) -> dict[str, Any] | None:
+    def publish_round(self, line: dict[str, Any], checkpoint: dict[str, Any]) -> None:
+        """Step 2, after :meth:`save_ledger`: the round's line, then the checkpoint (a kill
+        between the two re-runs the round on resume; its line is then dropped)."""
+        self.append_round(line)
+        self.save_checkpoint(checkpoint)
+
+    def save_checkpoint(self, state: dict[str, Any]) -> None:
+        atomic_write(self.file("checkpoint.pt"), lambda f: torch.save(state, f))
+
+    def load_checkpoint(self) -> tuple[dict[str, Any] | None, str]:
+        """``(state, "")``, or ``(None, why)`` when the checkpoint is missing or unusable."""
         path = self.file("checkpoint.pt")
-        return torch.load(path, weights_only=False) if path.exists() else None
+        if not path.exists():
+            return None, f"{path.name} is missing"
+        try:
+            state = torch.load(path, weights_only=False)
+        except Exception as exc:  # torch raises many kinds for a damaged file
+            return None, f"{path.name} is damaged ({type(exc).__name__})"
+        if not isinstance(state, dict) or not {"round", "model", "ledger"} <= set(state):
+            return None, f"{path.name} is not a dpfl checkpoint"
+        return state, ""
+
+    def resume_point(self, without_checkpoint: bool = False) -> ResumePoint | None:
+        """Where to resume this directory's run, from what is on disk.
+
+        - nothing recorded yet (no checkpoint, no rounds, no charge): None, start afresh;
+        - a ledger and a usable checkpoint: the checkpoint's model and strategy state, and
+          the LONGER of the two privacy histories (ledger.json is written first, so it is
+          normally the longer; the spend is never shortened);
+        - a ledger but no usable checkpoint: refused, unless ``without_checkpoint``
+          (``resume-without-checkpoint=true``): then a fresh model continues after the
+          ledger's last round with every recorded spend kept charged;
+        - a damaged ledger, or a checkpoint without its ledger file: refused.
+        """
+        ledger_path = self.file("ledger.json")
+        checkpoint, why = self.load_checkpoint()
+        rounds_recorded = bool(self.read_rounds())
+        if not ledger_path.exists():
+            if checkpoint is None and not rounds_recorded:
+                return None
+            raise UserError(f"{ledger_path} is missing but the run has "
+                            f"{'a checkpoint' if checkpoint else 'recorded rounds'}: refusing "
+                            "to resume without its privacy history (restore ledger.json)")
+        ledger = Ledger.load(ledger_path)  # UserError when damaged: never an empty history
+        if checkpoint is None and not ledger.charges and not rounds_recorded:
+            return None  # killed while starting: nothing released, nothing to keep
+        if checkpoint is not None:
+            saved = Ledger.from_json(checkpoint["ledger"])
+            if not ledger.covers(saved):
+                log.warning("%s holds fewer charges than the checkpoint's copy: using the "
+                            "checkpoint's (%d charges)", ledger_path, len(saved.charges))
+                ledger = saved
+            done = int(checkpoint["round"])
+            return ResumePoint(done, ledger, self.truncate_rounds(done), checkpoint["model"],
+                               checkpoint.get("strategy", {}), checkpoint.get("initial", {}))
+        if not without_checkpoint:
+            raise UserError(
+                f"{self.path}: {why}, but ledger.json records privacy spend of "
+                f"{len(ledger.clients)} clients up to round {ledger.last_round}: refusing to "
+                "restart and spend their budgets again. Set resume-without-checkpoint=true to "
+                "train a fresh model here with that spend kept charged (or start a new "
+                "run-name, where it is NOT carried over)")
+        done = max(ledger.last_round, max((r["round"] for r in self.read_rounds()), default=0))
+        log.warning("%s: %s; resuming after round %d with a FRESH model, every recorded "
+                    "spend kept charged", self.path, why, done)
+        return ResumePoint(done, ledger, self.truncate_rounds(done), None, {}, {})

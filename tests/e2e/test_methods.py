@@ -47,7 +47,15 @@ def test_method_runs_by_name(tmp_path, strategy, extra):
     rounds = [json.loads(l) for l in (tmp_path / "m" / "rounds.jsonl").read_text().splitlines()]
     assert summary["guarantee"]["verdict"] == "formal"
     assert [r["train"]["accepted"] for r in rounds] == [2, 2]
-    assert summary["final"]["accuracy"] > summary["initial"]["accuracy"]
+    if "trainer=update-dp" in extra:
+        # client-level noise for 2 clients over 2 rounds at epsilon 8 swamps the signal
+        # (accuracy moved by chance: 6.7% -> 5.3% in one CI run): check the mechanism instead
+        ledger = json.loads((tmp_path / "m" / "ledger.json").read_text())
+        assert summary["guarantee"]["unit"] == "client"
+        assert all(info["unit"] == "client" and len(info["events"]) == 2
+                   for info in ledger["clients"].values())
+    else:
+        assert summary["final"]["accuracy"] > summary["initial"]["accuracy"]
     assert all(c["epsilon"] <= 8.0 for c in summary["clients"].values())
 
 

@@ -162,7 +162,7 @@ def test_supernode_killed_mid_round(tmp_path):
     trains. The round completes with the other two after the round timeout, the run
     finishes, and the ledger charges the dead node nothing for its unfinished round."""
     _require()
-    from dpfl.launch import descendants
+    from dpfl.watchdog import descendants
 
     state = tmp_path / "fed"
     runs = tmp_path / "runs"

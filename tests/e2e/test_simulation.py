@@ -76,7 +76,7 @@ def test_dpsgd_federation_runs_end_to_end(tmp_path):
         text = (run / name).read_text().lower()
         assert not any(w in text for w in ("urandom", "generator", "dpfl.privacy\"", "entropy\":"))
     # the launcher stopped the SuperLink it started
-    pid = int((run / ".flwr" / "superlink.pid").read_text())
+    pid = int((run / ".flwr" / "federation.pid").read_text())
     assert not _pid_alive(pid)
     report = _dpfl("privacy-report", str(run), timeout=120)
     assert report.returncode == 0, report.stderr

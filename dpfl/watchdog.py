@@ -1,0 +1,148 @@
+"""Keep a process tree from outliving the command that started it, even on SIGKILL.
+
+``python -m dpfl.watchdog --parent PID -- CMD ...`` starts CMD as its child and becomes a
+*child subreaper* (``prctl(PR_SET_CHILD_SUBREAPER)``): every process below it that loses
+its parent — the SuperLink's SuperExec, the simulation, Ray's raylet, GCS and workers,
+whatever process groups or sessions they make — is re-parented to the watchdog rather than
+to init, so the whole tree stays visible under it in ``/proc``. The watchdog then waits
+for the first of:
+
+- the launcher (``--parent``) dying, however (SIGKILL included: its PID leaves, our ppid
+  changes);
+- SIGTERM/SIGINT (the launcher's normal cleanup);
+- CMD exiting by itself;
+
+and stops everything below it: SIGTERM, a grace period, SIGKILL, reaping as it goes. It
+exits with CMD's code (or 128+signal). Linux only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import os
+import signal
+import subprocess
+import sys
+import time
+
+PR_SET_PDEATHSIG = 1
+PR_SET_CHILD_SUBREAPER = 36
+POLL_SECONDS = 0.2
+
+
+def prctl(option: int, value: int) -> None:
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(option, value, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), f"prctl({option}) failed")
+
+
+def die_with_parent(sig: int = signal.SIGTERM) -> None:
+    """For ``preexec_fn``: the kernel sends ``sig`` to this process when its parent dies."""
+    prctl(PR_SET_PDEATHSIG, sig)
+
+
+def _children_map() -> dict[int, list[int]]:
+    """ppid -> child pids, from /proc (Linux)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        children.setdefault(ppid, []).append(int(entry))
+    return children
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (whatever its process group or session)."""
+    children, out, todo = _children_map(), [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
+def alive(pid: int) -> bool:
+    """True while ``pid`` exists and is not a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _reap(keep: int | None = None) -> None:
+    """Collect every exited child (orphans re-parented to us included), except ``keep``
+    (the command, whose exit code ``Popen`` collects)."""
+    for pid in _children_map().get(os.getpid(), []):
+        if pid != keep and not alive(pid):
+            try:
+                os.waitpid(pid, os.WNOHANG)
+            except ChildProcessError:
+                pass
+
+
+def stop_tree(grace: float) -> None:
+    """SIGTERM everything below us, wait up to ``grace`` s, SIGKILL what is left."""
+    for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 5.0)):
+        for pid in descendants(os.getpid()):
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + wait
+        while time.monotonic() < deadline:
+            _reap()
+            if not any(alive(p) for p in descendants(os.getpid())):
+                return
+            time.sleep(POLL_SECONDS)
+
+
+def watch(parent: int, cmd: list[str], grace: float) -> int:
+    """Run ``cmd`` under this watchdog until it ends, the parent dies or we are told to
+    stop; return the exit code to use."""
+    prctl(PR_SET_CHILD_SUBREAPER, 1)
+    stop = {"signal": 0}
+
+    def on_signal(signum: int, frame: object) -> None:
+        stop["signal"] = signum
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    child = subprocess.Popen(cmd)
+    code = None
+    while code is None:
+        if stop["signal"]:
+            code = 128 + stop["signal"]
+        elif os.getppid() != parent or not alive(parent):
+            code = 128 + signal.SIGKILL  # the launcher is gone
+        else:
+            code = child.poll()
+            if code is None:
+                _reap(keep=child.pid)
+                time.sleep(POLL_SECONDS)
+    stop_tree(grace)
+    return code
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m dpfl.watchdog", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--parent", type=int, required=True, help="PID of the launcher")
+    parser.add_argument("--grace", type=float, default=10.0)
+    parser.add_argument("cmd", nargs=argparse.REMAINDER)
+    args = parser.parse_args(argv)
+    cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
+    if not cmd:
+        parser.error("no command given")
+    return watch(args.parent, cmd, args.grace)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,135 @@
+"""Interruptions and impossible settings, end to end through `dpfl simulate` (digits, MLP,
+2 clients): a SIGKILL of the launcher leaves no process behind and the resumed run keeps
+every charge; a resume whose checkpoint is damaged fails in one line with a non-zero exit
+and rewrites nothing; settings that cannot work stop at start."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from dpfl.watchdog import alive, descendants
+
+pytestmark = pytest.mark.e2e
+ROOT = Path(__file__).resolve().parents[2]
+COMMON = ["dataset=digits", "model=mlp", "batch-size=32", "lr=0.5", "target-epsilon=8.0",
+          "accountant=rdp"]
+
+
+def _dpfl(*args, timeout=600):
+    return subprocess.run([sys.executable, "-m", "dpfl.cli", *args], cwd=ROOT, timeout=timeout,
+                          capture_output=True, text=True)
+
+
+def _error_line(proc: subprocess.CompletedProcess) -> str:
+    """The one line a failed command printed last on stderr."""
+    lines = [l for l in proc.stderr.splitlines() if l.strip()]
+    assert lines, proc.stdout[-2000:]
+    assert lines[-1].startswith("error: "), proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    return lines[-1]
+
+
+def _processes_mentioning(text: str) -> list[int]:
+    """PIDs whose command line mentions ``text`` (e.g. the run's FLWR_HOME)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and int(entry) != os.getpid():
+            try:
+                cmdline = Path(f"/proc/{entry}/cmdline").read_bytes().replace(b"\0", b" ")
+                environ = Path(f"/proc/{entry}/environ").read_bytes()
+            except OSError:
+                continue
+            if text.encode() in cmdline or text.encode() in environ:
+                if alive(int(entry)):
+                    found.append(int(entry))
+    return found
+
+
+def _wait_for(predicate, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.5)
+
+
+def _epsilons(run: Path) -> dict[str, float]:
+    return {c: d["epsilon"] for c, d in
+            json.loads((run / "ledger.json").read_text())["clients"].items()}
+
+
+def test_sigkill_leaves_no_orphans_and_a_resume_keeps_every_charge(tmp_path):
+    """SIGKILL `dpfl simulate` after round 1: the SuperLink, SuperExec, simulation and Ray
+    processes all die with it (the watchdog), the ledger still holds round 1, and a resume
+    finishes rounds 2-3 with every client's epsilon never below what was recorded."""
+    run = tmp_path / "k"
+    args = ["simulate", "--clients", "2", "--output-dir", str(tmp_path), "run-name=k",
+            "num-rounds=3", *COMMON]
+    launcher = subprocess.Popen([sys.executable, "-m", "dpfl.cli", *args], cwd=ROOT,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                start_new_session=True)
+    try:
+        rounds = run / "rounds.jsonl"
+        _wait_for(lambda: rounds.exists() and rounds.read_text().strip(), 300, "round 1")
+        tree = descendants(launcher.pid)
+        assert len(tree) >= 4, tree  # watchdog, SuperLink, flwr run, SuperExec, ...
+        eps_before = _epsilons(run)
+        os.kill(launcher.pid, signal.SIGKILL)
+        launcher.wait(timeout=10)
+        flwr_home = str(run / ".flwr")
+        _wait_for(lambda: not any(alive(p) for p in tree) and
+                  not _processes_mentioning(flwr_home), 60, "the federation to stop")
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    assert eps_before and all(e > 0 for e in eps_before.values())
+    resumed = _dpfl(*args, "resume=true")
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    lines = [json.loads(l) for l in (run / "rounds.jsonl").read_text().splitlines()]
+    assert [l["round"] for l in lines] == [1, 2, 3]
+    eps_after = _epsilons(run)
+    assert all(eps_after[c] >= e for c, e in eps_before.items())
+    ledger = json.loads((run / "ledger.json").read_text())
+    for client, info in ledger["clients"].items():
+        assert {e["round"] for e in info["events"]} == {1, 2, 3}, client
+
+    # the model is lost: a resume is refused in one line, exits 2 and rewrites nothing
+    (run / "checkpoint.pt").write_bytes((run / "checkpoint.pt").read_bytes()[:100])
+    kept = {f: (run / f).read_bytes() for f in ("config.json", "ledger.json", "rounds.jsonl",
+                                                   "summary.json")}
+    refused = _dpfl(*[a if a != "num-rounds=3" else "num-rounds=4" for a in args], "resume=true")
+    assert refused.returncode == 2, refused.stdout[-3000:] + refused.stderr[-3000:]
+    line = _error_line(refused)
+    assert "checkpoint.pt is damaged" in line and "resume-without-checkpoint=true" in line
+    assert "2 clients up to round 3" in line
+    assert {f: (run / f).read_bytes() for f in kept} == kept
+
+
+def test_impossible_settings_stop_at_start(tmp_path):
+    for args, named in (
+        (["--clients", "2", "min-train-nodes=3"], "min-train-nodes"),
+        (["--clients", "0"], "--clients"),
+    ):
+        t0 = time.monotonic()
+        proc = _dpfl("simulate", "--output-dir", str(tmp_path), *args, *COMMON, timeout=60)
+        assert proc.returncode == 2 and named in _error_line(proc)
+        assert time.monotonic() - t0 < 30
+    assert not any(tmp_path.iterdir())
+    # one round at sigma 0.3 costs far more than epsilon 1: found before any training
+    proc = _dpfl("simulate", "--clients", "2", "--output-dir", str(tmp_path), "run-name=b",
+                 *COMMON, "noise-multiplier=0.3", "target-epsilon=1.0", timeout=300)
+    assert proc.returncode == 2, proc.stdout[-3000:] + proc.stderr[-3000:]
+    line = _error_line(proc)
+    assert "target-epsilon" in line and "one round already costs client-0" in line
+    assert not (tmp_path / "b" / "ledger.json").exists()
+    assert not (tmp_path / "b" / "rounds.jsonl").exists()
+    # a new run never reuses a run directory, even a finished one
+    (tmp_path / "old").mkdir()
+    (tmp_path / "old" / "summary.json").write_text("{}")
+    proc = _dpfl("simulate", "--output-dir", str(tmp_path), "run-name=old", *COMMON, timeout=60)
+    assert proc.returncode == 2 and "already exists" in _error_line(proc)
