@@ -24,3 +24,79 @@ def test_stop_process_group_reaches_children_in_their_own_groups():
 
 def test_run_config_arg_quotes_strings_only():
     assert run_config_arg({"a": 1, "b": 0.5, "c": True, "d": "x y"}) == 'a=1 b=0.5 c=true d="x y"'
+
+
+def _pids_of(marker: str) -> list[int]:
+    """Live processes whose command line holds ``marker``."""
+    import os
+    from pathlib import Path
+
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                cmd = Path(f"/proc/{entry}/cmdline").read_bytes()
+            except OSError:
+                continue
+            if marker.encode() in cmd and _alive(int(entry)):
+                out.append(int(entry))
+    return out
+
+
+def test_watchdog_stops_escaped_grandchildren_when_its_launcher_is_sigkilled(tmp_path):
+    """A launcher starts the watchdog over a command whose children escape the usual ways
+    (a new session, a double fork that orphans the grandchild). SIGKILL the launcher: the
+    watchdog, their subreaper, stops all of them."""
+    import signal
+    import sys
+    import uuid
+
+    marker = f"dpfl-watchdog-test-{uuid.uuid4().hex}"
+    tree = (f"setsid bash -c 'exec -a {marker} sleep 301' & "
+            f"(bash -c 'exec -a {marker} sleep 302' &) ; exec -a {marker} sleep 303")
+    launcher_code = ("import subprocess, sys, time\n"
+                     "subprocess.Popen([sys.executable, '-m', 'dpfl.watchdog', '--parent', "
+                     "str(__import__('os').getpid()), '--grace', '1', '--', 'bash', '-c', "
+                     f"{tree!r}], start_new_session=True)\n"
+                     "time.sleep(300)\n")
+    launcher = subprocess.Popen([sys.executable, "-c", launcher_code])
+    deadline = time.monotonic() + 20
+    while len(_pids_of(marker)) < 3 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert len(_pids_of(marker)) >= 3, _pids_of(marker)
+    launcher.send_signal(signal.SIGKILL)
+    launcher.wait()
+    deadline = time.monotonic() + 15
+    while _pids_of(marker) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _pids_of(marker) == []
+
+
+def test_outcome_trusts_only_this_launchs_status(tmp_path):
+    """`dpfl simulate` exits 0 only when the ServerApp of this launch reported success and
+    its summary exists; an old summary.json proves nothing."""
+    import json
+
+    import pytest
+
+    from dpfl.errors import UserError
+    from dpfl.launch import RunFailed, _outcome
+
+    run, status, log = tmp_path / "run", tmp_path / "status.json", tmp_path / "superlink.log"
+    run.mkdir()
+    (run / "summary.json").write_text("{}")  # left by an earlier run
+    with pytest.raises(RunFailed, match="did not finish"):
+        _outcome(status, run, 0, log)
+    status.write_text(json.dumps({"status": "error", "user-error": True,
+                                  "message": "checkpoint.pt is damaged"}))
+    with pytest.raises(UserError, match="checkpoint.pt is damaged"):
+        _outcome(status, run, 0, log)
+    status.write_text(json.dumps({"status": "error", "user-error": False,
+                                  "message": "RuntimeError: boom"}))
+    with pytest.raises(RunFailed, match="ServerApp failed: RuntimeError: boom"):
+        _outcome(status, run, 0, log)
+    status.write_text(json.dumps({"status": "ok", "run-dir": str(run)}))
+    assert _outcome(status, run, 0, log) == run
+    (run / "summary.json").unlink()
+    with pytest.raises(RunFailed, match="wrote no"):
+        _outcome(status, run, 0, log)
