@@ -125,9 +125,14 @@ def test_calibrate_dpsgd_noise_meets_target():
 
 def test_sampling_rate_without_sampling_is_refused():
     # the audit's case: the rate used to be dropped (sigma ~30.4, epsilon 0.08 under
-    # Poisson at that rate)
-    with pytest.raises(ValueError, match="sampling_rate"):
+    # Poisson at that rate); the error names both arguments
+    with pytest.raises(ValueError, match=r"^sampling_rate=0\.05 < 1 with sampling='none'"):
         calibrate_noise(target_epsilon=2.0, delta=1e-5, rounds=200, sampling_rate=0.05)
+    # rate 1 with sampling 'none' is the unsampled Gaussian: dp-accounting's composition
+    acc = rdp_privacy_accountant.RdpAccountant()
+    acc.compose(dp_event.GaussianDpEvent(3.0), 20)
+    assert gaussian_epsilon(3.0, 20, 1e-5, sampling_rate=1.0, sampling="none") == \
+        acc.get_epsilon(1e-5)
     with pytest.raises(ValueError, match="sampling_rate"):
         gaussian_epsilon(1.0, 10, 1e-5, sampling_rate=0.05)
     with pytest.raises(ValueError, match="sampling_rate"):
@@ -142,6 +147,64 @@ def test_sampling_rate_without_sampling_is_refused():
         acc.compose(dp_event.PoissonSampledDpEvent(0.05, dp_event.GaussianDpEvent(s)), 200)
         assert bool(acc.get_epsilon(1e-5) <= 2.0) is ok
     assert sigma < 10.0  # far from the ~30.4 of the unsampled calibration
+
+
+def test_poisson_calibration_meets_the_target_under_pld():
+    # the audit's example with the sampling named and the PLD accountant: dp-accounting's
+    # PLDAccountant on PoissonSampledDpEvent(0.05, GaussianDpEvent(sigma)) x 200, built
+    # here, is within the target at sigma and above it at sigma (1 - rel_tol)
+    from dp_accounting.pld.pld_privacy_accountant import PLDAccountant
+
+    sigma = calibrate_noise(2.0, 1e-5, 200, sampling_rate=0.05, sampling="poisson",
+                            accountant="pld", rel_tol=1e-3)
+    for s, ok in ((sigma, True), (sigma * (1 - 1e-3), False)):
+        acc = PLDAccountant(value_discretization_interval=1e-4)
+        acc.compose(dp_event.PoissonSampledDpEvent(0.05, dp_event.GaussianDpEvent(s)), 200)
+        assert bool(acc.get_epsilon(1e-5) <= 2.0) is ok
+
+
+def test_arguments_that_would_be_ignored_are_refused():
+    from dpfl.privacy.accounting import dp_event_of
+    from dpfl.privacy.events import PrivacyEvent, history_epsilon, rdp_curve
+
+    # population_size only means something for sampling without replacement
+    for sampling in ("none", "poisson"):
+        with pytest.raises(ValueError, match=f"population_size=100 with sampling='{sampling}'"):
+            gaussian_epsilon(1.0, 3, 1e-5, 0.1 if sampling == "poisson" else 1.0, sampling,
+                             population_size=100)
+    with pytest.raises(ValueError, match="population_size=100 with sampling='none'"):
+        calibrate_noise(2.0, 1e-5, 3, population_size=100)
+    # dpfl events: each refused at construction and in the accounting functions taking keys
+    cases = [
+        ({"mechanism": "laplace", "epsilon": 0.5, "rate": 0.1},
+         r"rate=0\.1 < 1 on a pure 'laplace'"),
+        ({"mechanism": "sparse-vector", "epsilon": 0.5, "rate": 0.5},
+         r"rate=0\.5 < 1 on a pure 'sparse-vector'"),
+        ({"mechanism": "laplace", "epsilon": 0.5, "sigma": 2.0},
+         r"sigma=2\.0 on a pure 'laplace'"),
+        ({"mechanism": "gaussian", "sigma": 1.0, "epsilon": 0.3}, r"epsilon=0\.3 on a Gaussian"),
+        ({"mechanism": "dpsgd", "sigma": 1.0, "rate": 0.1, "relation": "replace-one"},
+         "relation='replace-one' on a 'dpsgd' event"),
+        ({"mechanism": "gaussian", "sigma": 1.0, "rate": 0.1, "relation": "replace-one"},
+         r"rate=0\.1 < 1 with relation='replace-one'"),
+    ]
+    for fields, message in cases:
+        with pytest.raises(ValueError, match=message):
+            PrivacyEvent(1, **fields)
+        key = (fields["mechanism"], fields.get("sigma", 0.0), fields.get("rate", 1.0),
+               fields.get("epsilon", 0.0), fields.get("relation", "add-remove"))
+        with pytest.raises(ValueError, match=message):
+            rdp_curve(key)
+        if fields["mechanism"] != "sparse-vector":
+            with pytest.raises(ValueError, match=message):
+                dp_event_of(key)
+    # the same parameters without the ignored part are accounted as before (pure events:
+    # basic composition; a DP-SGD step: Opacus' Poisson-sampled Gaussian)
+    assert history_epsilon([PrivacyEvent.pure(1, 0.5, "laplace")] * 2, 1e-5) == 1.0
+    acc = RDPAccountant()
+    acc.history = [(1.0, 0.1, 5)]
+    assert history_epsilon([PrivacyEvent.dpsgd(1, 1.0, 0.1, 5)], 1e-5) == pytest.approx(
+        acc.get_epsilon(1e-5), rel=1e-12)
 
 
 def test_bad_arguments():

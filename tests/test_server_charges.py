@@ -20,6 +20,7 @@ import torch
 from dp_accounting import dp_event
 from dp_accounting.pld.pld_privacy_accountant import PLDAccountant
 from dp_accounting.rdp.rdp_privacy_accountant import RdpAccountant
+from rundir_helpers import lines_from_ledger, summary_of
 from scipy.stats import norm
 
 from dpfl.privacy.events import PrivacyEvent
@@ -172,7 +173,9 @@ def test_privacy_report_shows_the_server_releases(tmp_path):
     ledger.save(tmp_path / "ledger.json")
     guarantee = {"verdict": "client-level (epsilon, delta)-DP", "scope": "test",
                  "relation": "replace-one", "sampling": "none"}
-    (tmp_path / "summary.json").write_text(json.dumps({"guarantee": guarantee}))
+    (tmp_path / "summary.json").write_text(json.dumps(summary_of(ledger, guarantee)))
+    (tmp_path / "rounds.jsonl").write_text("".join(json.dumps(line) + "\n"
+                                                   for line in lines_from_ledger(ledger)))
     drawn = {}
 
     def plot(series, path, budget, title):
@@ -191,3 +194,6 @@ def test_privacy_report_shows_the_server_releases(tmp_path):
     assert lines == [f"SERVER round 1: {released} client-0, client-1, client-2",
                      f"SERVER round 2: {released} client-0, client-1"]
     assert "server releases" in text
+    # the ledger agrees with summary.json and rounds.jsonl: the recorded verdict stands
+    assert text.startswith("verdict: client-level (epsilon, delta)-DP\nchecked: ")
+    assert "DIFFERENCE" not in text

@@ -7,12 +7,18 @@ from functools import lru_cache
 
 import torch
 
-from dpfl.data.loaders import ArrayDataset, DatasetUnavailable, load_dataset, to_tensor
+from dpfl.data.loaders import (
+    ArrayDataset,
+    DatasetUnavailable,
+    check_dataset,
+    load_dataset,
+    to_tensor,
+)
 from dpfl.data.partition import ClientSplit, client_splits, label_counts, partition_indices
 
-__all__ = ["ArrayDataset", "ClientData", "ClientSplit", "DatasetUnavailable", "client_data",
-           "client_splits", "label_counts", "load_dataset", "partition_indices", "test_tensors",
-           "to_tensor"]
+__all__ = ["ArrayDataset", "ClientData", "ClientSplit", "DatasetUnavailable", "check_dataset",
+           "client_data", "client_splits", "label_counts", "load_dataset", "partition_indices",
+           "test_tensors", "to_tensor"]
 
 
 @dataclass(frozen=True)

@@ -16,8 +16,14 @@ No home-made accountant: every epsilon below comes from ``opacus.accountants`` o
   Opacus DP-SGD model, add-remove only). ``fixed``: a fixed-size sample without
   replacement (analysed under replace-one, as in Wang, Balle & Kasiviswanathan 2019;
   ``rdp`` only: dp-accounting's PLD accountant has no such event).
-  ``none``: every round uses the unit (a ``sampling_rate`` below 1 is then refused rather
-  than silently dropped).
+  ``none``: every round uses the unit.
+- No argument is silently dropped: a ``sampling_rate`` below 1 with ``sampling='none'`` is
+  refused (Poisson sampling and sampling without replacement account differently, so the
+  model is never guessed), as is a ``population_size`` without ``sampling='fixed'``; for
+  dpfl events (:func:`check_event_key`), a rate below 1 on a pure event (Laplace,
+  sparse vector: no subsampled analysis here), a relation other than add-remove on a DP-SGD
+  event (Opacus' model), replace-one with a rate below 1, and a ``sigma`` on a pure event or
+  an ``epsilon`` on a Gaussian one are refused (ValueError naming the arguments).
 
 Accountants:
 
@@ -121,6 +127,34 @@ def _interval_label(interval: float) -> str:
 # dpfl events -> dp-accounting events
 
 
+def check_event_key(key: EventKey) -> None:
+    """ValueError when a dpfl event's parameters would be ignored by its accounting: a
+    ``rate`` below 1 on a pure event (Laplace, sparse vector: no subsampled analysis here),
+    a ``sigma`` on a pure event or an ``epsilon`` on a Gaussian one, a DP-SGD event under
+    ``replace-one`` (Opacus' model is add-remove) and a Poisson rate below 1 under
+    ``replace-one`` (Poisson subsampling is analysed under add-remove)."""
+    mechanism, sigma, rate, epsilon, relation = key
+    if mechanism in PURE:
+        if float(rate) < 1.0:
+            raise ValueError(f"rate={rate} < 1 on a pure {mechanism!r} event: the sampling "
+                             "would be ignored (no subsampled analysis of pure events); pass "
+                             "rate=1.0")
+        if float(sigma) != 0.0:
+            raise ValueError(f"sigma={sigma} on a pure {mechanism!r} event would be ignored "
+                             "(its cost is epsilon); pass sigma=0.0")
+        return
+    if float(epsilon) != 0.0:
+        raise ValueError(f"epsilon={epsilon} on a Gaussian {mechanism!r} event would be "
+                         "ignored (its cost follows from sigma); pass epsilon=0.0")
+    if mechanism in SAMPLE_LEVEL and relation != "add-remove":
+        raise ValueError(f"relation={relation!r} on a {mechanism!r} event would be ignored "
+                         "(DP-SGD is accounted under add-remove, the Opacus model); pass "
+                         "relation='add-remove'")
+    if float(rate) < 1.0 and relation != "add-remove":
+        raise ValueError(f"rate={rate} < 1 with relation={relation!r}: Poisson-sampled "
+                         "Gaussian events are accounted under add-remove")
+
+
 def dp_event_of(key: EventKey) -> dp_event.DpEvent:
     """THE translation of a dpfl event (its key, :attr:`dpfl.privacy.events.PrivacyEvent.key`)
     into ONE step of a dp-accounting ``DpEvent``; every non-Opacus accountant path (RDP
@@ -129,7 +163,7 @@ def dp_event_of(key: EventKey) -> dp_event.DpEvent:
 
     - ``laplace``: ``LaplaceDpEvent(1 / epsilon)`` (sensitivity 1, scale 1 / epsilon).
     - ``dpsgd``: ``GaussianDpEvent(sigma)`` on a Poisson(rate) sample, add-remove (the
-      Opacus model; the event's relation is not used).
+      Opacus model; another relation is refused, see :func:`check_event_key`).
     - ``gaussian`` / ``quantile-count``: ``GaussianDpEvent(sigma)`` under add-remove;
       replace-one doubles the sensitivity of the released sum, i.e. ``sigma / 2``; a rate
       below 1 wraps it in ``PoissonSampledDpEvent(rate, .)`` (add-remove only).
@@ -137,19 +171,18 @@ def dp_event_of(key: EventKey) -> dp_event.DpEvent:
       the pure-DP bound in :func:`rdp_curve`.
     """
     mechanism, sigma, rate, epsilon, relation = key
+    if mechanism not in MECHANISMS:
+        raise ValueError(f"unknown mechanism {mechanism!r}; known: {MECHANISMS}")
+    check_event_key(key)
     if mechanism == "laplace":
         return dp_event.LaplaceDpEvent(1.0 / float(epsilon))
     if mechanism not in SAMPLE_LEVEL + GAUSSIAN:
         raise ValueError(f"no dp-accounting event for mechanism {mechanism!r}")
     sigma, rate = float(sigma), float(rate)
-    if mechanism in SAMPLE_LEVEL:
-        relation = "add-remove"
     # replace-one doubles the sensitivity of the released sum: sigma_eff = sigma / 2
     base = dp_event.GaussianDpEvent(sigma / 2.0 if relation == "replace-one" else sigma)
     if rate >= 1.0:
         return base
-    if relation != "add-remove":
-        raise ValueError("Poisson-sampled Gaussian events are accounted under add-remove")
     return dp_event.PoissonSampledDpEvent(rate, base)
 
 
@@ -251,9 +284,13 @@ def gaussian_event(noise_multiplier: float, sampling_rate: float = 1.0, sampling
                    ) -> dp_event.DpEvent:
     """The dp-accounting event of one Gaussian release under the given sampling/relation.
 
-    ``sampling='none'`` means every round uses the unit: a ``sampling_rate`` below 1 is
-    then refused (ValueError) instead of being dropped, since the resulting sigma would be
-    calibrated for an unsampled mechanism while the caller meant a sampled one.
+    ``sampling``: ``'poisson'`` (rate q, add-remove), ``'fixed'`` (a sample of
+    round(q * ``population_size``) without replacement, replace-one) or ``'none'`` (every
+    round uses the unit). Nothing is dropped silently (ValueError naming the arguments):
+    ``sampling_rate`` below 1 with ``sampling='none'`` (which sampling model applies cannot
+    be guessed: Poisson and without-replacement account differently), and
+    ``population_size`` without ``sampling='fixed'``. A rate of 1 is the unsampled
+    Gaussian under any ``sampling``.
     """
     if relation not in RELATIONS:
         raise ValueError(f"relation must be one of {RELATIONS}, got {relation!r}")
@@ -269,6 +306,9 @@ def gaussian_event(noise_multiplier: float, sampling_rate: float = 1.0, sampling
             "ignored (every round would be accounted as using the unit); pass "
             "sampling='poisson' (or sampling='fixed' with relation='replace-one') to account "
             "for the sampling, or sampling_rate=1.0")
+    if population_size is not None and sampling != "fixed":
+        raise ValueError(f"population_size={population_size} with sampling={sampling!r}: "
+                         "it would be ignored (only sampling='fixed' uses it)")
     sigma, rate = float(noise_multiplier), float(sampling_rate)
     if sampling != "fixed" or rate >= 1.0:
         # replace-one's sigma / 2 and the Poisson wrapping (add-remove only, else
@@ -423,7 +463,9 @@ def gaussian_epsilon_detail(noise_multiplier: float, rounds: int, delta: float,
                             sampling_rate: float = 1.0, sampling: str = "none",
                             accountant: str = "rdp", relation: str = "add-remove",
                             population_size: int | None = None) -> tuple[float, str]:
-    """(epsilon, method) of ``rounds`` Gaussian releases (client-level update DP)."""
+    """(epsilon, method) of ``rounds`` Gaussian releases (client-level update DP). The
+    arguments are those of :func:`gaussian_event`: a ``sampling_rate`` below 1 needs
+    ``sampling='poisson'`` or ``'fixed'`` (ValueError with ``'none'``), even for 0 rounds."""
     check_event_accountant(accountant)
     event = gaussian_event(noise_multiplier, sampling_rate, sampling, relation, population_size)
     if rounds <= 0:
@@ -435,7 +477,8 @@ def gaussian_epsilon(noise_multiplier: float, rounds: int, delta: float,
                      sampling_rate: float = 1.0, sampling: str = "none",
                      accountant: str = "rdp", relation: str = "add-remove",
                      population_size: int | None = None) -> float:
-    """Epsilon of ``rounds`` Gaussian releases (client-level update DP), dp-accounting."""
+    """Epsilon of ``rounds`` Gaussian releases (client-level update DP), dp-accounting;
+    see :func:`gaussian_epsilon_detail` (a rate below 1 needs an explicit ``sampling``)."""
     return gaussian_epsilon_detail(noise_multiplier, rounds, delta, sampling_rate, sampling,
                                    accountant, relation, population_size)[0]
 
@@ -512,7 +555,10 @@ def calibrate_noise(target_epsilon: float, delta: float, rounds: int,
     """Smallest sigma (to ``rel_tol``) with ``gaussian_epsilon(sigma, ...) <= target``.
 
     Bisection on sigma; epsilon is decreasing in sigma. A ``sampling_rate`` below 1 needs
-    ``sampling='poisson'`` or ``'fixed'`` (ValueError with ``sampling='none'``).
+    ``sampling='poisson'`` or ``'fixed'``: with the default ``sampling='none'`` it is a
+    ValueError naming both arguments (it used to be dropped, e.g. ``calibrate_noise(2.0,
+    1e-5, 200, sampling_rate=0.05)`` returned the unsampled sigma ~30.4), and so is a
+    ``population_size`` without ``sampling='fixed'`` (see :func:`gaussian_event`).
     """
     if target_epsilon <= 0:
         raise ValueError("target_epsilon must be > 0")

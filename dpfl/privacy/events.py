@@ -46,6 +46,7 @@ from dpfl.privacy.accounting import (
     PRV_CLIENT_LEVEL,
     PURE,
     SAMPLE_LEVEL,
+    check_event_key,
     dp_event_of,
     dpsgd_history_epsilon_detail,
     events_epsilon_detail,
@@ -62,7 +63,12 @@ ACCOUNTANTS = DPSGD_ACCOUNTANTS  # rdp and pld for both units, prv for DP-SGD on
 @dataclass(frozen=True)
 class PrivacyEvent:
     """One charge. ``sigma`` is noise std / sensitivity; ``rate`` a Poisson sampling rate;
-    ``steps`` how many times the release is repeated; ``epsilon`` for pure events."""
+    ``steps`` how many times the release is repeated; ``epsilon`` for pure events.
+
+    A parameter the event's accounting would ignore is refused (ValueError, see
+    :func:`dpfl.privacy.accounting.check_event_key`): ``rate`` below 1 or ``sigma`` on a
+    pure event, ``epsilon`` on a Gaussian one, a DP-SGD event not under add-remove, and a
+    rate below 1 under replace-one."""
 
     round: int
     mechanism: str
@@ -90,6 +96,7 @@ class PrivacyEvent:
             raise ValueError("a Gaussian event needs sigma > 0")
         if not 0.0 < self.rate <= 1.0 or self.steps < 0:
             raise ValueError("rate must be in (0, 1] and steps >= 0")
+        check_event_key(self.key)  # nothing its accounting would ignore
 
     @classmethod
     def dpsgd(cls, round_: int, sigma: float, rate: float, steps: int) -> "PrivacyEvent":
@@ -148,6 +155,7 @@ def orders_for(unit: str) -> np.ndarray:
 def rdp_curve(key: tuple) -> np.ndarray:
     """RDP of ONE step of the event with this key, at :func:`orders_for` its unit."""
     mechanism, sigma, rate, epsilon, relation = key
+    check_event_key(key)
     if mechanism == "dpsgd":
         from opacus.accountants.analysis.rdp import compute_rdp
 

@@ -1,20 +1,54 @@
 """``dpfl privacy-report RUN_DIR``: the guarantee first, then a per-client table (client,
 unit, relation, sampling, delta, epsilon, rounds charged, server releases composed into the
 epsilon, verdict), one ``SERVER`` line per release the server made itself (with the clients
-it covers), and a PNG of epsilon by round per client (``privacy-report.png``)."""
+it covers), and a PNG of epsilon by round per client (``privacy-report.png``).
+
+Before anything is reported the ledger is cross-checked against the run's other records
+(:func:`check_ledger`):
+
+- ``config.json``: the ledger's delta and accountant;
+- ``summary.json`` (written when a run finishes): the same clients, each client's epsilon
+  (and recomputed epsilon, and rounds) equal to the ledger's, recomputed from its events
+  (relative tolerance :data:`EPSILON_RTOL`);
+- ``rounds.jsonl``: every charge a round line records is in the ledger for that client and
+  round (the ledger may hold MORE: replies charged after the last line, or a resumed round
+  charged again — never fewer), and the last line's per-client epsilon is at most the
+  ledger's;
+- ``ledger.json`` itself: the epsilons it stores equal those recomputed from its events.
+
+Any difference makes the verdict ``inconsistent``, with one ``DIFFERENCE`` line each
+(client, what, ledger value vs file value), and :attr:`PrivacyReport.exit_code`
+:data:`EXIT_INCONSISTENT`. A run without ``summary.json`` (unfinished or killed) is checked
+against ``rounds.jsonl`` only, and the report says so. A missing, empty, damaged or
+non-ledger ``ledger.json`` (likewise ``rounds.jsonl`` and ``summary.json``) is a
+:class:`~dpfl.errors.UserError` naming the file.
+"""
 
 from __future__ import annotations
 
 import io
 import json
+import math
+import sys
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, TextIO
 
 from rich.console import Console
 from rich.table import Table
 
-from dpfl.privacy.events import PURE
+from dpfl.errors import UserError, read_json_file
+from dpfl.privacy.events import ACCOUNTANTS, PURE, PrivacyEvent
 from dpfl.privacy.ledger import Ledger
+
+# Exit code of ``dpfl privacy-report`` when the records disagree (1 is a bug with its
+# traceback, 2 a user error: a missing or damaged file, a bad argument).
+EXIT_INCONSISTENT = 3
+# Relative tolerance when comparing epsilons across files (JSON keeps floats exactly; this
+# allows for another dp-accounting build recomputing the same history).
+EPSILON_RTOL = 1e-6
 
 
 def server_releases(charges: list[dict[str, Any]]
@@ -39,31 +73,375 @@ def _describe(event: tuple) -> str:
 PlotEpsilon = Callable[[dict[str, list[tuple[int, float]]], Path, Any, str], Path]
 
 
-def privacy_report(run_dir: Path, plot: PlotEpsilon | None = None) -> str:
-    """The report's text. ``plot``: the function that draws ``privacy-report.png``
-    (the CLI passes ``dpfl.server.plots.plot_epsilon``: the privacy layer imports nothing
-    from the server); None draws nothing."""
+# ---------------------------------------------------------------------------------------
+# reading the run directory (UserError naming the file)
+
+
+def _one_line(exc: BaseException) -> str:
+    text = " ".join(str(exc).split())
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+def load_ledger(path: Path) -> Ledger:
+    """``ledger.json`` as a :class:`Ledger`, or a :class:`UserError` naming the file when it
+    is missing, empty, damaged or not a privacy ledger."""
+    return _read_ledger(path)[0]
+
+
+def _read_ledger(path: Path) -> tuple[Ledger, dict[str, Any]]:
+    """(the ledger, ledger.json's raw data) or a :class:`UserError` (see :func:`load_ledger`)."""
+    data = read_json_file(path, "privacy ledger")
+    if not isinstance(data, dict):
+        raise UserError(f"{path}: not a privacy ledger (a JSON {type(data).__name__}, not an "
+                        "object)")
+    missing = [k for k in ("delta", "accountant", "clients") if k not in data]
+    if missing:
+        raise UserError(f"{path}: not a privacy ledger (no {', '.join(map(repr, missing))})")
+    try:
+        if not isinstance(data["clients"], dict) or not all(
+                isinstance(d, dict) and isinstance(d.get("events"), list)
+                for d in data["clients"].values()):
+            raise ValueError("'clients' must map each client to its 'events' list")
+        for key, fields in (("charges", ("client", "round", "note", "events")),
+                            ("mismatches", ("client", "round", "reported", "recomputed"))):
+            entries = data.get(key, [])
+            if not isinstance(entries, list) or not all(
+                    isinstance(e, dict) and all(f in e for f in fields) for e in entries):
+                raise ValueError(f"each of {key!r} needs {', '.join(fields)}")
+        ledger = Ledger.from_json(data)
+        for c in ledger.charges:
+            for e in c["events"]:
+                PrivacyEvent(**e)  # validates it
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise UserError(f"{path}: not a valid privacy ledger ({_one_line(exc)})") from exc
+    if not 0.0 < ledger.delta < 1.0:
+        raise UserError(f"{path}: not a valid privacy ledger (delta {ledger.delta} not in "
+                        "(0, 1))")
+    if ledger.accountant not in ACCOUNTANTS:
+        raise UserError(f"{path}: not a valid privacy ledger (accountant "
+                        f"{ledger.accountant!r} not one of {', '.join(ACCOUNTANTS)})")
+    return ledger, data
+
+
+def _recomputed(ledger: Ledger, path: Path) -> dict[str, float]:
+    """Every client's epsilon from the ledger's events, or a :class:`UserError` naming
+    ``path`` when they cannot be composed (e.g. a history mixing units)."""
+    try:
+        return ledger.recomputed_all()
+    except ValueError as exc:
+        raise UserError(f"{path}: not a valid privacy ledger ({_one_line(exc)})") from exc
+
+
+def load_summary(path: Path) -> dict[str, Any] | None:
+    """``summary.json`` (None when the run has none: unfinished or killed), or a
+    :class:`UserError` naming it when it is empty, damaged or not a run summary."""
+    if not path.exists():
+        return None
+    data = read_json_file(path, "run summary")
+    g = data.get("guarantee") if isinstance(data, dict) else None
+    if not isinstance(g, dict) or not all(isinstance(g.get(k), str) for k in
+                                          ("verdict", "scope", "relation", "sampling")):
+        raise UserError(f"{path}: not a run summary (no 'guarantee' with verdict, scope, "
+                        "relation and sampling)")
+    clients = data.get("clients")
+    if not isinstance(clients, dict) or not all(isinstance(v, dict) and "epsilon" in v
+                                                for v in clients.values()):
+        raise UserError(f"{path}: not a run summary (no 'clients' with each client's "
+                        "epsilon)")
+    return data
+
+
+def load_rounds(path: Path) -> list[dict[str, Any]]:
+    """The lines of ``rounds.jsonl``, or a :class:`UserError` naming the file (and line)
+    when it is missing or a line is damaged or not a round record."""
+    if not path.exists():
+        raise UserError(f"{path}: no such file (round log)")
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise UserError(f"{path}: cannot read round log: {exc.strerror or exc}") from exc
+    out = []
+    for number, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise UserError(f"{path}: line {number} is damaged (invalid JSON at column "
+                            f"{exc.colno})") from exc
+        problem = _round_problem(record)
+        if problem is not None:
+            raise UserError(f"{path}: line {number} is not a round record ({problem})")
+        out.append(record)
+    return out
+
+
+def _round_problem(record: Any) -> str | None:
+    if not isinstance(record, dict) or not isinstance(record.get("round"), int):
+        return "no integer 'round'"
+    if not isinstance(record.get("epsilon", {}), dict):
+        return "'epsilon' is not an object"
+    charges = record.get("charges", [])
+    if not isinstance(charges, list):
+        return "'charges' is not a list"
+    for c in charges:
+        if not (isinstance(c, dict) and isinstance(c.get("client"), str)
+                and isinstance(c.get("events"), list)):
+            return "a charge without 'client' and 'events'"
+        try:
+            for e in c["events"]:
+                PrivacyEvent(**e)  # validates it
+        except (TypeError, ValueError) as exc:
+            return f"charge of {c['client']}: {_one_line(exc)}"
+    return None
+
+
+# ---------------------------------------------------------------------------------------
+# cross-checks
+
+
+@dataclass(frozen=True)
+class Difference:
+    """One way the ledger disagrees with another record of the run."""
+
+    client: str     # the client, or "run" for run-wide values
+    what: str       # what differs, e.g. "epsilon" or "round 2 charge ..."
+    ledger: str     # the ledger's value
+    file: str       # the other file
+    value: str      # that file's value
+
+    def line(self) -> str:
+        return (f"DIFFERENCE {self.client} {self.what}: ledger {self.ledger} vs {self.file} "
+                f"{self.value}")
+
+
+def _number(value: Any) -> float | None:
+    """A JSON number (or the run directory's "inf"/"-inf" strings) as a float."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, (int, float)):
+        return float(value)
+    if value in ("inf", "-inf"):
+        return float(value)
+    return None
+
+
+def _differ(a: float, b: float) -> bool:
+    if math.isinf(a) or math.isinf(b):
+        return a != b
+    return abs(a - b) > EPSILON_RTOL * max(abs(a), abs(b))
+
+
+def _event_key(e: PrivacyEvent) -> tuple:
+    return (int(e.round),) + tuple(e.key[:4]) + (int(e.steps), e.key[4])
+
+
+def _key_text(key: tuple) -> str:
+    _, mechanism, sigma, rate, epsilon, steps, relation = key
+    items = (("mechanism", mechanism), ("sigma", sigma), ("rate", rate), ("epsilon", epsilon),
+             ("steps", steps), ("relation", relation))
+    return _describe(tuple(items))
+
+
+def _run_checks(ledger: Ledger, config: dict[str, Any] | None) -> list[Difference]:
+    out = []
+    if config is None:
+        return out
+    delta = _number(config.get("delta"))
+    if delta is not None and _differ(ledger.delta, delta):
+        out.append(Difference("run", "delta", f"{ledger.delta:g}", "config.json", f"{delta:g}"))
+    accountant = config.get("accountant")
+    if isinstance(accountant, str) and accountant != ledger.accountant:
+        out.append(Difference("run", "accountant", ledger.accountant, "config.json",
+                              accountant))
+    return out
+
+
+def _stored_checks(ledger: Ledger, data: dict[str, Any], recomputed: dict[str, float],
+                   figures: dict[str, float]) -> list[Difference]:
+    """ledger.json's stored epsilons against those recomputed from its events."""
+    out = []
+    for client, d in data["clients"].items():
+        for key, ours in (("recomputed-epsilon", recomputed), ("epsilon", figures)):
+            stored = _number(d.get(key))
+            if stored is not None and client in ours and _differ(ours[client], stored):
+                out.append(Difference(client, f"{key} (stored)",
+                                      f"{ours[client]:.6g} (from its events)", "ledger.json",
+                                      f"{stored:.6g}"))
+    return out
+
+
+def _summary_checks(ledger: Ledger, summary: dict[str, Any], recomputed: dict[str, float],
+                    figures: dict[str, float]) -> list[Difference]:
+    out = []
+    clients = summary["clients"]
+    for client in sorted(set(clients) | set(figures), key=_client_key):
+        info = clients.get(client)
+        if info is None:
+            out.append(Difference(client, "client", f"present (epsilon {figures[client]:.6g})",
+                                  "summary.json", "absent"))
+            continue
+        eps = _number(info.get("epsilon"))
+        if client not in figures:
+            shown = f"{eps:.6g}" if eps is not None else repr(info.get("epsilon"))
+            out.append(Difference(client, "client", "absent", "summary.json",
+                                  f"present (epsilon {shown})"))
+            continue
+        if eps is None or _differ(figures[client], eps):
+            out.append(Difference(client, "epsilon", f"{figures[client]:.6g}", "summary.json",
+                                  f"{eps:.6g}" if eps is not None else repr(info.get("epsilon"))))
+        rec = _number(info.get("recomputed-epsilon"))
+        if rec is not None and _differ(recomputed[client], rec):
+            out.append(Difference(client, "recomputed-epsilon", f"{recomputed[client]:.6g}",
+                                  "summary.json", f"{rec:.6g}"))
+        rounds = info.get("rounds")
+        if isinstance(rounds, list) and rounds != ledger.rounds(client):
+            out.append(Difference(client, "rounds", str(ledger.rounds(client)), "summary.json",
+                                  str(rounds)))
+    return out
+
+
+def _rounds_checks(ledger: Ledger, rounds: list[dict[str, Any]],
+                   figures: dict[str, float]) -> list[Difference]:
+    out = []
+    logged: dict[str, Counter] = {}
+    for line in rounds:
+        for c in line.get("charges", []):
+            counts = logged.setdefault(c["client"], Counter())
+            counts.update(_event_key(PrivacyEvent(**e)) for e in c["events"])
+    last = rounds[-1] if rounds else {"round": 0, "epsilon": {}}
+    last_eps = last.get("epsilon", {})
+    for client in sorted(set(logged) | set(last_eps), key=_client_key):
+        if client not in ledger.clients:
+            n = sum(logged.get(client, Counter()).values())
+            out.append(Difference(client, "client", "absent", "rounds.jsonl",
+                                  f"present ({n} charged event(s))"))
+            continue
+        held = Counter(_event_key(e) for e in ledger.clients[client].events)
+        for key, n in sorted(logged.get(client, Counter()).items()):
+            if held[key] < n:
+                out.append(Difference(client, f"round {key[0]} charge [{_key_text(key)}]",
+                                      f"{held[key]}x", "rounds.jsonl", f"{n}x"))
+        eps = _number(last_eps.get(client))
+        if client in last_eps and (eps is None or (eps > figures[client]
+                                                   and _differ(eps, figures[client]))):
+            out.append(Difference(client, f"epsilon after round {last['round']}",
+                                  f"{figures[client]:.6g}", "rounds.jsonl",
+                                  f"{eps:.6g} (more than the ledger)" if eps is not None
+                                  else repr(last_eps.get(client))))
+    return out
+
+
+def _client_key(name: str) -> tuple[int, str]:
+    tail = name.rsplit("-", 1)[-1]
+    return (int(tail), name) if tail.isdigit() else (1 << 30, name)
+
+
+def check_ledger(ledger: Ledger, summary: dict[str, Any] | None,
+                 rounds: list[dict[str, Any]], config: dict[str, Any] | None = None,
+                 stored: dict[str, Any] | None = None,
+                 recomputed: dict[str, float] | None = None) -> list[Difference]:
+    """Every difference between the ledger and the run's other records (see the module
+    docstring); ``summary`` None: an unfinished run, checked against ``rounds`` only.
+    ``stored``: ledger.json's raw data (its stored epsilons are checked too);
+    ``recomputed``: :meth:`Ledger.recomputed_all` when the caller has it already."""
+    if recomputed is None:
+        recomputed = ledger.recomputed_all()
+    figures = {c: max(e, ledger.reported.get(c, 0.0)) for c, e in recomputed.items()}
+    out = _run_checks(ledger, config)
+    if stored is not None:
+        out += _stored_checks(ledger, stored, recomputed, figures)
+    if summary is not None:
+        out += _summary_checks(ledger, summary, recomputed, figures)
+    out += _rounds_checks(ledger, rounds, figures)
+    return out
+
+
+# ---------------------------------------------------------------------------------------
+# the report
+
+
+@dataclass
+class PrivacyReport:
+    """The report's text and the differences found (none: the records agree)."""
+
+    text: str
+    differences: list[Difference] = field(default_factory=list)
+    finished: bool = True       # the run has a summary.json
+
+    @property
+    def consistent(self) -> bool:
+        return not self.differences
+
+    @property
+    def exit_code(self) -> int:
+        """0, or :data:`EXIT_INCONSISTENT` when the records disagree."""
+        return 0 if self.consistent else EXIT_INCONSISTENT
+
+
+def _sampling_of(events: list[PrivacyEvent]) -> str:
+    return "poisson" if any(e.rate < 1 for e in events) else "none"
+
+
+def build_privacy_report(run_dir: Path, plot: PlotEpsilon | None = None) -> PrivacyReport:
+    """The report of ``run_dir`` and the differences its records show. ``plot``: the
+    function that draws ``privacy-report.png`` (the CLI passes
+    ``dpfl.server.plots.plot_epsilon``: the privacy layer imports nothing from the server);
+    None draws nothing."""
     run_dir = Path(run_dir)
-    summary = json.loads((run_dir / "summary.json").read_text())
-    ledger = Ledger.load(run_dir / "ledger.json")
-    g = summary["guarantee"]
-    verdict = g["verdict"]
+    ledger_path = run_dir / "ledger.json"
+    ledger, stored = _read_ledger(ledger_path)
+    summary = load_summary(run_dir / "summary.json")
+    rounds = load_rounds(run_dir / "rounds.jsonl")
+    config_path = run_dir / "config.json"
+    config = read_json_file(config_path, "run config") if config_path.exists() else None
+    config = config if isinstance(config, dict) else None
+    recomputed = _recomputed(ledger, ledger_path)
+    differences = check_ledger(ledger, summary, rounds, config, stored, recomputed)
+    eps = {c: max(e, ledger.reported.get(c, 0.0)) for c, e in recomputed.items()}
+
+    g = summary["guarantee"] if summary is not None else None
+    recorded = g["verdict"] if g is not None else "unknown (no summary.json)"
+    against = ("summary.json, rounds.jsonl and config.json" if summary is not None
+               else "rounds.jsonl and config.json only (no summary.json: unfinished or "
+                    "killed run)")
+    n_charges = sum(len(r.get("charges", [])) for r in rounds)
+    buf = io.StringIO()
+    console = Console(file=buf, width=120, color_system=None, markup=False)
+    if differences:
+        note = (f"summary.json records: {recorded}" if g is not None
+                else "no summary.json: unfinished or killed run")
+        console.print(f"verdict: inconsistent ({len(differences)} difference(s) between "
+                      f"ledger.json and {against.split(' (')[0]}; {note})", soft_wrap=True)
+        for d in differences:
+            console.print(d.line(), soft_wrap=True)
+    else:
+        console.print(f"verdict: {recorded}", soft_wrap=True)
+    console.print(f"checked: ledger.json against {against}: {len(rounds)} round line(s), "
+                  f"{n_charges} charge(s); "
+                  + ("agrees" if not differences else f"{len(differences)} difference(s)"),
+                  soft_wrap=True)
+    console.print(f"scope: {g['scope'] if g is not None else 'not recorded (no summary.json)'}",
+                  soft_wrap=True)
+
     table = Table(title=f"{run_dir.name}: privacy per client")
     numeric = ("delta", "epsilon", "rounds", "server releases")
     for col in ("client", "unit", "relation", "sampling") + numeric + ("verdict",):
         table.add_column(col, justify="right" if col in numeric else "left")
-    eps = ledger.epsilons()
     server = ledger.server_charges()
+    differing = {d.client for d in differences}
     for client, value in eps.items():
         history = ledger.history(client)
+        verdict = recorded if g is not None else "unknown"
+        if "run" in differing or client in differing:
+            verdict = "inconsistent"
         mark = verdict if not history.adaptive else f"{verdict} (Rényi filter)"
         releases = sum(1 for c in server if c["client"] == client)
-        table.add_row(client, history.unit, g["relation"], g["sampling"], f"{ledger.delta:g}",
+        relation = (g["relation"] if g is not None else
+                    "/".join(sorted({e.relation for e in history.events})) or "-")
+        sampling = g["sampling"] if g is not None else _sampling_of(history.events)
+        table.add_row(client, history.unit, relation, sampling, f"{ledger.delta:g}",
                       f"{value:.4f}", str(len(history.rounds)), str(releases), mark)
-    buf = io.StringIO()
-    console = Console(file=buf, width=120, color_system=None, markup=False)
-    console.print(f"verdict: {verdict}")
-    console.print(f"scope: {g['scope']}")
     off_plan = [c for c in ledger.charges
                 if c.get("source", "client") == "client" and c["note"] != "reported = plan"]
     releases = server_releases(server)
@@ -84,7 +462,23 @@ def privacy_report(run_dir: Path, plot: PlotEpsilon | None = None) -> str:
                       f"charged to {', '.join(clients)}", soft_wrap=True)
     if plot is not None and eps:
         series = {c: [(0, 0.0)] + ledger.epsilon_by_round(c) for c in eps}
-        path = plot(series, run_dir / "privacy-report.png", summary.get("epsilon-budget"),
+        budget = summary.get("epsilon-budget") if summary is not None else None
+        path = plot(series, run_dir / "privacy-report.png", budget,
                     f"epsilon by round: {run_dir.name}")
         console.print(f"plot: {path}")
-    return buf.getvalue()
+    return PrivacyReport(buf.getvalue(), differences, summary is not None)
+
+
+def privacy_report(run_dir: Path, plot: PlotEpsilon | None = None) -> str:
+    """The report's text (:func:`build_privacy_report`); its first line says
+    ``verdict: inconsistent`` when the records disagree."""
+    return build_privacy_report(run_dir, plot).text
+
+
+def privacy_report_command(run_dir: Path, plot: PlotEpsilon | None = None,
+                           out: TextIO | None = None) -> int:
+    """``dpfl privacy-report``: print the report; return 0, or :data:`EXIT_INCONSISTENT`
+    when the ledger disagrees with the run's other records."""
+    report = build_privacy_report(run_dir, plot)
+    print(report.text, file=out if out is not None else sys.stdout)
+    return report.exit_code
