@@ -19,7 +19,11 @@
       noise ablation); writes results/aadp/ (median beside the paper).
   dpfl privacy-report RUN_DIR
       verdict, then per-client unit, relation, sampling, delta, epsilon (recomputed from the
-      ledger), rounds and verdict; writes RUN_DIR/privacy-report.png (epsilon by round).
+      ledger), rounds and verdict; cross-checks the ledger against summary.json and
+      rounds.jsonl; writes RUN_DIR/privacy-report.png (epsilon by round).
+
+Exit codes: 0 done; 1 the run or command failed; 2 a user error (one line names the key,
+argument or file); 3 privacy-report found the run's records inconsistent.
 """
 
 from __future__ import annotations
@@ -97,11 +101,10 @@ def run_directory(text: str) -> Path:
 
 
 def cmd_privacy_report(args: argparse.Namespace) -> int:
-    from dpfl.privacy.report import privacy_report
+    from dpfl.privacy.report import privacy_report_command
     from dpfl.server.plots import plot_epsilon
 
-    print(privacy_report(run_directory(args.run_dir), plot=plot_epsilon))
-    return 0
+    return privacy_report_command(run_directory(args.run_dir), plot=plot_epsilon)
 
 
 def cmd_reproduce(args: argparse.Namespace) -> int:

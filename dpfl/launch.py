@@ -27,6 +27,7 @@ import tomllib
 
 from dpfl.apps.status import STATUS_ENV, read_status
 from dpfl.config import RunConfig
+from dpfl.data import check_dataset
 from dpfl.errors import UserError
 from dpfl.methods import DEFAULT_METHOD, parse_run_config
 from dpfl.server.rundir import check_new_run_dir, existing_run_files, unique_run_name
@@ -171,7 +172,7 @@ def preflight(cfg: RunConfig, num_clients: int, run_dir: Path) -> None:
     """Settings that cannot work stop here, before any process starts (one-line
     :class:`UserError` each): no clients, more ``min-train-nodes`` than clients (the server
     would wait for nodes that never come), a new run on an existing run directory, a resume
-    of a directory that is not there."""
+    of a directory that is not there, a dataset or data-dir that is not there."""
     if num_clients < 1:
         raise UserError(f"--clients must be at least 1, got {num_clients}")
     if cfg.min_train_nodes > num_clients:
@@ -184,6 +185,7 @@ def preflight(cfg: RunConfig, num_clients: int, run_dir: Path) -> None:
                             "run-name and output-dir, or drop resume=true")
     else:
         check_new_run_dir(run_dir)
+    check_dataset(cfg.dataset, cfg.data_dir, cfg.download)
 
 
 def _outcome(status_file: Path, run_dir: Path, returncode: int, log_file: Path) -> Path:
