@@ -1,0 +1,49 @@
+"""Every `dpfl` command fails in one line naming the file, directory or argument, exit 2."""
+
+from __future__ import annotations
+
+import pytest
+
+from dpfl.cli import main
+
+
+def _fails(capsys, argv: list[str], *named: str) -> str:
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), err
+    for text in named:
+        assert text in lines[0], lines[0]
+    return lines[0]
+
+
+@pytest.mark.parametrize("command", ["summary", "privacy-report"])
+def test_missing_and_non_run_directories(tmp_path, capsys, command):
+    _fails(capsys, [command, str(tmp_path / "nope")], str(tmp_path / "nope"),
+           "no such run directory")
+    _fails(capsys, [command, str(tmp_path)], str(tmp_path), "not a dpfl run directory")
+
+
+def test_damaged_summary_is_named(tmp_path, capsys):
+    (tmp_path / "config.json").write_text("{}")
+    _fails(capsys, ["summary", str(tmp_path)], "summary.json", "no such file")
+    (tmp_path / "summary.json").write_text('{"guarantee": ')
+    _fails(capsys, ["summary", str(tmp_path)], "summary.json", "damaged")
+    (tmp_path / "summary.json").write_text("")
+    _fails(capsys, ["summary", str(tmp_path)], "summary.json", "empty")
+
+
+def test_simulate_rejects_before_starting(tmp_path, capsys):
+    _fails(capsys, ["simulate", "--output-dir", str(tmp_path), "num-rounds"], "key=value")
+    _fails(capsys, ["simulate", "--output-dir", str(tmp_path), "target-epsilon=-1"],
+           "target-epsilon")
+    _fails(capsys, ["simulate", "--output-dir", str(tmp_path), "--clients", "3",
+                    "min-train-nodes=4"], "min-train-nodes", "--clients is 3")
+    _fails(capsys, ["simulate", "--output-dir", str(tmp_path), "dataset=mnist",
+                    f"data-dir={tmp_path / 'no-data'}"], "mnist", str(tmp_path / "no-data"))
+    _fails(capsys, ["simulate", "--output-dir", str(tmp_path), "resume=true",
+                    "run-name=gone"], "no run to resume", str(tmp_path / "gone"))
+    _fails(capsys, ["simulate", "--output-dir", str(tmp_path),
+                    "resume-without-checkpoint=true"], "resume-without-checkpoint",
+           "needs resume=true")
+    assert not any(tmp_path.iterdir())  # nothing was written
