@@ -27,6 +27,7 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg
 
 from dpfl.config import RunConfig
+from dpfl.logs import get_logger
 from dpfl.privacy.charging import Charge
 from dpfl.privacy.events import PrivacyEvent
 from dpfl.server.aggregation import server_sgd_step, weighted_mean
@@ -40,7 +41,7 @@ from dpfl.server.validation import (
 )
 from dpfl.tensors import flatten, unflatten
 
-log = logging.getLogger("flwr.dpfl.strategy")
+log = get_logger("flwr.dpfl.strategy")
 
 
 @dataclass
