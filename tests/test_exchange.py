@@ -98,7 +98,7 @@ def test_one_progress_line_per_reply_named_by_client(caplog, server_identity):
     assert len(replies) == 3 and late == []
     assert _lines(caplog) == [
         "round 1: client-0 replied (1/4, 0 s)",
-        "round 1: client-1 refused (2/4, 0 s): budget 4.0 exhausted",
+        "round 1: client-1 refused (2/4, 0 s)",
         "round 1: node 13 (partition unknown) error (3/4, 0 s): ValueError: boom",
         "round 1: no reply within 0 s from node 14 (partition unknown) (charged if it "
         "arrives later)",
@@ -159,3 +159,14 @@ def test_an_unknown_sender_is_named_by_node_and_ledger_key(caplog, server_identi
     assert len(dropped) == 1
     assert dropped[0].startswith("round 1: invalid from node 5 (partition unknown) dropped: "
                                  "unknown partition-id 9")
+
+
+def test_a_long_error_reason_is_cut_to_its_first_line(server_identity):
+    from dpfl.server.exchange import REASON_CHARS, reply_outcome
+
+    instruction = _instructions(1, [3])[0]
+    long = Message(Error(code=0, reason="x" * 300 + "\nsecond line"), reply_to=instruction)
+    kind, reason = reply_outcome(long)
+    assert kind == "error" and len(reason) == REASON_CHARS and reason.endswith("…")
+    assert reply_outcome(Message(Error(code=0, reason="short\nmore"), reply_to=instruction)) == (
+        "error", "short")

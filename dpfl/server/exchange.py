@@ -7,7 +7,7 @@ unanswered instructions and pulls them again with every later round (and once mo
 end of the run), handing late replies back with the round they answer.
 
 While a round waits, each reply is logged as it arrives (``round 2: client-3 replied (2/4,
-31 s)``; errors and refusals with their reason), and the nodes that did not answer in time
+31 s)``, ``refused``, ``error`` with its reason), and the nodes that did not answer in time
 are named when the round closes.
 """
 
@@ -24,20 +24,20 @@ from dpfl.logs import get_logger
 from dpfl.server.validation import claimed_partition, client_label
 
 log = get_logger("flwr.dpfl.exchange")
-REASON_CHARS = 100  # a progress line shows this much of an error's or refusal's reason
+REASON_CHARS = 100  # a progress line shows this much of an error's reason
 
 
 def reply_outcome(msg: Message) -> tuple[str, str]:
-    """(``replied`` | ``refused`` | ``error``, the reason's first line, shortened)."""
+    """(``replied`` | ``refused`` | ``error``, an error's first line, shortened). A refusal's
+    reason is left to the round's drop line; an error's is shown at once, since the round
+    may wait long for the others."""
     if msg.has_error():
-        kind, reason = "error", str(msg.error.reason)
-    elif ("status" in msg.content.config_records
-          and msg.content["status"].get("status") == "refused"):
-        kind, reason = "refused", str(msg.content["status"].get("reason", ""))
-    else:
-        return "replied", ""
-    first = (reason.strip().splitlines() or [""])[0]
-    return kind, first if len(first) <= REASON_CHARS else first[:REASON_CHARS - 1] + "…"
+        first = (str(msg.error.reason).strip().splitlines() or [""])[0]
+        return "error", first if len(first) <= REASON_CHARS else first[:REASON_CHARS - 1] + "…"
+    if ("status" in msg.content.config_records
+            and msg.content["status"].get("status") == "refused"):
+        return "refused", ""
+    return "replied", ""
 
 
 class ReplyExchange:
@@ -67,7 +67,7 @@ class ReplyExchange:
 
     def _progress(self, server_round: int, msg: Message, count: int, total: int,
                   seconds: float) -> None:
-        """``round 2: client-3 replied (2/4, 31 s)``, with the reason of an error or refusal."""
+        """``round 2: client-3 replied (2/4, 31 s)`` (``refused``; ``error`` with its reason)."""
         self._learn(msg)
         kind, reason = reply_outcome(msg)
         log.log(logging.WARNING if kind == "error" else logging.INFO,
