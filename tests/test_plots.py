@@ -97,6 +97,7 @@ def test_distinct_curves_keep_their_own_label():
 
 def test_group_label_for_many_clients():
     names = [f"client-{i}" for i in range(20)]
+    assert group_label(names[:4]) == "client-0, client-1, client-2, client-3 (same ε)"
     assert group_label(names) == "client-0, client-1, …, client-19 (20 clients, same ε)"
 
 

@@ -19,6 +19,7 @@ LINESTYLES = ("-", "--", "-.", ":")
 DROP_LABEL = "round with dropped clients (dropped/asked)"
 MAX_LEGEND = 12   # more curves than this: no legend
 ALL_TICKS = 12    # runs spanning fewer rounds than this get a tick at every round
+NAMES_IN_LABEL = 4  # a group of identical curves names up to this many clients in full
 
 
 def _save(fig: Figure, path: Path) -> Path:
@@ -105,11 +106,11 @@ def identical_groups(per_client: dict[str, Series]) -> list[tuple[list[str], Ser
 
 
 def group_label(names: list[str]) -> str:
-    """``client-0``; ``client-0, client-1 (same ε)``; for more than three, the first two,
-    the last and the count."""
+    """``client-0``; ``client-0, client-1 (same ε)``; for more than ``NAMES_IN_LABEL``, the
+    first two, the last and the count."""
     if len(names) == 1:
         return names[0]
-    if len(names) <= 3:
+    if len(names) <= NAMES_IN_LABEL:
         return f"{', '.join(names)} (same ε)"
     return f"{names[0]}, {names[1]}, …, {names[-1]} ({len(names)} clients, same ε)"
 
