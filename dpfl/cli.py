@@ -170,14 +170,23 @@ def main(argv: list[str] | None = None) -> int:
     from dpfl.experiments.common import PAPERS, help_epilog
 
     p = sub.add_parser("reproduce", help="run a paper's reproduction grid",
+                       description="Run a paper's grid (cells x methods x seeds, seed-major), "
+                       "one real Flower\nsimulation per run; write results/<paper>/ (per-run "
+                       "JSON, table.md beside the\npaper's numbers, plots).",
                        epilog=help_epilog(), formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("paper", choices=PAPERS)
-    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    p.add_argument("--cells", nargs="+")
-    p.add_argument("--methods", nargs="+")
-    p.add_argument("--skip-existing", action="store_true")
-    p.add_argument("--results")
-    p.add_argument("--work-dir")
+    p.add_argument("paper", choices=PAPERS, help="which paper (its cells and methods below)")
+    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], metavar="SEED",
+                   help="seeds to run (default: 0 1 2)")
+    p.add_argument("--cells", nargs="+", metavar="CELL",
+                   help="cells to run (default: the paper's cells marked * below)")
+    p.add_argument("--methods", nargs="+", metavar="METHOD",
+                   help="methods to run (default: the paper's methods marked * below)")
+    p.add_argument("--skip-existing", action="store_true",
+                   help="skip runs whose record is already in the results folder")
+    p.add_argument("--results", metavar="DIR",
+                   help="results folder (default: results/<paper>/ in the checkout)")
+    p.add_argument("--work-dir", metavar="DIR",
+                   help="run directories (default: runs/reproduce-<paper>/ in the checkout)")
     p.set_defaults(func=cmd_reproduce)
     p = sub.add_parser("deploy", help="a containerised N-client federation (Docker)")
     p.add_argument("action", choices=["up", "run", "logs", "down"])

@@ -149,18 +149,48 @@ def test_cli_runs_the_default_grid_of_each_paper(tmp_path, monkeypatch, capsys, 
     assert seen[0][3:7] == ([cells[-1]], [methods[0]], [4], True)
 
 
-def test_reproduce_help_lists_papers_cells_and_methods(capsys):
+def _reproduce_help(capsys) -> str:
     from dpfl.cli import main
 
     with pytest.raises(SystemExit) as stop:
         main(["reproduce", "--help"])
     assert stop.value.code == 0
-    text = capsys.readouterr().out
-    for line in ("gcfl: 2 clients", "pegasus: 50 clients", "aadp: 20 clients"):
-        assert line in text
-    for name in ("paper-sigma", "noniid-eps2*", "common-sigma", "calibrated*", "fmnist-cnn",
-                 "dpfedexp*", "aadp-paper-noise*", "aadp-eps16384", "pegasus*"):
-        assert re.search(rf"(^|[ ,]){re.escape(name)}(,|$)", text, re.MULTILINE), name
+    return capsys.readouterr().out
+
+
+def _paper_block(text: str, paper: str) -> str:
+    """The epilog's lines for one paper (its header up to the next paper's header)."""
+    start = text.index(f"\n  {paper}: ")
+    rest = text[start + 1:]
+    nxt = re.search(r"^  [a-z]+: ", rest[3:], re.MULTILINE)
+    return rest if nxt is None else rest[:nxt.start() + 3]
+
+
+def _listed(block: str, label: str) -> list[str]:
+    """Names after ``cells:`` / ``methods:`` (continuation lines included)."""
+    body = block.split(f"{label}:", 1)[1]
+    body = re.split(r"^    [a-z]+:", body, flags=re.MULTILINE)[0]
+    return [n.strip() for n in body.replace("\n", " ").split(",") if n.strip()]
+
+
+@pytest.mark.parametrize("paper", common.PAPERS)
+def test_reproduce_help_lists_every_cell_and_method_of_every_paper(capsys, paper):
+    """Every known cell and method, in order, each starred iff it is a default."""
+    r = common.reproduction(paper)
+    block = _paper_block(_reproduce_help(capsys), paper)
+    assert block.startswith(f"  {paper}: {r.clients} clients, presets in conf/{r.presets}/")
+    star = lambda names, default: [f"{n}*" if n in default else n for n in names]
+    assert _listed(block, "cells") == star(list(r.cells), r.default_cells)
+    assert _listed(block, "methods") == star(list(r.methods), r.default_methods)
+
+
+def test_reproduce_help_gives_every_option_and_its_default(capsys):
+    text = _reproduce_help(capsys)
+    assert "{gcfl,pegasus,aadp}" in text and "seeds to run (default: 0 1 2)" in text
+    for option in ("--cells", "--methods", "--skip-existing", "--results", "--work-dir"):
+        line = text[text.index(f"  {option}"):].split("\n  -")[0]
+        assert len(line.split(None, 2)) == 3, f"{option} has no help text"
+    assert "results/<paper>/" in text and "runs/reproduce-<paper>/" in text
     assert "aadp-eps8*" not in text  # the sweep is not in the default grid
 
 

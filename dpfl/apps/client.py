@@ -12,7 +12,6 @@ refused and the reason, and spends nothing.
 
 from __future__ import annotations
 
-import logging
 import os
 
 import torch
@@ -22,6 +21,7 @@ from flwr.clientapp import ClientApp
 from dpfl.client.trainers import train_dpsgd, train_plain
 from dpfl.config import RunConfig
 from dpfl.data import ClientData, client_data
+from dpfl.logs import get_logger
 from dpfl.methods import method_for, parse_run_config
 from dpfl.models import build_model
 from dpfl.models.evaluation import device_for, evaluate_model
@@ -32,7 +32,7 @@ from dpfl.privacy.plan import UPDATE_DP_RELATION, plan_from_record, plan_problem
 from dpfl.privacy.randomness import mechanism_generator, public_seed
 from dpfl.tensors import flatten, state_difference, unflatten
 
-log = logging.getLogger("flwr.dpfl.client")
+log = get_logger("flwr.dpfl.client")
 app = ClientApp()
 
 

@@ -5,29 +5,82 @@ rest (and polls every 3 s). An update that arrives after its round closed was st
 released to the server, so it must be charged: :class:`ReplyExchange` keeps the ids of
 unanswered instructions and pulls them again with every later round (and once more at the
 end of the run), handing late replies back with the round they answer.
+
+While a round waits, each reply is logged as it arrives (``round 2: client-3 replied (2/4,
+31 s)``, ``refused``, ``error`` with its reason), and the nodes that did not answer in time
+are named when the round closes.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Iterable
 
 from flwr.app import Message
 from flwr.serverapp import Grid
 
+from dpfl.logs import get_logger
+from dpfl.server.validation import claimed_partition, client_label
+
+log = get_logger("flwr.dpfl.exchange")
+REASON_CHARS = 100  # a progress line shows this much of an error's reason
+
+
+def reply_outcome(msg: Message) -> tuple[str, str]:
+    """(``replied`` | ``refused`` | ``error``, an error's first line, shortened). A refusal's
+    reason is left to the round's drop line; an error's is shown at once, since the round
+    may wait long for the others."""
+    if msg.has_error():
+        first = (str(msg.error.reason).strip().splitlines() or [""])[0]
+        return "error", first if len(first) <= REASON_CHARS else first[:REASON_CHARS - 1] + "…"
+    if ("status" in msg.content.config_records
+            and msg.content["status"].get("status") == "refused"):
+        return "refused", ""
+    return "replied", ""
+
 
 class ReplyExchange:
-    """Push/pull over a Grid that remembers unanswered instructions across rounds."""
+    """Push/pull over a Grid that remembers unanswered instructions across rounds, and
+    logs one progress line per reply of the current round as it arrives."""
 
     def __init__(self, grid: Grid, poll_seconds: float = 0.25) -> None:
         self.grid = grid
         self.poll_seconds = poll_seconds
         self.outstanding: dict[str, int] = {}   # instruction id -> round it was sent in
         self.busy: dict[str, int] = {}          # instruction id -> destination node
+        self.partitions: dict[int, int] = {}    # node id -> first partition id it claimed
 
     def busy_nodes(self) -> set[int]:
         """Nodes that still hold an unanswered instruction."""
         return set(self.busy.values())
+
+    def client_name(self, node_id: int) -> str:
+        """``client-<partition-id>`` once the node has claimed one, else ``node <id>
+        (partition unknown)`` (the first claim sticks, as the DP guard pins it)."""
+        return client_label(node_id, self.partitions.get(node_id))
+
+    def _learn(self, msg: Message) -> None:
+        claimed = claimed_partition(msg)
+        if claimed is not None and claimed >= 0:
+            self.partitions.setdefault(int(msg.metadata.src_node_id), claimed)
+
+    def _progress(self, server_round: int, msg: Message, count: int, total: int,
+                  seconds: float) -> None:
+        """``round 2: client-3 replied (2/4, 31 s)`` (``refused``; ``error`` with its reason)."""
+        self._learn(msg)
+        kind, reason = reply_outcome(msg)
+        log.log(logging.WARNING if kind == "error" else logging.INFO,
+                "round %d: %s %s (%d/%d, %.0f s)%s", server_round,
+                self.client_name(int(msg.metadata.src_node_id)), kind, count, total, seconds,
+                f": {reason}" if reason else "")
+
+    def _report_missing(self, server_round: int, current: set[str], timeout: float) -> None:
+        missing = sorted(self.busy[mid] for mid in current & set(self.outstanding))
+        if missing:
+            log.warning("round %d: no reply within %.0f s from %s (charged if it arrives "
+                        "later)", server_round, timeout,
+                        ", ".join(self.client_name(n) for n in missing))
 
     def _settle(self, msg: Message) -> int | None:
         mid = msg.metadata.reply_to_message_id
@@ -66,14 +119,21 @@ class ReplyExchange:
                 self.busy[str(mid)] = int(msg.metadata.dst_node_id)
         replies: list[Message] = []
         late: list[tuple[int, Message]] = []
-        deadline = time.monotonic() + timeout
+        start = time.monotonic()
+        deadline = start + timeout
         while True:
             for sent, msg in self._collect():
                 if sent == server_round:
                     replies.append(msg)
+                    self._progress(server_round, msg, len(replies), len(current),
+                                   time.monotonic() - start)
                 else:
+                    self._learn(msg)
                     late.append((sent, msg))
-            if not current & set(self.outstanding) or time.monotonic() >= deadline:
+            if not current & set(self.outstanding):
+                return replies, late
+            if time.monotonic() >= deadline:
+                self._report_missing(server_round, current, timeout)
                 return replies, late
             time.sleep(self.poll_seconds)
 

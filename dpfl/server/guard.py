@@ -14,20 +14,20 @@ compose around an inner strategy: whatever a method aggregates, the guard
 
 from __future__ import annotations
 
-import logging
 from typing import Any, Callable, Mapping
 
 import torch
 from flwr.app import Message
 
 from dpfl.config import RunConfig
+from dpfl.logs import get_logger
 from dpfl.privacy.budget import PrivacyHistory
 from dpfl.privacy.charging import Charge, charge_for
 from dpfl.privacy.events import PrivacyEvent
 from dpfl.privacy.plan import gaussian_norm_bound, noise_multiplier_for, plan_to_record, planned_event
-from dpfl.server.validation import ClientUpdate, Rejection
+from dpfl.server.validation import ClientUpdate, Rejection, client_label
 
-log = logging.getLogger("flwr.dpfl.guard")
+log = get_logger("flwr.dpfl.guard")
 # A method's per-round noise multiplier for a partition (None: the run's calibrated one).
 PlanSigma = Callable[[int | None, int], float | None]
 
@@ -128,8 +128,11 @@ class DPGuard:
         self.ledger.record(client, sent_round, charge.events, charge.reported_epsilon,
                            charge.note, adaptive=charge.adaptive or self.adaptive)
         if charge.problem is not None:
-            log.warning("round %d: %s charged %s: %s", sent_round, client,
-                        [e.to_dict() for e in charge.events], charge.note)
+            known = client.startswith("client-")
+            log.warning("round %d: %s charged %s%s: %s", sent_round,
+                        client if known else client_label(node, None),
+                        [e.to_dict() for e in charge.events],
+                        "" if known else f" (ledger key {client})", charge.note)
         return charge
 
     def charge_server_release(self, server_round: int, events: list[PrivacyEvent],

@@ -27,6 +27,7 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg
 
 from dpfl.config import RunConfig
+from dpfl.logs import get_logger
 from dpfl.privacy.charging import Charge
 from dpfl.privacy.events import PrivacyEvent
 from dpfl.server.aggregation import server_sgd_step, weighted_mean
@@ -36,11 +37,12 @@ from dpfl.server.validation import (
     Rejection,
     Template,
     array_template,
+    client_label,
     validate_train_reply,
 )
 from dpfl.tensors import flatten, unflatten
 
-log = logging.getLogger("flwr.dpfl.strategy")
+log = get_logger("flwr.dpfl.strategy")
 
 
 @dataclass
@@ -147,6 +149,21 @@ class DPFLStrategy(FedAvg):
     def after_aggregation(self, accepted: list[ClientUpdate]) -> None:
         """Update method state from the accepted replies (e.g. SCAFFOLD's c)."""
 
+    def known_partition(self, partition_id: int | None) -> bool:
+        """A partition id this run has (any id >= 0 before the sizes are bound)."""
+        return (partition_id is not None and partition_id >= 0
+                and (not self.partition_sizes or partition_id in self.partition_sizes))
+
+    def client_name(self, node_id: int, claimed: int | None = None) -> str:
+        """The name messages give a node: ``client-<partition-id>`` from the guard's pin,
+        else from the node's earlier replies, else from a known ``claimed`` id; ``node <id>
+        (partition unknown)`` otherwise."""
+        pinned = self.guard.node_partition.get(node_id)
+        if pinned is not None:
+            return client_label(node_id, pinned)
+        known = claimed if self.known_partition(claimed) else None
+        return self.node_client.get(node_id) or client_label(node_id, known)
+
     # -- selection and configuration -------------------------------------------------
     def wait_for_nodes(self, grid: Grid, minimum: int, timeout: float = 600.0) -> list[int]:
         deadline = time.monotonic() + timeout
@@ -223,13 +240,13 @@ class DPFLStrategy(FedAvg):
                 if charge.problem is not None and isinstance(checked, ClientUpdate):
                     checked = Rejection(checked.node_id, checked.partition_id, "invalid",
                                         charge.problem, checked.metrics)
-            if checked.partition_id is not None and checked.partition_id >= 0:
+            if self.known_partition(checked.partition_id):
                 self.node_client[checked.node_id] = f"client-{checked.partition_id}"
             if isinstance(checked, Rejection):
                 record.rejected.append(checked)
                 level = logging.INFO if checked.kind == "refused" else logging.WARNING
-                log.log(level, "round %d: %s from node %d (partition %s) dropped: %s",
-                        server_round, checked.kind, checked.node_id, checked.partition_id,
+                log.log(level, "round %d: %s from %s dropped: %s", server_round, checked.kind,
+                        self.client_name(checked.node_id, checked.partition_id),
                         checked.reason)
             else:
                 record.accepted.append(checked)

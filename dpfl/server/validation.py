@@ -56,6 +56,21 @@ def _partition_id(metrics: dict[str, Any]) -> int | None:
     return int(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
 
 
+def claimed_partition(msg: Message) -> int | None:
+    """The partition id a reply claims in its metrics (None: an error or no claim)."""
+    if msg.has_error() or "metrics" not in msg.content.metric_records:
+        return None
+    return _partition_id(dict(msg.content["metrics"]))
+
+
+def client_label(node_id: int, partition_id: int | None) -> str:
+    """How server messages name a node: ``client-<partition-id>`` (the privacy ledger's
+    key) when the partition is known, else ``node <id> (partition unknown)``."""
+    if partition_id is None or partition_id < 0:
+        return f"node {node_id} (partition unknown)"
+    return f"client-{partition_id}"
+
+
 def validate_train_reply(msg: Message, template: Template, norm_bound: float | None = None,
                          extra_arrays: dict[str, Template] | None = None
                          ) -> ClientUpdate | Rejection:
