@@ -9,7 +9,6 @@ strategy is talked to through ``start_round`` / ``finish_round`` and their retur
 
 from __future__ import annotations
 
-import logging
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -23,6 +22,7 @@ from dpfl.config import ConfigError, RunConfig
 from dpfl.data import label_counts, load_dataset, splits_for, test_tensors
 from dpfl.data.plots import plot_label_counts
 from dpfl.errors import UserError
+from dpfl.logs import get_logger
 from dpfl.methods import build_strategy, configured, guarantee, parse_run_config
 from dpfl.models import build_model
 from dpfl.models.evaluation import device_for
@@ -36,7 +36,7 @@ from dpfl.server.report import epsilon_table
 from dpfl.server.rundir import RunDir
 from dpfl.server.strategy import DPFLStrategy, RoundRecord
 
-log = logging.getLogger("flwr.dpfl.server")
+log = get_logger("flwr.dpfl.server")
 # After the last round, how long the server waits for replies still in flight (each is a
 # release that must be charged); only spent when some instruction is still unanswered.
 LATE_REPLY_WAIT = 60.0
@@ -88,7 +88,8 @@ def _epsilon_series(rounds: list[dict[str, Any]]) -> dict[str, list[tuple[int, f
     return series
 
 
-def _skip_busy(record: RoundRecord, exchange: ReplyExchange, rnd: int, messages) -> list:
+def _skip_busy(record: RoundRecord, exchange: ReplyExchange, rnd: int, messages,
+               name=str) -> list:
     """Drop instructions to nodes still training on an earlier one (a second concurrent
     training of one node would start from the same privacy history and lose a charge)."""
     busy = exchange.busy_nodes()
@@ -96,8 +97,8 @@ def _skip_busy(record: RoundRecord, exchange: ReplyExchange, rnd: int, messages)
     skipped = sorted({int(m.metadata.dst_node_id) for m in messages} & busy)
     if skipped:
         record.sampled = [n for n in record.sampled if n not in skipped]
-        log.warning("round %d: nodes %s still busy with an earlier round: not asked", rnd,
-                    skipped)
+        log.warning("round %d: %s still busy with an earlier round: not asked", rnd,
+                    ", ".join(name(n) for n in skipped))
     return kept
 
 
@@ -153,7 +154,7 @@ def setup(grid: Grid, cfg: RunConfig) -> Federation:
     strategy.bind_ledger(ledger)
     return Federation(grid, cfg, run_dir, claim, strategy, model, x_test, y_test,
                       device_for(), num_nodes, ArrayRecord(model.state_dict()), ledger,
-                      ReplyExchange(grid), t_start)
+                      ReplyExchange(grid, namer=strategy.client_name), t_start)
 
 
 def resume(fed: Federation) -> bool:
@@ -226,7 +227,7 @@ def run_round(fed: Federation, rnd: int) -> RoundRecord:
     t0 = time.time()
     messages, record = strategy.start_round(rnd, fed.arrays, fed.grid, fed.resume_config)
     fed.resume_config = {}
-    messages = _skip_busy(record, fed.exchange, rnd, messages)
+    messages = _skip_busy(record, fed.exchange, rnd, messages, fed.strategy.client_name)
     replies, late = fed.exchange.send_and_receive(messages, rnd, cfg.round_timeout)
     outcome = strategy.finish_round(rnd, record, replies)
     if outcome.arrays is not None:

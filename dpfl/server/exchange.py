@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from flwr.app import Message
 from flwr.serverapp import Grid
@@ -44,8 +44,10 @@ class ReplyExchange:
     """Push/pull over a Grid that remembers unanswered instructions across rounds, and
     logs one progress line per reply of the current round as it arrives."""
 
-    def __init__(self, grid: Grid, poll_seconds: float = 0.25) -> None:
+    def __init__(self, grid: Grid, poll_seconds: float = 0.25,
+                 namer: Callable[[int], str] | None = None) -> None:
         self.grid = grid
+        self.namer = namer                      # the strategy's naming (guard pins), if any
         self.poll_seconds = poll_seconds
         self.outstanding: dict[str, int] = {}   # instruction id -> round it was sent in
         self.busy: dict[str, int] = {}          # instruction id -> destination node
@@ -57,7 +59,12 @@ class ReplyExchange:
 
     def client_name(self, node_id: int) -> str:
         """``client-<partition-id>`` once the node has claimed one, else ``node <id>
-        (partition unknown)`` (the first claim sticks, as the DP guard pins it)."""
+        (partition unknown)`` (the first claim sticks, as the DP guard pins it); the
+        strategy's name first when it knows the node (e.g. pins restored by a resume)."""
+        if self.namer is not None:
+            name = self.namer(node_id)
+            if name.startswith("client-"):
+                return name
         return client_label(node_id, self.partitions.get(node_id))
 
     def _learn(self, msg: Message) -> None:

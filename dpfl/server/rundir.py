@@ -12,7 +12,6 @@ read, or whose model is lost, is never silently restarted.
 from __future__ import annotations
 
 import json
-import logging
 import math
 import os
 import secrets
@@ -26,9 +25,10 @@ import torch
 from dpfl.config import RunConfig
 from dpfl.durable import append_line, atomic_write, atomic_write_text, read_lines
 from dpfl.errors import UserError
+from dpfl.logs import get_logger
 from dpfl.privacy.ledger import Ledger
 
-log = logging.getLogger("flwr.dpfl.rundir")
+log = get_logger("flwr.dpfl.rundir")
 # Files a launcher may create in a run directory before the server opens it.
 LAUNCHER_FILES = {".flwr"}
 
