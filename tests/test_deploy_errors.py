@@ -2,7 +2,10 @@
 with exit code 2 for what the user can fix, and write nothing before their checks pass.
 
 No Docker engine, namespace or root is needed: each test runs the real command against
-what is really missing (a socket nobody listens on, a bad argument, a non-root user).
+what is really missing (a socket nobody listens on, a bad argument, a non-root user). The
+argument tests of netns.sh, compose.sh, image.sh, base-image.sh and edge/install.sh run as an
+unprivileged user when the suite runs as root, so that a script whose checks regress fails
+on permissions instead of creating namespaces, containers or a system service.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -75,6 +79,35 @@ def _save_federation(state: Path, name: str = "dpflx") -> None:
     (state / "federation.json").write_text(json.dumps(
         {"name": name, "image": "dpfl:0.1.0", "clients": 2, "insecure": False,
          "control_port": 9093, "state": str(state)}))
+
+
+def _as_nobody() -> list[str] | None:
+    """A command prefix that runs as an unprivileged user ([] when already one), or None."""
+    if os.geteuid() != 0:
+        return []
+    if shutil.which("setpriv"):
+        return ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
+    if shutil.which("runuser"):
+        return ["runuser", "-u", "nobody", "--"]
+    return None
+
+
+@pytest.fixture
+def unprivileged() -> list[str]:
+    """The command prefix of :func:`_as_nobody` (skips when there is no way to drop root)."""
+    user = _as_nobody()
+    if user is None:
+        pytest.skip("running as root and neither setpriv nor runuser exists to drop it")
+    return user
+
+
+@pytest.fixture
+def shared_dir() -> Iterator[Path]:
+    """A folder the unprivileged user can read (pytest's own tmp folders are 0700)."""
+    path = Path(tempfile.mkdtemp(prefix="dpfl-deploy-errors-"))
+    path.chmod(0o755)
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
 
 
 # -- dpfl deploy: the Docker engine ----------------------------------------------------------
@@ -283,25 +316,10 @@ def test_certs_makes_everything_in_place(tmp_path):
 NETNS = DEPLOY / "netns.sh"
 
 
-def _as_nobody() -> list[str] | None:
-    """A command prefix that runs as an unprivileged user ([] when already one), or None."""
-    if os.geteuid() != 0:
-        return []
-    if shutil.which("setpriv"):
-        return ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
-    if shutil.which("runuser"):
-        return ["runuser", "-u", "nobody", "--"]
-    return None
-
-
 @pytest.mark.parametrize("command", ["up", "run", "restart-superlink", "down"])
-def test_netns_as_non_root_says_it_needs_root(tmp_path, command):
-    user = _as_nobody()
-    if user is None:
-        pytest.skip("running as root and neither setpriv nor runuser exists to drop it")
-    tmp_path.chmod(0o755)  # the unprivileged user must be able to look (not write) here
-    state = tmp_path / "fed"
-    proc = _script(NETNS, command, str(state), user=user)
+def test_netns_as_non_root_says_it_needs_root(unprivileged, shared_dir, command):
+    state = shared_dir / "fed"
+    proc = _script(NETNS, command, str(state), user=unprivileged)
     if proc.returncode == 126:
         pytest.skip(f"the unprivileged user cannot execute {NETNS}: {proc.stderr.strip()}")
     assert proc.returncode == 2, proc.stderr
@@ -322,10 +340,10 @@ def test_netns_as_non_root_says_it_needs_root(tmp_path, command):
     (["up", "S", "--bogus"], "unknown argument '--bogus'"),
     (["down", "S", "extra"], "unknown argument 'extra'"),
 ])
-def test_netns_rejects_bad_arguments_before_anything(tmp_path, args, message):
+def test_netns_rejects_bad_arguments_before_anything(unprivileged, shared_dir, args, message):
     """Argument errors come before the root and tool checks: no namespace is touched."""
-    state = tmp_path / "fed"
-    proc = _script(NETNS, *[str(state) if a == "S" else a for a in args])
+    state = shared_dir / "fed"
+    proc = _script(NETNS, *[str(state) if a == "S" else a for a in args], user=unprivileged)
     assert proc.returncode == 2, proc.stderr
     assert _one_line(proc.stderr).startswith(f"deploy/netns.sh: {message}"), proc.stderr
     assert not state.exists()
@@ -357,10 +375,10 @@ def test_compose_up_without_engine(tmp_path):
     (["down", "S"], "STATE_DIR '{S}': no such directory"),
     (["restart", "S"], "unknown command 'restart'"),
 ])
-def test_compose_rejects_bad_arguments_and_states(tmp_path, args, message):
-    state = tmp_path / "s"
-    proc = _script(COMPOSE, *[str(state) if a == "S" else a for a in args],
-                   env={"DPFL_VENV_BIN": VENV_BIN})
+def test_compose_rejects_bad_arguments_and_states(unprivileged, shared_dir, args, message):
+    state = shared_dir / "s"
+    proc = _script(COMPOSE, *[str(state) if a == "S" else a for a in args], user=unprivileged,
+                   env={"DPFL_VENV_BIN": VENV_BIN, "DOCKER_HOST": _dead_socket(shared_dir)})
     assert proc.returncode == 2, proc.stderr
     expected = f"deploy/compose.sh: {message.format(S=state)}"
     assert _one_line(proc.stderr).startswith(expected), proc.stderr
@@ -374,8 +392,9 @@ def test_compose_rejects_bad_arguments_and_states(tmp_path, args, message):
     ("base-image.sh", [], "usage: deploy/base-image.sh TAG [WORK_DIR]"),
     ("base-image.sh", ["Not A Tag"], "TAG 'Not A Tag': not an image name"),
 ])
-def test_image_scripts_reject_bad_arguments(script, args, message):
-    proc = _script(DEPLOY / script, *args)
+def test_image_scripts_reject_bad_arguments(unprivileged, shared_dir, script, args, message):
+    proc = _script(DEPLOY / script, *args, user=unprivileged,
+                   env={"DOCKER_HOST": _dead_socket(shared_dir)})
     assert proc.returncode == 2, proc.stderr
     assert _one_line(proc.stderr).startswith(f"deploy/{script}: {message}"), proc.stderr
 
@@ -388,13 +407,13 @@ def test_image_scripts_reject_bad_arguments(script, args, message):
     (["--cpu-quota", "150"], "--cpu-quota '150'"),
     (["--threads"], "--threads needs a value"),
 ])
-def test_edge_install_rejects_bad_arguments(tmp_path, args, message):
-    (tmp_path / "ca.crt").write_text("-")
-    (tmp_path / "key").write_text("-")
-    base = ["--superlink", "10.0.0.1:9092", "--ca", str(tmp_path / "ca.crt"), "--key",
-            str(tmp_path / "key"), "--partition-id", "3", "--num-partitions", "8",
-            "--etc", str(tmp_path / "etc"), "--prefix", str(tmp_path / "venv")]
-    proc = _script(DEPLOY / "edge" / "install.sh", *base, *args)
+def test_edge_install_rejects_bad_arguments(unprivileged, shared_dir, args, message):
+    (shared_dir / "ca.crt").write_text("-")
+    (shared_dir / "key").write_text("-")
+    base = ["--superlink", "10.0.0.1:9092", "--ca", str(shared_dir / "ca.crt"), "--key",
+            str(shared_dir / "key"), "--partition-id", "3", "--num-partitions", "8",
+            "--etc", str(shared_dir / "etc"), "--prefix", str(shared_dir / "venv")]
+    proc = _script(DEPLOY / "edge" / "install.sh", *base, *args, user=unprivileged)
     assert proc.returncode == 2, proc.stderr
     assert _one_line(proc.stderr).startswith(f"deploy/edge/install.sh: {message}"), proc.stderr
-    assert _tree(tmp_path) == ["ca.crt", "key"]
+    assert _tree(shared_dir) == ["ca.crt", "key"]
