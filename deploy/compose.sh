@@ -4,6 +4,7 @@
 #   deploy/compose.sh up   STATE_DIR [--project dpfl] [--image dpfl:0.1.0] [--insecure]
 #                                    [--control-port 9093] [--fleet-port 9092]
 #   deploy/compose.sh run  STATE_DIR [flwr run options...]   # e.g. --run-config "num-rounds=2"
+#   deploy/compose.sh logs STATE_DIR [docker-compose logs options...]
 #   deploy/compose.sh down STATE_DIR
 #
 # up: certificates and SuperNode keys (deploy/certs.sh, SANs DNS:superlink and 127.0.0.1),
@@ -14,14 +15,30 @@
 #     the run directory lands in STATE_DIR/runs/ (mounted into the ServerApp SuperExec).
 # down: `docker-compose down -v` (containers, network, the SuperLink's state volume).
 # The image must exist (deploy/image.sh); DOCKER_HOST is honoured.
+# Arguments, tools (docker-compose, docker, flwr), the engine and the image are checked before
+# anything is written: a problem is one line on stderr naming it, exit 2. If `up` fails
+# after that, it takes down the containers it had started.
 set -euo pipefail
-cmd=${1:?usage: deploy/compose.sh up|run|down STATE_DIR ...}
-state=${2:?STATE_DIR missing}
+me=deploy/compose.sh
+usage="usage: $me up|run|logs|down STATE_DIR [options]"
+die() {  # die CODE MESSAGE: one line on stderr, exit CODE
+  echo "$me: $2" >&2
+  exit "$1"
+}
+cmd=${1:-}
+case "$cmd" in
+  up|run|logs|down) ;;
+  "") die 2 "command missing ($usage)" ;;
+  *) die 2 "unknown command '$cmd' ($usage)" ;;
+esac
+[ $# -ge 2 ] && [ -n "$2" ] && [[ $2 != -* ]] || die 2 "STATE_DIR missing ($usage)"
+state=$2
 shift 2
 repo=$(cd "$(dirname "$0")/.." && pwd)
 venv_bin=${DPFL_VENV_BIN:-$repo/.venv/bin}
 export PATH="$venv_bin:$PATH" FLWR_TELEMETRY_ENABLED=0 FLWR_DISABLE_UPDATE_CHECK=1 \
   FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION=1 PYTHONWARNINGS=ignore
+engine=${DOCKER_HOST:-unix:///var/run/docker.sock}
 
 compose() {  # docker-compose with this federation's project, files and environment
   local files=(-f "$repo/docker-compose.yml")
@@ -39,19 +56,85 @@ wait_port() {  # wait_port PORT: until the published port accepts connections (6
   return 1
 }
 
+# -- checks: nothing is written before these pass --------------------------------------------
+
+require_tools() {  # require_tools TOOL...: each on PATH (the venv's bin/ first)
+  local tool hint
+  for tool in "$@"; do
+    command -v "$tool" > /dev/null && continue
+    case "$tool" in
+      docker-compose) hint="apt-get install docker-compose" ;;
+      docker) hint="apt-get install docker.io" ;;
+      flwr) hint="not in $venv_bin either: make the venv (make install) or set DPFL_VENV_BIN to the bin/ of one with dpfl" ;;
+      *) hint="apt-get install openssl openssh-client, or --insecure" ;;
+    esac
+    die 2 "'$tool' not found on PATH ($hint)"
+  done
+}
+
+require_engine() {  # a Docker engine answers at DOCKER_HOST (else the CLI's context/default)
+  local err reason
+  err=$(docker version --format '{{.Server.Version}}' 2>&1 >/dev/null) && return 0
+  [ -n "${DOCKER_HOST:-}" ] \
+    || engine=$(docker context inspect --format '{{.Endpoints.docker.Host}}' 2>/dev/null || echo "$engine")
+  case "$err" in
+    *"Cannot connect to the Docker daemon"*) reason="nothing answers there" ;;
+    *) reason=${err##*$'\n'} ;;
+  esac
+  die 2 "no Docker engine at $engine ($reason); start one (as root: 'dockerd &') or set DOCKER_HOST to a running engine's socket"
+}
+
+require_image() {  # require_image TAG: the image is in the engine (up never pulls or builds)
+  docker image inspect "$1" > /dev/null 2>&1 \
+    || die 2 "image '$1' is not in the Docker engine at $engine; build it: deploy/image.sh --tag $1"
+}
+
+require_port() {  # require_port OPTION VALUE
+  [[ $2 =~ ^[1-9][0-9]{0,4}$ ]] && [ "$2" -le 65535 ] || die 2 "$1 '$2': expected a port 1..65535"
+}
+
+load_state() {  # load_state: STATE_DIR of an `up` (absolute); else exit 2
+  [ -d "$state" ] || die 2 "STATE_DIR '$state': no such directory (the folder of a '$me up')"
+  [ -f "$state/project" ] && [ -f "$state/compose.env" ] \
+    || die 2 "STATE_DIR '$state': not a compose federation's state (no project/compose.env; '$me up $state' makes them)"
+  state=$(cd "$state" && pwd)
+}
+
+on_up_exit() {  # EXIT trap of `up`: a failure after the checks takes down what was started
+  local rc=$?
+  [ "$rc" = 0 ] && return 0
+  compose down -v --remove-orphans --timeout 20 > /dev/null 2>&1 || true
+  echo "$me: up failed (exit $rc); took its containers down (logs in $state)" >&2
+  exit 1
+}
+
 case "$cmd" in
 up)
   project=dpfl image=dpfl:0.1.0 insecure=0 control=9093 fleet=9092
   while [ $# -gt 0 ]; do
+    case "$1" in
+      --project|--image|--control-port|--fleet-port) [ $# -ge 2 ] || die 2 "$1 needs a value" ;;
+    esac
     case "$1" in
       --project) project=$2; shift 2 ;;
       --image) image=$2; shift 2 ;;
       --insecure) insecure=1; shift ;;
       --control-port) control=$2; shift 2 ;;
       --fleet-port) fleet=$2; shift 2 ;;
-      *) echo "unknown argument: $1" >&2; exit 2 ;;
+      *) die 2 "unknown argument '$1' (up STATE_DIR [--project P] [--image I] [--insecure] [--control-port N] [--fleet-port N])" ;;
     esac
   done
+  [[ $project =~ ^[a-z0-9][a-z0-9_-]*$ ]] \
+    || die 2 "--project '$project': expected lowercase letters, digits, '-' and '_' (a compose project name)"
+  [ -n "$image" ] || die 2 "--image is empty"
+  require_port --control-port "$control"
+  require_port --fleet-port "$fleet"
+  [ "$control" != "$fleet" ] || die 2 "--control-port and --fleet-port are both $control"
+  if [ -e "$state" ] && [ ! -d "$state" ]; then die 2 "STATE_DIR '$state' exists and is not a directory"; fi
+  require_tools docker-compose docker
+  [ "$insecure" = 1 ] || require_tools flwr openssl ssh-keygen
+  require_engine
+  require_image "$image"
   mkdir -p "$state/runs" "$state/flwr-home"
   state=$(cd "$state" && pwd)
   echo "$project" > "$state/project"
@@ -74,36 +157,43 @@ DPFL_FLEET_PORT=$fleet
 ENV
   printf '[superlink]\ndefault = "compose"\n\n[superlink.compose]\naddress = "127.0.0.1:%s"\n%s\n' \
     "$control" "$conn_tls" > "$state/flwr-home/config.toml"
+  trap on_up_exit EXIT
   compose up -d --no-build superlink
   wait_port "$control"
   if [ "$insecure" = 0 ]; then
     for i in 0 1; do
+      registered=0
       for _ in $(seq 1 30); do  # the Control API may lag the port by a moment
-        FLWR_HOME=$state/flwr-home flwr supernode register \
-          "$state/certs/keys/supernode-$i.pub" compose >> "$state/register.log" 2>&1 && break
+        if FLWR_HOME=$state/flwr-home flwr supernode register \
+             "$state/certs/keys/supernode-$i.pub" compose >> "$state/register.log" 2>&1; then
+          registered=1
+          break
+        fi
         sleep 1
       done
+      [ "$registered" = 1 ] || die 1 "registering supernode-$i failed (see $state/register.log)"
     done
   fi
   compose up -d --no-build
+  trap - EXIT
   echo "federation up: project $project, SuperLink Control API 127.0.0.1:$control; state in $state"
   ;;
 run)
-  state=$(cd "$state" && pwd)
+  require_tools flwr
+  load_state
   FLWR_HOME=$state/flwr-home flwr run "$repo" compose --stream "$@"
   ;;
 logs)
-  state=$(cd "$state" && pwd)
+  require_tools docker-compose
+  load_state
   compose logs --no-color "$@"
   ;;
 down)
-  [ -f "$state/project" ] || exit 0
-  state=$(cd "$state" && pwd)
+  [ $# = 0 ] || die 2 "unknown argument '$1' (down STATE_DIR)"
+  require_tools docker-compose docker
+  load_state
+  require_engine
   compose down -v --remove-orphans --timeout 20
   echo "federation down"
-  ;;
-*)
-  echo "unknown command $cmd (up|run|logs|down)" >&2
-  exit 2
   ;;
 esac

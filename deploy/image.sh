@@ -11,26 +11,64 @@
 # 2. `docker build --network none` of deploy/Dockerfile FROM --base: the build reads only the
 #    wheelhouse, so it works where no registry is reachable (with a local base, see
 #    deploy/base-image.sh). DOCKER_HOST is honoured.
+# Arguments, tools (docker, Python with pip), the engine and the base image are checked before
+# anything is written: a problem is one line on stderr naming it, exit 2.
 set -euo pipefail
+me=deploy/image.sh
+die() {  # die CODE MESSAGE: one line on stderr, exit CODE
+  echo "$me: $2" >&2
+  exit "$1"
+}
 repo=$(cd "$(dirname "$0")/.." && pwd)
 tag=dpfl:0.1.0 base=python:3.11-slim torch_spec="torch==2.13.0"
 python=${PYTHON:-python3}
+engine=${DOCKER_HOST:-unix:///var/run/docker.sock}
+
+require_engine() {  # a Docker engine answers at DOCKER_HOST (else the CLI's context/default)
+  local err reason
+  err=$(docker version --format '{{.Server.Version}}' 2>&1 >/dev/null) && return 0
+  [ -n "${DOCKER_HOST:-}" ] \
+    || engine=$(docker context inspect --format '{{.Endpoints.docker.Host}}' 2>/dev/null || echo "$engine")
+  case "$err" in
+    *"Cannot connect to the Docker daemon"*) reason="nothing answers there" ;;
+    *) reason=${err##*$'\n'} ;;
+  esac
+  die 2 "no Docker engine at $engine ($reason); start one (as root: 'dockerd &') or set DOCKER_HOST to a running engine's socket"
+}
+
 while [ $# -gt 0 ]; do
+  case "$1" in
+    --tag|--base|--torch) [ $# -ge 2 ] && [ -n "$2" ] || die 2 "$1 needs a value" ;;
+  esac
   case "$1" in
     --tag) tag=$2; shift 2 ;;
     --base) base=$2; shift 2 ;;
     --torch) torch_spec=$2; shift 2 ;;
-    *) echo "unknown argument: $1" >&2; exit 2 ;;
+    *) die 2 "unknown argument '$1' (usage: $me [--tag T] [--base IMAGE] [--torch SPEC])" ;;
   esac
 done
+[[ $tag =~ ^[a-z0-9][a-z0-9._/:-]*(:[A-Za-z0-9_.-]+)?$ ]] \
+  || die 2 "--tag '$tag': not an image name (lowercase name[:tag], e.g. dpfl:0.1.0)"
+command -v docker > /dev/null || die 2 "'docker' not found on PATH (apt-get install docker.io)"
+command -v "$python" > /dev/null || die 2 "PYTHON '$python' not found (set PYTHON to a Python 3.10-3.12 with pip)"
+"$python" -m pip --version > /dev/null 2>&1 || die 2 "PYTHON '$python' has no pip (set PYTHON to one that has)"
+require_engine
+docker image inspect "$base" > /dev/null 2>&1 \
+  || die 2 "base image '$base' is not in the Docker engine at $engine (the build has no network): docker pull $base, or deploy/base-image.sh dpfl-local/python:3.11 and --base dpfl-local/python:3.11"
+
 wheels=$repo/deploy/wheelhouse
+logs=$(mktemp -d "${TMPDIR:-/tmp}/dpfl-image.XXXXXX")  # kept when a step fails
 mkdir -p "$wheels"
 rm -f "$wheels"/dpfl-*.whl
 # The image's pins: constraints.txt without the host's CUDA torch stack.
 grep -v -E '^(torch|torchvision|triton|nvidia-|cuda-)' "$repo/constraints.txt" > "$wheels/constraints.txt"
 "$python" -m pip wheel -q --disable-pip-version-check -w "$wheels" -c "$wheels/constraints.txt" \
-  "$repo[mnist]" "$torch_spec" 2>&1 | grep -v "is ignored: it is neither" || true
-ls "$wheels"/dpfl-*.whl "$wheels"/torch-*.whl >/dev/null
+  "$repo[mnist]" "$torch_spec" > "$logs/pip-wheel.log" 2>&1 \
+  || die 1 "pip wheel failed: $(grep -v 'is ignored: it is neither' "$logs/pip-wheel.log" | grep -v '^[[:space:]]*$' | tail -1) (log: $logs/pip-wheel.log)"
+ls "$wheels"/dpfl-*.whl "$wheels"/torch-*.whl > /dev/null 2>&1 \
+  || die 1 "pip wheel made no dpfl or torch wheel in $wheels (log: $logs/pip-wheel.log)"
 DOCKER_BUILDKIT=0 docker build -q --network none --build-arg "BASE_IMAGE=$base" -t "$tag" \
-  -f "$repo/deploy/Dockerfile" "$repo" >/dev/null
+  -f "$repo/deploy/Dockerfile" "$repo" > "$logs/docker-build.log" 2>&1 \
+  || die 1 "docker build failed: $(grep -v '^[[:space:]]*$' "$logs/docker-build.log" | tail -1) (log: $logs/docker-build.log)"
+rm -rf "$logs"
 echo "$tag"

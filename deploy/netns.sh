@@ -16,10 +16,25 @@
 #     the same database (registered keys survive); SuperNodes reconnect on their own.
 # down: stops every process it started (by PID, with their descendants), deletes the
 #     namespaces (and so the veths and the bridge).
-# Traffic stays inside these namespaces. Needs root, iproute2, openssl, ssh-keygen.
+# Traffic stays inside these namespaces. Needs root, iproute2, openssl, ssh-keygen and the
+# venv's flower-superlink/flower-supernode/flwr (DPFL_VENV_BIN, default REPO/.venv/bin).
+# Arguments and prerequisites are checked before anything is written: a problem is one line
+# on stderr naming it, exit 2. If `up` fails after that, it takes down what it had made.
 set -euo pipefail
-cmd=${1:?usage: deploy/netns.sh up|run|down STATE_DIR ...}
-state=${2:?STATE_DIR missing}
+me=deploy/netns.sh
+usage="usage: $me up|run|restart-superlink|down STATE_DIR [options]"
+die() {  # die CODE MESSAGE: one line on stderr, exit CODE
+  echo "$me: $2" >&2
+  exit "$1"
+}
+cmd=${1:-}
+case "$cmd" in
+  up|run|restart-superlink|down) ;;
+  "") die 2 "command missing ($usage)" ;;
+  *) die 2 "unknown command '$cmd' ($usage)" ;;
+esac
+[ $# -ge 2 ] && [ -n "$2" ] && [[ $2 != -* ]] || die 2 "STATE_DIR missing ($usage)"
+state=$2
 shift 2
 repo=$(cd "$(dirname "$0")/.." && pwd)
 venv_bin=${DPFL_VENV_BIN:-$repo/.venv/bin}
@@ -78,19 +93,101 @@ wait_port() {  # wait_port NS IP PORT
   return 1
 }
 
+namespaces() {  # namespaces PREFIX: the names of this federation's namespaces
+  ip netns list | awk '{print $1}' | grep "^$1-" || true
+}
+
+teardown() {  # teardown STATE PREFIX: stop its processes (by PID), delete its namespaces
+  local f ns
+  for f in "$1"/supernode-*.pid "$1"/superlink.pid; do
+    [ -e "$f" ] || continue
+    stop_tree "$(cat "$f")"
+    rm -f "$f"
+  done
+  for ns in $(namespaces "$2"); do
+    ip netns pids "$ns" 2>/dev/null | xargs -r kill -KILL 2>/dev/null || true
+    ip netns delete "$ns"
+  done
+}
+
+# -- checks: nothing is written before these pass --------------------------------------------
+
+require_root() {  # every command creates, enters or deletes network namespaces
+  [ "$(id -u)" = 0 ] || die 2 "needs root: '$cmd' runs 'ip netns' (network namespaces and veth links are root-only); run it with sudo"
+}
+
+require_tools() {  # require_tools TOOL...: each on PATH (the venv's bin/ first)
+  local tool hint
+  for tool in "$@"; do
+    command -v "$tool" > /dev/null && continue
+    case "$tool" in
+      ip) hint="apt-get install iproute2" ;;
+      setsid) hint="apt-get install util-linux" ;;
+      ps) hint="apt-get install procps" ;;
+      openssl|ssh-keygen) hint="apt-get install openssl openssh-client, or --insecure" ;;
+      flower-*|flwr) hint="not in $venv_bin either: make the venv (make install) or set DPFL_VENV_BIN to the bin/ of one with dpfl" ;;
+      *) hint="install it" ;;
+    esac
+    die 2 "'$tool' not found on PATH ($hint)"
+  done
+  if [[ " $* " == *" ip "* ]] && ! err=$(ip netns list 2>&1 >/dev/null); then
+    die 2 "'ip netns list' fails here (${err:-no message}); this needs Linux network namespaces"
+  fi
+}
+
+check_prefix() {  # the namespace/interface prefix: interface names are at most 15 bytes
+  [[ $1 =~ ^[a-z][a-z0-9]{0,9}$ ]] \
+    || die 2 "--prefix '$1': expected 1-10 lowercase letters or digits, starting with a letter"
+}
+
+load_state() {  # load_state: STATE_DIR of an `up` (absolute), its prefix; else exit 2
+  [ -d "$state" ] || die 2 "STATE_DIR '$state': no such directory (the folder of a '$me up')"
+  [ -f "$state/prefix" ] \
+    || die 2 "STATE_DIR '$state': not a netns federation's state (no prefix file; '$me up $state' makes one)"
+  state=$(cd "$state" && pwd)
+  prefix=$(cat "$state/prefix")
+  [[ $prefix =~ ^[a-z][a-z0-9]{0,9}$ ]] || die 2 "'$state/prefix' is damaged ('$prefix')"
+}
+
+require_up() {  # the federation's SuperLink namespace exists
+  ip netns list | awk '{print $1}' | grep -qx "$prefix-link" \
+    || die 2 "the federation of '$state' is not up (no namespace $prefix-link); '$me up $state' first"
+}
+
+on_up_exit() {  # EXIT trap of `up`: a failure after the checks takes down what was made
+  local rc=$?
+  [ "$rc" = 0 ] && return 0
+  teardown "$state" "$prefix" > /dev/null 2>&1 || true
+  echo "$me: up failed (exit $rc); removed its namespaces and processes (logs in $state)" >&2
+  exit 1  # a failure after the checks is not a usage error, whatever the failing tool returned
+}
+
 case "$cmd" in
 up)
   nodes=2 prefix=dpfl insecure=0
   while [ $# -gt 0 ]; do
     case "$1" in
+      --nodes|--prefix) [ $# -ge 2 ] || die 2 "$1 needs a value" ;;
+    esac
+    case "$1" in
       --nodes) nodes=$2; shift 2 ;;
       --prefix) prefix=$2; shift 2 ;;
       --insecure) insecure=1; shift ;;
-      *) echo "unknown argument: $1" >&2; exit 2 ;;
+      *) die 2 "unknown argument '$1' (up STATE_DIR [--nodes N] [--prefix P] [--insecure])" ;;
     esac
   done
+  [[ $nodes =~ ^[1-9][0-9]{0,2}$ ]] && [ "$nodes" -le 253 ] \
+    || die 2 "--nodes '$nodes': expected a whole number 1..253 (one 10.77.0.0/24 address each)"
+  check_prefix "$prefix"
+  if [ -e "$state" ] && [ ! -d "$state" ]; then die 2 "STATE_DIR '$state' exists and is not a directory"; fi
+  require_root
+  require_tools ip setsid ps flower-superlink flower-supernode
+  [ "$insecure" = 1 ] || require_tools flwr openssl ssh-keygen
+  taken=$(namespaces "$prefix" | tr '\n' ' ')
+  [ -z "$taken" ] || die 2 "namespaces of prefix '$prefix' already exist (${taken% }); '$me down' their STATE_DIR first, or pick another --prefix"
   mkdir -p "$state"
   state=$(cd "$state" && pwd)
+  trap on_up_exit EXIT
   echo "$prefix" > "$state/prefix"
   echo "$nodes" > "$state/nodes"
   echo "$insecure" > "$state/insecure"
@@ -100,7 +197,7 @@ up)
   ip -n "$hub" link add br0 type bridge
   ip -n "$hub" link set br0 up
   hosts=("link")
-  for i in $(seq 0 $((nodes - 1))); do hosts+=("n$i"); done
+  for ((i = 0; i < nodes; i++)); do hosts+=("n$i"); done
   idx=1
   for h in "${hosts[@]}"; do
     ns=$prefix-$h
@@ -128,12 +225,13 @@ up)
   printf '[superlink]\ndefault = "netns"\n\n[superlink.netns]\naddress = "%s:9093"\n%s\n' \
     "$link_ip" "$conn_tls" > "$state/flwr-home/config.toml"
   start_superlink "$state"
-  for i in $(seq 0 $((nodes - 1))); do
+  for ((i = 0; i < nodes; i++)); do
     if [ "$insecure" = 1 ]; then
       tls_node=(--insecure)
     else
       FLWR_HOME=$state/flwr-home ip netns exec "$prefix-link" \
-        flwr supernode register "$state/certs/keys/supernode-$i.pub" netns >> "$state/register.log" 2>&1
+        flwr supernode register "$state/certs/keys/supernode-$i.pub" netns >> "$state/register.log" 2>&1 \
+        || die 1 "registering supernode-$i failed (see $state/register.log)"
       tls_node=(--root-certificates "$state/certs/ca.crt"
                 --auth-supernode-private-key "$state/certs/keys/supernode-$i")
     fi
@@ -141,37 +239,35 @@ up)
       flower-supernode "${tls_node[@]}" --superlink "$link_ip:9092" --port 9094 \
       --node-config "partition-id=$i num-partitions=$nodes" --max-retries 20 --max-wait-time 120
   done
+  trap - EXIT
   echo "federation up: SuperLink $link_ip (namespace $prefix-link), $nodes SuperNodes; state in $state"
   ;;
 run)
-  state=$(cd "$state" && pwd)
-  prefix=$(cat "$state/prefix")
+  require_root
+  require_tools ip flwr
+  load_state
+  require_up
   FLWR_HOME=$state/flwr-home DPFL_OUTPUT_ROOT=$state ip netns exec "$prefix-link" \
     flwr run "$repo" netns --stream "$@"
   ;;
 restart-superlink)
-  state=$(cd "$state" && pwd)
+  [ $# = 0 ] || die 2 "unknown argument '$1' (restart-superlink STATE_DIR)"
+  require_root
+  require_tools ip setsid ps flower-superlink
+  load_state
+  require_up
+  [ -f "$state/superlink.pid" ] || die 2 "'$state/superlink.pid' missing: no SuperLink of this federation to restart"
   stop_tree "$(cat "$state/superlink.pid")"
   mv "$state/superlink.log" "$state/superlink.log.$(date +%s)"
   start_superlink "$state"
   echo "SuperLink restarted"
   ;;
 down)
-  [ -d "$state" ] || exit 0
-  prefix=$(cat "$state/prefix" 2>/dev/null || echo dpfl)
-  for f in "$state"/supernode-*.pid "$state"/superlink.pid; do
-    [ -e "$f" ] || continue
-    stop_tree "$(cat "$f")"
-    rm -f "$f"
-  done
-  for ns in $(ip netns list | awk '{print $1}' | grep "^$prefix-" || true); do
-    ip netns pids "$ns" 2>/dev/null | xargs -r kill -KILL 2>/dev/null || true
-    ip netns delete "$ns"
-  done
+  [ $# = 0 ] || die 2 "unknown argument '$1' (down STATE_DIR)"
+  require_root
+  require_tools ip ps
+  load_state
+  teardown "$state" "$prefix"
   echo "federation down"
-  ;;
-*)
-  echo "unknown command $cmd (up|run|down)" >&2
-  exit 2
   ;;
 esac

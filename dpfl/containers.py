@@ -8,22 +8,38 @@ one dpfl image (deploy/image.sh). Secure by default: TLS everywhere and SuperNod
 authentication (keys made by deploy/certs.sh, registered through the Control API before the
 SuperNodes start); ``insecure=True`` drops both and warns. Every object carries the label
 ``dpfl.federation=<name>``; ``down`` removes exactly those objects.
+
+Everything a user can fix is checked before anything is written and reported as one
+:class:`~dpfl.errors.UserError` line: the Docker SDK missing, no engine answering at the
+socket/URL tried, a missing image, a name or port already taken, a state folder that is not
+a federation's.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
+import shutil
 import socket
 import subprocess
 import sys
 import time
 import warnings
-from dataclasses import asdict, dataclass
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+from dpfl.errors import UserError, read_json_file
 
 LABEL = "dpfl.federation"
 REPO = Path(__file__).resolve().parent.parent
+STATE_FILE = "federation.json"
+DEFAULT_ENGINE = "unix:///var/run/docker.sock"  # the SDK's (and the CLI's) default socket
+PROBE_TIMEOUT = 10  # seconds to wait for the engine's first answer
+NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]*")  # container names and a TOML key
 
 
 @dataclass(frozen=True)
@@ -50,7 +66,162 @@ class Federation:
 
     @classmethod
     def load(cls, state: Path) -> "Federation":
-        return cls(**json.loads((state / "federation.json").read_text()))
+        """The federation saved in ``state`` by `up`, or a :class:`UserError` naming the
+        folder (missing, not a folder, no federation.json) or the damaged file."""
+        if not state.exists():
+            raise UserError(f"{state}: no such directory (the --state folder of a "
+                            "`dpfl deploy up`)")
+        if not state.is_dir():
+            raise UserError(f"{state}: not a directory (the --state folder of a "
+                            "`dpfl deploy up`)")
+        path = state / STATE_FILE
+        if not path.exists():
+            raise UserError(f"{state}: not a federation's state (no {STATE_FILE}; "
+                            "`dpfl deploy up --state DIR` makes one)")
+        data = read_json_file(path, "federation state")
+        names = {f.name for f in fields(cls)}
+        if not isinstance(data, dict) or set(data) != names:
+            raise UserError(f"{path}: federation state is damaged (expected the keys "
+                            f"{sorted(names)})")
+        return cls(**data)
+
+
+# -- prerequisites: checked before anything is written ---------------------------------------
+
+
+def docker_sdk() -> ModuleType:
+    """The ``docker`` package, or a :class:`UserError` saying how to install it."""
+    try:
+        import docker
+    except ImportError as exc:
+        raise UserError("the Docker SDK for Python (package 'docker') is not installed: "
+                        "pip install 'dpfl[deploy]'") from exc
+    return docker
+
+
+def engine_address(environ: Mapping[str, str] | None = None) -> tuple[str, str]:
+    """The engine URL the SDK dials and where it comes from, as ``docker.from_env`` picks
+    it: DOCKER_HOST, else the current Docker CLI context, else the default socket."""
+    env = os.environ if environ is None else environ
+    if env.get("DOCKER_HOST"):
+        return env["DOCKER_HOST"], "DOCKER_HOST"
+    try:
+        from docker.context import ContextAPI
+
+        host = ContextAPI.kwargs_from_context(environment=env).get("base_url")
+    except Exception:  # an unreadable CLI config: the SDK falls back to the default too
+        host = None
+    if host and host.replace("http+unix://", "unix://") != DEFAULT_ENGINE:
+        return host, "the current Docker context"
+    return DEFAULT_ENGINE, "the default; DOCKER_HOST is not set"
+
+
+def _root_cause(exc: BaseException) -> str:
+    """The most specific one-line reason inside a Docker SDK/requests exception chain (the
+    OS error, e.g. "No such file or directory"), else the exception's own text."""
+    seen: set[int] = set()
+    todo: list[Any] = [exc]
+    while todo:
+        err = todo.pop(0)
+        if not isinstance(err, BaseException) or id(err) in seen:
+            continue
+        seen.add(id(err))
+        if isinstance(err, OSError) and err.strerror:
+            return str(err.strerror)
+        todo += [*err.args, getattr(err, "reason", None), err.__cause__, err.__context__]
+    text = " ".join(str(exc).split()).removeprefix("Error while fetching server API version: ")
+    return text[:200]
+
+
+def connect(environ: Mapping[str, str] | None = None) -> Any:
+    """A Docker client whose engine has answered, or a :class:`UserError` naming the
+    socket/URL tried and how to get an engine there."""
+    docker = docker_sdk()
+    url, source = engine_address(environ)
+    try:
+        docker.utils.parse_host(url, docker.constants.IS_WINDOWS_PLATFORM)
+    except docker.errors.DockerException as exc:
+        raise UserError(f"{url} ({source}) is not a Docker engine address: {exc}; use "
+                        "unix:///PATH/docker.sock or tcp://HOST:PORT") from exc
+    try:
+        client = docker.DockerClient.from_env(timeout=PROBE_TIMEOUT, environment=environ)
+        client.ping()
+    except Exception as exc:  # DockerException, requests' errors, a bad DOCKER_HOST
+        reason = _root_cause(exc)
+        if "permission denied" in reason.lower():
+            hint = "run as root or as a member of the 'docker' group"
+        else:
+            hint = ("start one (as root: `dockerd &` or `systemctl start docker`) or set "
+                    "DOCKER_HOST to a running engine's socket, e.g. unix:///path/docker.sock")
+        raise UserError(f"no Docker engine at {url} ({source}): {reason}; {hint}") from exc
+    client.api.timeout = docker.constants.DEFAULT_TIMEOUT_SECONDS  # long calls (stop) after
+    return client
+
+
+def _check_up_arguments(clients: int, name: str, control_port: int) -> None:
+    """--clients, --name and --control-port, or a :class:`UserError` naming the bad one."""
+    if clients < 1:
+        raise UserError(f"--clients must be at least 1 (got {clients})")
+    if not NAME_PATTERN.fullmatch(name):
+        raise UserError(f"--name {name!r}: use letters, digits, '-' and '_' (it prefixes "
+                        "container names and is a flwr connection name)")
+    if not 1 <= control_port <= 65535:
+        raise UserError(f"--control-port must be 1..65535 (got {control_port})")
+
+
+def _check_tools(*tools: str) -> None:
+    """Each tool is on PATH, or a :class:`UserError` naming the first one missing."""
+    for tool in tools:
+        if shutil.which(tool) is None:
+            raise UserError(f"'{tool}' not found on PATH (deploy/certs.sh needs it for the "
+                            "TLS certificates and SuperNode keys); install it or use --insecure")
+
+
+def _check_port_free(port: int) -> None:
+    """127.0.0.1:``port`` can be bound (the SuperLink's Control API is published there)."""
+    with socket.socket() as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError as exc:
+            raise UserError(f"--control-port {port}: 127.0.0.1:{port} is in use "
+                            f"({exc.strerror or exc}); pick another port") from exc
+
+
+def _check_engine_side(client: Any, image: str, name: str, url: str) -> None:
+    """The image exists in the engine and no object of federation ``name`` does."""
+    docker = docker_sdk()
+    try:
+        client.images.get(image)
+    except docker.errors.ImageNotFound as exc:
+        raise UserError(f"image {image!r} is not in the Docker engine at {url}; build it "
+                        f"with deploy/image.sh --tag {image} (or pass --image)") from exc
+    selector = {"label": f"{LABEL}={name}"}
+    taken = [c.name for c in client.containers.list(all=True, filters=selector)]
+    taken += [n.name for n in client.networks.list(filters=selector)]
+    if taken:
+        raise UserError(f"federation {name!r} already exists in the engine ({', '.join(taken)}); "
+                        "`dpfl deploy down --state DIR` with its state folder first, or pick "
+                        "another --name")
+
+
+def _check_state_target(state: Path) -> None:
+    """``state`` is a folder or does not exist yet."""
+    if state.exists() and not state.is_dir():
+        raise UserError(f"--state {state}: exists and is not a directory")
+
+
+def _make_certs(state: Path, clients: int) -> None:
+    """deploy/certs.sh into STATE/certs (it validates first and moves its output into place
+    only when complete); its one-line error becomes a :class:`UserError` or a RuntimeError."""
+    proc = subprocess.run([str(REPO / "deploy" / "certs.sh"), str(state / "certs"), "--san",
+                           "DNS:superlink", "--nodes", str(clients)], capture_output=True,
+                          text=True)
+    if proc.returncode == 0:
+        return
+    message = (proc.stderr.strip().splitlines() or [f"exit code {proc.returncode}"])[-1]
+    if proc.returncode == 2:
+        raise UserError(message)
+    raise RuntimeError(f"deploy/certs.sh failed: {message}")
 
 
 def _tls(fed: Federation, *, server: bool) -> list[str]:
@@ -121,30 +292,40 @@ def _register(fed: Federation, index: int, attempts: int = 30) -> None:
     raise RuntimeError(f"registering supernode-{index} failed: {out[-500:]}")
 
 
+def _check_flwr() -> None:
+    """The ``flwr`` CLI (registration, runs) is beside this Python or on PATH."""
+    path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
+    if shutil.which("flwr", path=path) is None:
+        raise UserError(f"'flwr' not found in {Path(sys.executable).parent} or on PATH; "
+                        "install dpfl (pip install 'dpfl[deploy]') in this Python's environment")
+
+
 def up(clients: int, state: Path, *, image: str = "dpfl:0.1.0", name: str = "dpfl-fed",
        insecure: bool = False, control_port: int = 9093) -> Federation:
-    """Create and start the federation; returns its description (also saved in ``state``)."""
-    import docker
+    """Create and start the federation; returns its description (also saved in ``state``).
 
-    if clients < 1:
-        raise ValueError("--clients must be at least 1")
+    Arguments, tools, the engine, the image, the name and the port are checked first: a
+    :class:`UserError` from those leaves nothing written."""
+    _check_up_arguments(clients, name, control_port)
     state = state.resolve()
-    state.mkdir(parents=True, exist_ok=True)
-    (state / "runs").mkdir(exist_ok=True)
+    _check_state_target(state)
+    if not insecure:
+        _check_tools("openssl", "ssh-keygen")
+        _check_flwr()
+    client = connect()
+    _check_engine_side(client, image, name, engine_address()[0])
+    _check_port_free(control_port)
     fed = Federation(name, image, clients, insecure, control_port, str(state))
     if insecure:
         warnings.warn("insecure federation: no TLS and no SuperNode authentication; anyone on "
                       "the network can read updates and join", stacklevel=2)
-        (state / "certs").mkdir(exist_ok=True)
+        (state / "certs").mkdir(parents=True, exist_ok=True)
     else:
-        subprocess.run([str(REPO / "deploy" / "certs.sh"), str(state / "certs"), "--san",
-                        "DNS:superlink", "--nodes", str(clients)], check=True,
-                       capture_output=True)
+        _make_certs(state, clients)  # makes STATE/ and STATE/certs/ only when it succeeds
+    (state / "runs").mkdir(exist_ok=True)
     fed.save()
     _write_connection(fed)
-    client = docker.from_env()
     labels = {LABEL: name}
-    client.images.get(image)  # fail early, with docker's message, if the image is missing
     client.networks.create(fed.network, driver="bridge", labels=labels)
     client.volumes.create(fed.volume, labels=labels)
     certs = {str(state / "certs"): {"bind": "/certs", "mode": "ro"}}
@@ -172,31 +353,44 @@ def up(clients: int, state: Path, *, image: str = "dpfl:0.1.0", name: str = "dpf
     return fed
 
 
+def _check_running(client: Any, fed: Federation) -> None:
+    """The federation's SuperLink container exists and runs, or a :class:`UserError`."""
+    docker = docker_sdk()
+    container = f"{fed.name}-superlink"
+    try:
+        status = client.containers.get(container).status
+    except docker.errors.NotFound as exc:
+        raise UserError(f"federation {fed.name!r} of {fed.state} is not up (no container "
+                        f"{container}); `dpfl deploy up --state {fed.state}` first") from exc
+    if status != "running":
+        raise UserError(f"federation {fed.name!r} of {fed.state} is not running (container "
+                        f"{container} is {status}); see `dpfl deploy logs --state {fed.state}`")
+
+
 def run(state: Path, flwr_args: list[str]) -> int:
-    """``flwr run`` of this repository's app on the federation saved in ``state``."""
+    """``flwr run`` of this repository's app on the federation saved in ``state`` (which
+    must be up: its SuperLink container running)."""
     fed = Federation.load(state.resolve())
+    _check_flwr()
+    _check_running(connect(), fed)
     return subprocess.run(["flwr", "run", str(REPO), fed.name, "--stream", *flwr_args],
                           env=_flwr_env(fed)).returncode
 
 
 def logs(state: Path) -> str:
     """Every container's log, for diagnosis."""
-    import docker
-
     fed = Federation.load(state.resolve())
     out = []
-    for c in docker.from_env().containers.list(all=True, filters={"label": f"{LABEL}={fed.name}"}):
+    for c in connect().containers.list(all=True, filters={"label": f"{LABEL}={fed.name}"}):
         out.append(f"===== {c.name} ({c.status})\n{c.logs().decode(errors='replace')}")
-    return "\n".join(out)
+    return "\n".join(out) or f"no containers of federation {fed.name!r} (state {fed.state})"
 
 
 def down(state: Path, timeout: int = 20) -> list[str]:
     """Stop (SIGINT, then SIGKILL after ``timeout`` s) and remove every container, the
     network and the volume labelled with this federation; returns what was removed."""
-    import docker
-
     fed = Federation.load(state.resolve())
-    client = docker.from_env()
+    client = connect()
     selector = {"label": f"{LABEL}={fed.name}"}
     removed = []
     for c in client.containers.list(all=True, filters=selector):

@@ -20,12 +20,23 @@
 # device does not change it; what the device bounds is threads, memory and CPU share.
 # Register the key's .pub on the SuperLink side first: flwr supernode register KEY.pub <conn>.
 # --dry-run prints the files it would write and installs nothing.
+# Every argument is checked before anything is written (a bad one: one line on stderr naming
+# it, exit 2); without --dry-run also root, python3's venv module and systemctl.
 set -euo pipefail
+me=deploy/edge/install.sh
+die() {  # die CODE MESSAGE: one line on stderr, exit CODE
+  echo "$me: $2" >&2
+  exit "$1"
+}
 here=$(cd "$(dirname "$0")" && pwd)
 repo=$(cd "$here/../.." && pwd)
 superlink="" ca="" key="" pid="" nparts="" threads=2 memory_max=1500M cpu_quota=150%
 wheel="" prefix=/opt/dpfl torch_spec=torch dry_run=0 etc=/etc/dpfl
 while [ $# -gt 0 ]; do
+  case "$1" in
+    --dry-run) ;;
+    --*) [ $# -ge 2 ] || die 2 "$1 needs a value (see the header of $me)" ;;
+  esac
   case "$1" in
     --superlink) superlink=$2; shift 2 ;;
     --ca) ca=$2; shift 2 ;;
@@ -40,13 +51,33 @@ while [ $# -gt 0 ]; do
     --torch) torch_spec=$2; shift 2 ;;
     --etc) etc=$2; shift 2 ;;
     --dry-run) dry_run=1; shift ;;
-    *) echo "unknown argument: $1" >&2; exit 2 ;;
+    *) die 2 "unknown argument '$1' (see the header of $me)" ;;
   esac
 done
 for v in superlink ca key pid nparts; do
-  [ -n "${!v}" ] || { echo "missing --${v/nparts/num-partitions} (see the header)" >&2; exit 2; }
+  [ -n "${!v}" ] || die 2 "missing --${v/nparts/num-partitions} (see the header of $me)"
 done
-[ -f "$ca" ] && [ -f "$key" ] || { echo "--ca and --key must be files" >&2; exit 2; }
+[ -f "$ca" ] || die 2 "--ca '$ca': no such file (the federation's CA certificate)"
+[ -f "$key" ] || die 2 "--key '$key': no such file (this SuperNode's private key)"
+[[ $superlink =~ ^[^[:space:]|]+:[0-9]{1,5}$ ]] && [ "${superlink##*:}" -ge 1 ] && [ "${superlink##*:}" -le 65535 ] \
+  || die 2 "--superlink '$superlink': expected HOST:PORT, e.g. 10.0.0.1:9092"
+[[ $nparts =~ ^[1-9][0-9]{0,5}$ ]] || die 2 "--num-partitions '$nparts': expected a whole number >= 1"
+[[ $pid =~ ^(0|[1-9][0-9]{0,5})$ ]] && [ "$pid" -lt "$nparts" ] \
+  || die 2 "--partition-id '$pid': expected a whole number 0..$((nparts - 1)) (below --num-partitions)"
+[[ $threads =~ ^[1-9][0-9]{0,3}$ ]] || die 2 "--threads '$threads': expected a whole number >= 1"
+[[ $memory_max =~ ^([1-9][0-9]*[KMGT]?|[1-9][0-9]?%|100%|infinity)$ ]] \
+  || die 2 "--memory-max '$memory_max': expected a systemd MemoryMax, e.g. 1500M, 2G or 50%"
+[[ $cpu_quota =~ ^[1-9][0-9]*%$ ]] || die 2 "--cpu-quota '$cpu_quota': expected a percentage, e.g. 150%"
+for v in prefix etc; do
+  [[ ${!v} == /* && ${!v} != *[[:space:]\|]* ]] || die 2 "--$v '${!v}': expected an absolute path without spaces or '|'"
+done
+[ -z "$wheel" ] || [ -f "$wheel" ] || die 2 "--wheel '$wheel': no such file"
+if [ "$dry_run" = 0 ]; then
+  [ "$(id -u)" = 0 ] || die 2 "needs root: it writes /etc/systemd/system, $etc and $prefix and starts a service; run it with sudo (or --dry-run)"
+  command -v systemctl > /dev/null || die 2 "'systemctl' not found: this installs a systemd service"
+  python3 -c 'import ensurepip, venv' 2> /dev/null \
+    || die 2 "python3 with the venv module is needed (apt-get install python3-venv)"
+fi
 
 env_file=$(cat <<ENV
 # dpfl SuperNode settings (read by dpfl-supernode.service)
