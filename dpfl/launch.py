@@ -11,6 +11,7 @@ processes it spawned) by PID afterwards, whatever happened.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import secrets
 import shutil
@@ -27,9 +28,10 @@ import tomllib
 
 from dpfl.apps.status import STATUS_ENV, read_status
 from dpfl.config import RunConfig
-from dpfl.data import check_dataset
+from dpfl.apps.server import first_round_affordable
+from dpfl.data import check_dataset, splits_for
 from dpfl.errors import UserError
-from dpfl.methods import DEFAULT_METHOD, parse_run_config
+from dpfl.methods import DEFAULT_METHOD, build_strategy, configured, parse_run_config
 from dpfl.server.rundir import check_new_run_dir, existing_run_files, unique_run_name
 from dpfl.watchdog import alive, descendants, die_with_parent
 
@@ -172,7 +174,8 @@ def preflight(cfg: RunConfig, num_clients: int, run_dir: Path) -> None:
     """Settings that cannot work stop here, before any process starts (one-line
     :class:`UserError` each): no clients, more ``min-train-nodes`` than clients (the server
     would wait for nodes that never come), a new run on an existing run directory, a resume
-    of a directory that is not there, a dataset or data-dir that is not there."""
+    of a directory that is not there, a dataset or data-dir that is not there, a budget
+    that one round at an explicit ``noise-multiplier`` already exceeds."""
     if num_clients < 1:
         raise UserError(f"--clients must be at least 1, got {num_clients}")
     if cfg.min_train_nodes > num_clients:
@@ -186,6 +189,18 @@ def preflight(cfg: RunConfig, num_clients: int, run_dir: Path) -> None:
     else:
         check_new_run_dir(run_dir)
     check_dataset(cfg.dataset, cfg.data_dir, cfg.download)
+    if cfg.is_private and cfg.noise_multiplier > 0 and not cfg.resume:
+        # an explicit sigma: is one round affordable? (calibrated sigmas are by construction;
+        # the ServerApp checks every case again, in deployments too)
+        flower = logging.getLogger("flwr")
+        level, flower.level = flower.level, logging.ERROR  # no strategy warnings here
+        try:
+            strategy = build_strategy(configured(cfg))
+        finally:
+            flower.setLevel(level)
+        strategy.bind_partition_sizes({i: len(s.train)
+                                       for i, s in enumerate(splits_for(cfg, num_clients))})
+        first_round_affordable(strategy, cfg)
 
 
 def _outcome(status_file: Path, run_dir: Path, returncode: int, log_file: Path) -> Path:

@@ -46,4 +46,32 @@ def test_simulate_rejects_before_starting(tmp_path, capsys):
     _fails(capsys, ["simulate", "--output-dir", str(tmp_path),
                     "resume-without-checkpoint=true"], "resume-without-checkpoint",
            "needs resume=true")
+    _fails(capsys, ["simulate", "--output-dir", str(tmp_path), "--clients", "0"],
+           "--clients must be at least 1")
     assert not any(tmp_path.iterdir())  # nothing was written
+
+
+def test_a_budget_one_round_exceeds_stops_before_training(tmp_path, capsys):
+    """sigma 0.3 on digits (2 clients, q = 32/646, 21 steps): one round costs epsilon ~39
+    under RDP, far above 1.0; found before any process starts, by the clients' own check."""
+    line = _fails(capsys, ["simulate", "--clients", "2", "--output-dir", str(tmp_path),
+                           "dataset=digits", "model=mlp", "batch-size=32", "accountant=rdp",
+                           "noise-multiplier=0.3", "target-epsilon=1.0"],
+                  "target-epsilon", "one round already costs client-0")
+    from opacus.accountants import RDPAccountant
+
+    import re
+
+    acc = RDPAccountant()
+    acc.history = [(0.3, 32 / 646, 21)]
+    stated = float(re.search(r"epsilon ([0-9.]+) > 1", line).group(1))
+    # Opacus' RDP on its own order grid: 39.77; dpfl's RDP (finer orders) is a bit tighter
+    assert stated == pytest.approx(acc.get_epsilon(1e-5), rel=0.03)
+    assert not any(tmp_path.iterdir())
+
+
+def test_a_new_run_never_reuses_a_finished_run_directory(tmp_path, capsys):
+    (tmp_path / "old").mkdir()
+    (tmp_path / "old" / "summary.json").write_text("{}")
+    _fails(capsys, ["simulate", "--output-dir", str(tmp_path), "run-name=old"],
+           str(tmp_path / "old"), "already exists")
