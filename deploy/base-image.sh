@@ -11,23 +11,8 @@
 # is one line on stderr naming it, exit 2); a temporary WORK_DIR is removed afterwards.
 set -euo pipefail
 me=deploy/base-image.sh
-die() {  # die CODE MESSAGE: one line on stderr, exit CODE
-  echo "$me: $2" >&2
-  exit "$1"
-}
-engine=${DOCKER_HOST:-unix:///var/run/docker.sock}
+. "$(dirname "$0")/lib.sh"  # die, require_engine
 
-require_engine() {  # a Docker engine answers at DOCKER_HOST (else the CLI's context/default)
-  local err reason
-  err=$(docker version --format '{{.Server.Version}}' 2>&1 >/dev/null) && return 0
-  [ -n "${DOCKER_HOST:-}" ] \
-    || engine=$(docker context inspect --format '{{.Endpoints.docker.Host}}' 2>/dev/null || echo "$engine")
-  case "$err" in
-    *"Cannot connect to the Docker daemon"*) reason="nothing answers there" ;;
-    *) reason=${err##*$'\n'} ;;
-  esac
-  die 2 "no Docker engine at $engine ($reason); start one (as root: 'dockerd &') or set DOCKER_HOST to a running engine's socket"
-}
 
 [ $# -ge 1 ] && [ $# -le 2 ] && [ -n "$1" ] && [[ $1 != -* ]] \
   || die 2 "usage: $me TAG [WORK_DIR]   e.g. $me dpfl-local/python:3.11"

@@ -23,10 +23,7 @@ set -euo pipefail
 me=deploy/certs.sh
 usage="usage: $me OUT_DIR [--san IP:x.x.x.x] [--san DNS:name] [--nodes N] [--days D]"
 
-die() {  # die CODE MESSAGE: one line on stderr, exit CODE
-  echo "$me: $2" >&2
-  exit "$1"
-}
+. "$(dirname "$0")/lib.sh"  # die, require_engine
 
 valid_ipv4() {  # four decimal octets 0..255
   local IFS=. octet

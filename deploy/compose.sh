@@ -21,10 +21,7 @@
 set -euo pipefail
 me=deploy/compose.sh
 usage="usage: $me up|run|logs|down STATE_DIR [options]"
-die() {  # die CODE MESSAGE: one line on stderr, exit CODE
-  echo "$me: $2" >&2
-  exit "$1"
-}
+. "$(dirname "$0")/lib.sh"  # die, require_engine
 cmd=${1:-}
 case "$cmd" in
   up|run|logs|down) ;;
@@ -38,7 +35,6 @@ repo=$(cd "$(dirname "$0")/.." && pwd)
 venv_bin=${DPFL_VENV_BIN:-$repo/.venv/bin}
 export PATH="$venv_bin:$PATH" FLWR_TELEMETRY_ENABLED=0 FLWR_DISABLE_UPDATE_CHECK=1 \
   FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION=1 PYTHONWARNINGS=ignore
-engine=${DOCKER_HOST:-unix:///var/run/docker.sock}
 
 compose() {  # docker-compose with this federation's project, files and environment
   local files=(-f "$repo/docker-compose.yml")
@@ -72,17 +68,6 @@ require_tools() {  # require_tools TOOL...: each on PATH (the venv's bin/ first)
   done
 }
 
-require_engine() {  # a Docker engine answers at DOCKER_HOST (else the CLI's context/default)
-  local err reason
-  err=$(docker version --format '{{.Server.Version}}' 2>&1 >/dev/null) && return 0
-  [ -n "${DOCKER_HOST:-}" ] \
-    || engine=$(docker context inspect --format '{{.Endpoints.docker.Host}}' 2>/dev/null || echo "$engine")
-  case "$err" in
-    *"Cannot connect to the Docker daemon"*) reason="nothing answers there" ;;
-    *) reason=${err##*$'\n'} ;;
-  esac
-  die 2 "no Docker engine at $engine ($reason); start one (as root: 'dockerd &') or set DOCKER_HOST to a running engine's socket"
-}
 
 require_image() {  # require_image TAG: the image is in the engine (up never pulls or builds)
   docker image inspect "$1" > /dev/null 2>&1 \

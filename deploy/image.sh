@@ -15,26 +15,11 @@
 # anything is written: a problem is one line on stderr naming it, exit 2.
 set -euo pipefail
 me=deploy/image.sh
-die() {  # die CODE MESSAGE: one line on stderr, exit CODE
-  echo "$me: $2" >&2
-  exit "$1"
-}
+. "$(dirname "$0")/lib.sh"  # die, require_engine
 repo=$(cd "$(dirname "$0")/.." && pwd)
 tag=dpfl:0.1.0 base=python:3.11-slim torch_spec="torch==2.13.0"
 python=${PYTHON:-python3}
-engine=${DOCKER_HOST:-unix:///var/run/docker.sock}
 
-require_engine() {  # a Docker engine answers at DOCKER_HOST (else the CLI's context/default)
-  local err reason
-  err=$(docker version --format '{{.Server.Version}}' 2>&1 >/dev/null) && return 0
-  [ -n "${DOCKER_HOST:-}" ] \
-    || engine=$(docker context inspect --format '{{.Endpoints.docker.Host}}' 2>/dev/null || echo "$engine")
-  case "$err" in
-    *"Cannot connect to the Docker daemon"*) reason="nothing answers there" ;;
-    *) reason=${err##*$'\n'} ;;
-  esac
-  die 2 "no Docker engine at $engine ($reason); start one (as root: 'dockerd &') or set DOCKER_HOST to a running engine's socket"
-}
 
 while [ $# -gt 0 ]; do
   case "$1" in

@@ -23,10 +23,7 @@
 set -euo pipefail
 me=deploy/netns.sh
 usage="usage: $me up|run|restart-superlink|down STATE_DIR [options]"
-die() {  # die CODE MESSAGE: one line on stderr, exit CODE
-  echo "$me: $2" >&2
-  exit "$1"
-}
+. "$(dirname "$0")/lib.sh"  # die, require_engine
 cmd=${1:-}
 case "$cmd" in
   up|run|restart-superlink|down) ;;

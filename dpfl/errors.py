@@ -16,17 +16,23 @@ class UserError(Exception):
     """A bad input the user can fix (missing or damaged file, bad argument or setting)."""
 
 
+def read_text_file(path: Path, what: str) -> str:
+    """The text of ``path`` or a :class:`UserError` naming it (missing or unreadable);
+    ``what`` says what the file is, e.g. "round log"."""
+    if not path.exists():
+        raise UserError(f"{path}: no such file ({what})")
+    try:
+        return path.read_text()
+    except OSError as exc:
+        raise UserError(f"{path}: cannot read {what}: {exc.strerror or exc}") from exc
+
+
 def read_json_file(path: Path, what: str) -> object:
     """``json.load`` of ``path`` or a :class:`UserError` naming it (missing, unreadable,
     empty or damaged); ``what`` says what the file is, e.g. "run summary"."""
     import json
 
-    if not path.exists():
-        raise UserError(f"{path}: no such file ({what})")
-    try:
-        text = path.read_text()
-    except OSError as exc:
-        raise UserError(f"{path}: cannot read {what}: {exc.strerror or exc}") from exc
+    text = read_text_file(path, what)
     if not text.strip():
         raise UserError(f"{path}: {what} is empty")
     try:

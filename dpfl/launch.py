@@ -32,7 +32,7 @@ from dpfl.apps.server import first_round_affordable
 from dpfl.data import check_dataset, splits_for
 from dpfl.errors import UserError
 from dpfl.methods import DEFAULT_METHOD, build_strategy, configured, parse_run_config
-from dpfl.server.rundir import check_new_run_dir, existing_run_files, unique_run_name
+from dpfl.server.rundir import check_run_dir, unique_run_name
 from dpfl.watchdog import alive, descendants, die_with_parent
 
 CONNECTION = "dpfl-sim"
@@ -182,12 +182,7 @@ def preflight(cfg: RunConfig, num_clients: int, run_dir: Path) -> None:
         raise UserError(f"run-config key 'min-train-nodes': {cfg.min_train_nodes} nodes "
                         f"needed but --clients is {num_clients}: the server would wait for "
                         "nodes that never come")
-    if cfg.resume:
-        if not existing_run_files(run_dir):
-            raise UserError(f"resume=true but there is no run to resume in {run_dir}: check "
-                            "run-name and output-dir, or drop resume=true")
-    else:
-        check_new_run_dir(run_dir)
+    check_run_dir(run_dir, cfg.resume)
     check_dataset(cfg.dataset, cfg.data_dir, cfg.download)
     if cfg.is_private and cfg.noise_multiplier > 0 and not cfg.resume:
         # an explicit sigma: is one round affordable? (calibrated sigmas are by construction;

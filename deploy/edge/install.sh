@@ -24,10 +24,7 @@
 # it, exit 2); without --dry-run also root, python3's venv module and systemctl.
 set -euo pipefail
 me=deploy/edge/install.sh
-die() {  # die CODE MESSAGE: one line on stderr, exit CODE
-  echo "$me: $2" >&2
-  exit "$1"
-}
+. "$(dirname "$0")/../lib.sh"  # die, require_engine
 here=$(cd "$(dirname "$0")" && pwd)
 repo=$(cd "$here/../.." && pwd)
 superlink="" ca="" key="" pid="" nparts="" threads=2 memory_max=1500M cpu_quota=150%

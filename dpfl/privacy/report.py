@@ -39,7 +39,7 @@ from typing import Any, TextIO
 from rich.console import Console
 from rich.table import Table
 
-from dpfl.errors import UserError, read_json_file
+from dpfl.errors import UserError, read_json_file, read_text_file
 from dpfl.privacy.events import ACCOUNTANTS, PURE, PrivacyEvent
 from dpfl.privacy.ledger import Ledger
 
@@ -154,12 +154,7 @@ def load_summary(path: Path) -> dict[str, Any] | None:
 def load_rounds(path: Path) -> list[dict[str, Any]]:
     """The lines of ``rounds.jsonl``, or a :class:`UserError` naming the file (and line)
     when it is missing or a line is damaged or not a round record."""
-    if not path.exists():
-        raise UserError(f"{path}: no such file (round log)")
-    try:
-        text = path.read_text()
-    except OSError as exc:
-        raise UserError(f"{path}: cannot read round log: {exc.strerror or exc}") from exc
+    text = read_text_file(path, "round log")
     out = []
     for number, line in enumerate(text.splitlines(), 1):
         if not line.strip():

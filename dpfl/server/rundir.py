@@ -70,6 +70,15 @@ def existing_run_files(path: Path) -> list[str]:
     return sorted(p.name for p in path.iterdir() if p.name not in LAUNCHER_FILES)
 
 
+def check_run_dir(path: Path, resume: bool) -> None:
+    """``resume=true`` needs a run in ``path``; a new run needs ``path`` unused."""
+    if not resume:
+        check_new_run_dir(path)
+    elif not existing_run_files(path):
+        raise UserError(f"resume=true but there is no run to resume in {path}: check "
+                        "run-name and output-dir, or drop resume=true")
+
+
 def check_new_run_dir(path: Path) -> None:
     """A new run never reuses a directory: :class:`UserError` if ``path`` holds anything."""
     held = existing_run_files(path)
@@ -103,12 +112,7 @@ class RunDir:
         run never reuses one; ``resume=true`` needs one."""
         name = cfg.run_name or default_run_name(cfg)
         path = resolve_output_dir(cfg) / name
-        if cfg.resume:
-            if not existing_run_files(path):
-                raise UserError(f"resume=true but there is no run to resume in {path}: "
-                                "check run-name and output-dir, or drop resume=true")
-        else:
-            check_new_run_dir(path)
+        check_run_dir(path, cfg.resume)
         return cls(path)
 
     def create(self) -> "RunDir":
