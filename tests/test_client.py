@@ -185,3 +185,48 @@ def test_empty_poisson_batches_are_noise_only_steps(mode):
     after = flatten(model.state_dict())
     assert result.steps == 20 and result.sample_rate == pytest.approx(0.05)
     assert bool(torch.isfinite(after).all()) and not torch.equal(after, before)
+
+
+def test_the_budget_check_counts_the_servers_releases():
+    """The server sends the releases it made itself on this client's behalf (e.g. adaptive
+    clipping's noisy count; ``server-event-*``): a round that fits the client's own history
+    is refused once they are counted, and the epsilon the client reports stays its own."""
+    from dpfl.privacy.ledger import Ledger, server_events_config
+
+    run_config = {**DIGITS, "accountant": "rdp", "trainer": "update-dp"}
+    torch.manual_seed(0)
+    arrays = ArrayRecord(build_model("mlp", (1, 8, 8), 10).state_dict())
+    ctx = context(run_config, 0, 2)
+    first = _train_round(run_config, ctx, arrays, 1).content["metrics"]["epsilon"]
+    assert 0 < first <= 2.0
+    own = PrivacyHistory.load(ctx.state).events
+    assert own[0].unit == "client"
+    ledger = Ledger(1e-5, "rdp")
+    count = PrivacyEvent.gaussian(1, 0.5, relation=own[0].relation)
+    ledger.charge_server_release(1, [count], ["client-0"], "count")
+    released = server_events_config(ledger, "client-0")
+    assert set(released) == {f"server-event-{f}" for f in
+                             ("round", "mechanism", "sigma", "rate", "steps", "epsilon",
+                              "relation")}
+    msg = message(RecordDict({"arrays": arrays, "config": ConfigRecord(
+        {"server-round": 2, **released})}))
+    state_before = dict(ctx.state["dpfl.privacy"])
+    reply = train(msg, ctx)
+    status = reply.content["status"]
+    assert status["status"] == "refused" and "server releases included" in status["reason"]
+    assert reply.content["metrics"]["epsilon"] == pytest.approx(first)  # its own events
+    assert dict(ctx.state["dpfl.privacy"]) == state_before
+    # without them the same round trains
+    reply = _train_round(run_config, ctx, arrays, 2)
+    assert "arrays" in reply.content.array_records
+    # a DP-SGD (sample-level) client given a client-level release cannot compose them:
+    # it refuses rather than guess, and spends nothing
+    ctx = context({**DIGITS, "accountant": "rdp"}, 0, 2)
+    ledger2 = Ledger(1e-5, "rdp")
+    ledger2.charge_server_release(1, [count], ["client-0"], "count")
+    msg = message(RecordDict({"arrays": arrays, "config": ConfigRecord(
+        {"server-round": 1, **server_events_config(ledger2, "client-0")})}))
+    reply = train(msg, ctx)
+    assert reply.content["status"]["status"] == "refused"
+    assert "unusable server-event record" in reply.content["status"]["reason"]
+    assert "dpfl.privacy" not in ctx.state

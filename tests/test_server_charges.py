@@ -197,3 +197,24 @@ def test_privacy_report_shows_the_server_releases(tmp_path):
     # the ledger agrees with summary.json and rounds.jsonl: the recorded verdict stands
     assert text.startswith("verdict: client-level (epsilon, delta)-DP\nchecked: ")
     assert "DIFFERENCE" not in text
+
+
+def test_the_guard_sends_each_client_the_releases_charged_to_it():
+    """After a server release covering client-0, the next instruction to client-0's node
+    carries it (``server-event-*``, read back with the client's parser); client-1, not
+    covered, gets none."""
+    from dpfl.methods import run_config
+    from dpfl.privacy.ledger import server_events_from
+    from dpfl.server.guard import DPGuard
+
+    guard = DPGuard(run_config(trainer="update-dp", noise_multiplier=1.0),
+                    plan_sigma=lambda pid, rnd: None)
+    guard.bind_partition_sizes({0: 100, 1: 100})
+    guard.node_partition.update({7: 0, 8: 1})
+    guard.bind_ledger(Ledger(D, "rdp"))
+    count = PrivacyEvent.gaussian(1, 2 * SIGMA_B, relation="replace-one")
+    guard.charge_server_release(1, [count], [0], "adaptive-clipping count")
+    sent = guard.plan_record(7, 2)
+    assert any(k.startswith("plan-") for k in sent)
+    assert server_events_from(sent) == [count]
+    assert server_events_from(guard.plan_record(8, 2)) == []

@@ -12,6 +12,8 @@ refused and the reason, and spends nothing.
 
 from __future__ import annotations
 
+import math
+
 import os
 
 import torch
@@ -26,7 +28,7 @@ from dpfl.methods import method_for, parse_run_config
 from dpfl.models import build_model
 from dpfl.models.evaluation import device_for, evaluate_model
 from dpfl.privacy.budget import PrivacyHistory
-from dpfl.privacy.ledger import prior_history
+from dpfl.privacy.ledger import prior_history, server_events_from
 from dpfl.privacy.mechanisms import DpsgdRelease, GaussianMechanism
 from dpfl.privacy.plan import UPDATE_DP_RELATION, plan_from_record, plan_problem, planned_event
 from dpfl.privacy.randomness import mechanism_generator, public_seed
@@ -99,14 +101,23 @@ def train(msg: Message, context: Context) -> Message:
     eps_now = history.epsilon(cfg.delta, cfg.accountant)
     server_plan = plan_from_record(config, server_round)
     problem = plan_problem(planned, server_plan) if server_plan is not None else None
-    refuse, eps_after = history.would_exceed(planned, cfg.target_epsilon, cfg.delta,
-                                             cfg.accountant)
+    # the budget covers the server's own releases charged to this client too (e.g. the
+    # noisy count of adaptive clipping); the epsilon it reports stays its own events'
+    try:
+        released = server_events_from(config)
+        spent = PrivacyHistory(history.events + released, history.adaptive)
+        refuse, eps_after = spent.would_exceed(planned, cfg.target_epsilon, cfg.delta,
+                                               cfg.accountant)
+    except (TypeError, ValueError) as exc:  # malformed, or of another unit: never guess
+        released, spent, refuse, eps_after = [], history, True, math.inf
+        problem = problem or f"unusable server-event record ({exc})"
     reason = None
     if problem is not None:
         reason = f"plan: the server's plan differs from this client's ({problem})"
     elif refuse:
         reason = (f"budget: epsilon would reach {eps_after:.4f} > target-epsilon "
-                  f"{cfg.target_epsilon} (spent {eps_now:.4f})")
+                  f"{cfg.target_epsilon} (spent {spent.epsilon(cfg.delta, cfg.accountant):.4f}"
+                  f"{', server releases included' if released else ''})")
     if reason is not None:
         log.warning("client %d refuses round %d: %s", pid, server_round, reason)
         return _reply(msg, metrics=MetricRecord({**base, "epsilon": eps_now, "refused": 1}),

@@ -246,3 +246,30 @@ def prior_history(config: Mapping[str, Any], partition_id: int) -> PrivacyHistor
     events = [PrivacyEvent(**{name: config[f"ledger-{name}"][i] for name in _FIELDS})
               for i in idx]
     return PrivacyHistory(events)
+
+
+SERVER_EVENTS_PREFIX = "server-event-"
+
+
+def server_events_config(ledger: Ledger, client: str) -> dict[str, list]:
+    """The server's own releases charged to ``client`` so far, as flat ConfigRecord lists
+    (``server-event-*`` keys; empty when there are none). Sent with every instruction so
+    the client's budget check counts what the server spent on its behalf."""
+    events = ledger.server.get(client, [])
+    if not events:
+        return {}
+    return {f"{SERVER_EVENTS_PREFIX}{name}": [getattr(e, name) for e in events]
+            for name in _FIELDS}
+
+
+def server_events_from(config: Mapping[str, Any]) -> list[PrivacyEvent]:
+    """The events :func:`server_events_config` put into an instruction (none if absent);
+    a malformed record is a ValueError (the client then refuses to guess)."""
+    key = f"{SERVER_EVENTS_PREFIX}round"
+    if key not in config:
+        return []
+    n = len(config[key])
+    columns = {name: list(config.get(f"{SERVER_EVENTS_PREFIX}{name}", [])) for name in _FIELDS}
+    if any(len(values) != n for values in columns.values()):
+        raise ValueError("server-event lists have different lengths")
+    return [PrivacyEvent(**{name: columns[name][i] for name in _FIELDS}) for i in range(n)]

@@ -24,6 +24,7 @@ from dpfl.logs import get_logger
 from dpfl.privacy.budget import PrivacyHistory
 from dpfl.privacy.charging import Charge, charge_for
 from dpfl.privacy.events import PrivacyEvent
+from dpfl.privacy.ledger import server_events_config
 from dpfl.privacy.plan import gaussian_norm_bound, noise_multiplier_for, plan_to_record, planned_event
 from dpfl.server.validation import ClientUpdate, Rejection, client_label
 
@@ -57,11 +58,15 @@ class DPGuard:
         return self.cfg.max_grad_norm if self.cfg.trainer == "dpsgd" else self.cfg.clip_norm
 
     def plan_record(self, node_id: int, server_round: int) -> dict[str, Any]:
-        """``plan-*`` keys for a node whose partition is known (else none)."""
+        """``plan-*`` keys for a node whose partition is known (else none), and the
+        server's own releases charged to it so far (``server-event-*``: the client's budget
+        check counts them)."""
         pid = self.node_partition.get(node_id)
         if not self.cfg.is_private or pid not in self.partition_sizes:
             return {}
-        return plan_to_record(self.planned_event(pid, server_round))
+        released = (server_events_config(self.ledger, f"client-{pid}")
+                    if self.ledger is not None else {})
+        return {**plan_to_record(self.planned_event(pid, server_round)), **released}
 
     # -- what the mechanism promises ---------------------------------------------------
     def norm_bound(self, dim: int, server_round: int) -> float | None:
