@@ -23,7 +23,7 @@ demo: $(STAMP)
 	$(VENV)/bin/dpfl simulate --clients 4
 
 test: $(STAMP)
-	$(VENV)/bin/python -m pytest -q
+	$(VENV)/bin/python -m pytest -q --durations=25
 
 bench: $(STAMP)
 	$(VENV)/bin/python bench/dpsgd_throughput.py
