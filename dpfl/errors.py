@@ -16,6 +16,12 @@ class UserError(Exception):
     """A bad input the user can fix (missing or damaged file, bad argument or setting)."""
 
 
+def one_line(exc: BaseException) -> str:
+    """An exception as ``Type: message`` on one line (for a message that wraps it)."""
+    text = " ".join(str(exc).split())
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
 def read_text_file(path: Path, what: str) -> str:
     """The text of ``path`` or a :class:`UserError` naming it (missing or unreadable);
     ``what`` says what the file is, e.g. "round log"."""

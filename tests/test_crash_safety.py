@@ -148,7 +148,7 @@ def test_a_damaged_ledger_is_never_read_as_an_empty_history(tmp_path, content):
     run = _run_dir(tmp_path, 2, 2)
     run.file("ledger.json").write_text(content)
     with pytest.raises(UserError, match=r"ledger.json: (privacy ledger is empty|privacy ledger "
-                                        r"is damaged|not a dpfl privacy ledger)"):
+                                        r"is damaged|not a privacy ledger)"):
         run.resume_point()
 
 

@@ -28,9 +28,10 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from dpfl.durable import atomic_write_text
-from dpfl.errors import UserError, read_json_file
+from dpfl.errors import UserError, one_line, read_json_file
 from dpfl.privacy.budget import _FIELDS, PrivacyHistory
 from dpfl.privacy.events import (
+    ACCOUNTANTS,
     PrivacyEvent,
     histories_epsilon,
     history_rdp,
@@ -200,13 +201,44 @@ class Ledger:
     def load(cls, path: Path) -> "Ledger":
         """Read ``ledger.json``; a missing, empty, damaged or non-ledger file is a
         :class:`UserError` naming it (never an empty history)."""
+        return cls.read(path)[0]
+
+    @classmethod
+    def read(cls, path: Path) -> tuple["Ledger", dict[str, Any]]:
+        """(the ledger, ``ledger.json``'s raw data), or a :class:`UserError` naming the file
+        when it is missing, empty, damaged or not a valid privacy ledger (every field,
+        charge, mismatch and event checked; delta in (0, 1); a known accountant)."""
         data = read_json_file(path, "privacy ledger")
+        if not isinstance(data, dict):
+            raise UserError(f"{path}: not a privacy ledger (a JSON {type(data).__name__}, "
+                            "not an object)")
+        missing = [k for k in ("delta", "accountant", "clients") if k not in data]
+        if missing:
+            raise UserError(f"{path}: not a privacy ledger (no {', '.join(map(repr, missing))})")
         try:
-            if not isinstance(data, dict) or "delta" not in data or "clients" not in data:
-                raise ValueError("no 'delta' or 'clients'")
-            return cls.from_json(data)
-        except (KeyError, TypeError, ValueError) as exc:
-            raise UserError(f"{path}: not a dpfl privacy ledger ({exc})") from exc
+            if not isinstance(data["clients"], dict) or not all(
+                    isinstance(d, dict) and isinstance(d.get("events"), list)
+                    for d in data["clients"].values()):
+                raise ValueError("'clients' must map each client to its 'events' list")
+            for key, fields in (("charges", ("client", "round", "note", "events")),
+                                ("mismatches", ("client", "round", "reported", "recomputed"))):
+                entries = data.get(key, [])
+                if not isinstance(entries, list) or not all(
+                        isinstance(e, dict) and all(f in e for f in fields) for e in entries):
+                    raise ValueError(f"each of {key!r} needs {', '.join(fields)}")
+            ledger = cls.from_json(data)
+            for c in ledger.charges:
+                for e in c["events"]:
+                    PrivacyEvent(**e)  # validates it
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise UserError(f"{path}: not a valid privacy ledger ({one_line(exc)})") from exc
+        if not 0.0 < ledger.delta < 1.0:
+            raise UserError(f"{path}: not a valid privacy ledger (delta {ledger.delta} not in "
+                            "(0, 1))")
+        if ledger.accountant not in ACCOUNTANTS:
+            raise UserError(f"{path}: not a valid privacy ledger (accountant "
+                            f"{ledger.accountant!r} not one of {', '.join(ACCOUNTANTS)})")
+        return ledger, data
 
     @property
     def last_round(self) -> int:

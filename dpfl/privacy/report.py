@@ -39,8 +39,8 @@ from typing import Any, TextIO
 from rich.console import Console
 from rich.table import Table
 
-from dpfl.errors import UserError, read_json_file, read_text_file
-from dpfl.privacy.events import ACCOUNTANTS, PURE, PrivacyEvent
+from dpfl.errors import UserError, one_line, read_json_file, read_text_file
+from dpfl.privacy.events import PURE, PrivacyEvent
 from dpfl.privacy.ledger import Ledger
 
 # Exit code of ``dpfl privacy-report`` when the records disagree (1 is a bug with its
@@ -77,59 +77,13 @@ PlotEpsilon = Callable[[dict[str, list[tuple[int, float]]], Path, Any, str], Pat
 # reading the run directory (UserError naming the file)
 
 
-def _one_line(exc: BaseException) -> str:
-    text = " ".join(str(exc).split())
-    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
-
-
-def load_ledger(path: Path) -> Ledger:
-    """``ledger.json`` as a :class:`Ledger`, or a :class:`UserError` naming the file when it
-    is missing, empty, damaged or not a privacy ledger."""
-    return _read_ledger(path)[0]
-
-
-def _read_ledger(path: Path) -> tuple[Ledger, dict[str, Any]]:
-    """(the ledger, ledger.json's raw data) or a :class:`UserError` (see :func:`load_ledger`)."""
-    data = read_json_file(path, "privacy ledger")
-    if not isinstance(data, dict):
-        raise UserError(f"{path}: not a privacy ledger (a JSON {type(data).__name__}, not an "
-                        "object)")
-    missing = [k for k in ("delta", "accountant", "clients") if k not in data]
-    if missing:
-        raise UserError(f"{path}: not a privacy ledger (no {', '.join(map(repr, missing))})")
-    try:
-        if not isinstance(data["clients"], dict) or not all(
-                isinstance(d, dict) and isinstance(d.get("events"), list)
-                for d in data["clients"].values()):
-            raise ValueError("'clients' must map each client to its 'events' list")
-        for key, fields in (("charges", ("client", "round", "note", "events")),
-                            ("mismatches", ("client", "round", "reported", "recomputed"))):
-            entries = data.get(key, [])
-            if not isinstance(entries, list) or not all(
-                    isinstance(e, dict) and all(f in e for f in fields) for e in entries):
-                raise ValueError(f"each of {key!r} needs {', '.join(fields)}")
-        ledger = Ledger.from_json(data)
-        for c in ledger.charges:
-            for e in c["events"]:
-                PrivacyEvent(**e)  # validates it
-    except (KeyError, TypeError, ValueError, AttributeError) as exc:
-        raise UserError(f"{path}: not a valid privacy ledger ({_one_line(exc)})") from exc
-    if not 0.0 < ledger.delta < 1.0:
-        raise UserError(f"{path}: not a valid privacy ledger (delta {ledger.delta} not in "
-                        "(0, 1))")
-    if ledger.accountant not in ACCOUNTANTS:
-        raise UserError(f"{path}: not a valid privacy ledger (accountant "
-                        f"{ledger.accountant!r} not one of {', '.join(ACCOUNTANTS)})")
-    return ledger, data
-
-
 def _recomputed(ledger: Ledger, path: Path) -> dict[str, float]:
     """Every client's epsilon from the ledger's events, or a :class:`UserError` naming
     ``path`` when they cannot be composed (e.g. a history mixing units)."""
     try:
         return ledger.recomputed_all()
     except ValueError as exc:
-        raise UserError(f"{path}: not a valid privacy ledger ({_one_line(exc)})") from exc
+        raise UserError(f"{path}: not a valid privacy ledger ({one_line(exc)})") from exc
 
 
 def load_summary(path: Path) -> dict[str, Any] | None:
@@ -187,7 +141,7 @@ def _round_problem(record: Any) -> str | None:
             for e in c["events"]:
                 PrivacyEvent(**e)  # validates it
         except (TypeError, ValueError) as exc:
-            return f"charge of {c['client']}: {_one_line(exc)}"
+            return f"charge of {c['client']}: {one_line(exc)}"
     return None
 
 
@@ -385,7 +339,7 @@ def build_privacy_report(run_dir: Path, plot: PlotEpsilon | None = None) -> Priv
     None draws nothing."""
     run_dir = Path(run_dir)
     ledger_path = run_dir / "ledger.json"
-    ledger, stored = _read_ledger(ledger_path)
+    ledger, stored = Ledger.read(ledger_path)
     summary = load_summary(run_dir / "summary.json")
     rounds = load_rounds(run_dir / "rounds.jsonl")
     config_path = run_dir / "config.json"
