@@ -26,13 +26,13 @@ from typing import Iterator
 
 import tomllib
 
+from dpfl.apps.server import first_round_affordable
 from dpfl.apps.status import STATUS_ENV, read_status
 from dpfl.config import RunConfig
-from dpfl.apps.server import first_round_affordable
 from dpfl.data import check_dataset, splits_for
 from dpfl.errors import UserError
 from dpfl.methods import DEFAULT_METHOD, build_strategy, configured, parse_run_config
-from dpfl.server.rundir import check_run_dir, unique_run_name
+from dpfl.server.rundir import check_run_dir, run_dir_path, unique_run_name
 from dpfl.watchdog import alive, descendants, die_with_parent
 
 CONNECTION = "dpfl-sim"
@@ -188,7 +188,8 @@ def preflight(cfg: RunConfig, num_clients: int, run_dir: Path) -> None:
         # an explicit sigma: is one round affordable? (calibrated sigmas are by construction;
         # the ServerApp checks every case again, in deployments too)
         flower = logging.getLogger("flwr")
-        level, flower.level = flower.level, logging.ERROR  # no strategy warnings here
+        level = flower.level
+        flower.setLevel(logging.ERROR)  # no strategy warnings here
         try:
             strategy = build_strategy(configured(cfg))
         finally:
@@ -226,11 +227,9 @@ def simulate(app_dir: Path, num_clients: int, overrides: dict[str, object],
     overrides.setdefault("run-name", unique_run_name(str(overrides.get("strategy") or
                                                          DEFAULT_METHOD)))
     overrides.setdefault("output-dir", str(output_root))
-    run_dir = Path(str(overrides["output-dir"])).expanduser()
-    run_dir = (run_dir if run_dir.is_absolute() else output_root / run_dir) / \
-        str(overrides["run-name"])
     defaults = tomllib.loads((app_dir / "pyproject.toml").read_text())["tool"]["flwr"]["app"]
     cfg = parse_run_config({**defaults["config"], **overrides})
+    run_dir = run_dir_path(cfg, output_root)  # where the ServerApp will put it
     preflight(cfg, num_clients, run_dir)
     flwr_home = (flwr_home or run_dir / ".flwr").resolve()
     env = flower_env(flwr_home, output_root)

@@ -55,12 +55,19 @@ def default_run_name(cfg: RunConfig) -> str:
     return unique_run_name(f"{cfg.strategy}-{cfg.dataset}")
 
 
-def resolve_output_dir(cfg: RunConfig) -> Path:
-    """``output-dir``; a relative path is taken from $DPFL_OUTPUT_ROOT, else the cwd."""
+def resolve_output_dir(cfg: RunConfig, root: Path | None = None) -> Path:
+    """``output-dir``; a relative path is taken from ``root`` (a launcher's, which it also
+    passes to the ServerApp as $DPFL_OUTPUT_ROOT), else $DPFL_OUTPUT_ROOT, else the cwd."""
     out = Path(os.path.expanduser(cfg.output_dir))
     if not out.is_absolute():
-        out = Path(os.environ.get("DPFL_OUTPUT_ROOT", os.getcwd())) / out
+        out = Path(root or os.environ.get("DPFL_OUTPUT_ROOT", os.getcwd())) / out
     return out
+
+
+def run_dir_path(cfg: RunConfig, root: Path | None = None) -> Path:
+    """Where the run of ``cfg`` lives: the output directory / ``run-name`` (a fresh unique
+    name when none is set)."""
+    return resolve_output_dir(cfg, root) / (cfg.run_name or default_run_name(cfg))
 
 
 def existing_run_files(path: Path) -> list[str]:
@@ -110,8 +117,7 @@ class RunDir:
     def open(cls, cfg: RunConfig) -> "RunDir":
         """The run directory of ``cfg``, checked but not created (:meth:`create`): a new
         run never reuses one; ``resume=true`` needs one."""
-        name = cfg.run_name or default_run_name(cfg)
-        path = resolve_output_dir(cfg) / name
+        path = run_dir_path(cfg)
         check_run_dir(path, cfg.resume)
         return cls(path)
 
@@ -143,9 +149,11 @@ class RunDir:
                 raise UserError(f"{path}: line {number} is damaged ({exc.msg})") from exc
         return out
 
-    def truncate_rounds(self, last_round: int) -> list[dict[str, Any]]:
-        """Keep the rounds up to ``last_round`` (those the checkpoint covers)."""
-        kept = [r for r in self.read_rounds() if r["round"] <= last_round]
+    def truncate_rounds(self, last_round: int,
+                        rounds: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Keep the ``rounds`` (the file's lines, :meth:`read_rounds`) up to ``last_round``,
+        those the checkpoint covers, and rewrite the file with them."""
+        kept = [r for r in rounds if r["round"] <= last_round]
         atomic_write_text(self.file("rounds.jsonl"), "".join(json.dumps(r) + "\n" for r in kept))
         return kept
 
@@ -189,15 +197,15 @@ class RunDir:
         """
         ledger_path = self.file("ledger.json")
         checkpoint, why = self.load_checkpoint()
-        rounds_recorded = bool(self.read_rounds())
+        rounds = self.read_rounds()
         if not ledger_path.exists():
-            if checkpoint is None and not rounds_recorded:
+            if checkpoint is None and not rounds:
                 return None
             raise UserError(f"{ledger_path} is missing but the run has "
                             f"{'a checkpoint' if checkpoint else 'recorded rounds'}: refusing "
                             "to resume without its privacy history (restore ledger.json)")
         ledger = Ledger.load(ledger_path)  # UserError when damaged: never an empty history
-        if checkpoint is None and not ledger.charges and not rounds_recorded:
+        if checkpoint is None and not ledger.charges and not rounds:
             return None  # killed while starting: nothing released, nothing to keep
         if checkpoint is not None:
             saved = Ledger.from_json(checkpoint["ledger"])
@@ -206,7 +214,8 @@ class RunDir:
                             "checkpoint's (%d charges)", ledger_path, len(saved.charges))
                 ledger = saved
             done = int(checkpoint["round"])
-            return ResumePoint(done, ledger, self.truncate_rounds(done), checkpoint["model"],
+            return ResumePoint(done, ledger, self.truncate_rounds(done, rounds),
+                               checkpoint["model"],
                                checkpoint.get("strategy", {}), checkpoint.get("initial", {}))
         if not without_checkpoint:
             raise UserError(
@@ -215,7 +224,7 @@ class RunDir:
                 "restart and spend their budgets again. Set resume-without-checkpoint=true to "
                 "train a fresh model here with that spend kept charged (or start a new "
                 "run-name, where it is NOT carried over)")
-        done = max(ledger.last_round, max((r["round"] for r in self.read_rounds()), default=0))
+        done = max(ledger.last_round, max((r["round"] for r in rounds), default=0))
         log.warning("%s: %s; resuming after round %d with a FRESH model, every recorded "
                     "spend kept charged", self.path, why, done)
-        return ResumePoint(done, ledger, self.truncate_rounds(done), None, {}, {})
+        return ResumePoint(done, ledger, self.truncate_rounds(done, rounds), None, {}, {})
