@@ -18,10 +18,16 @@ from flwr.app import Context, Message
 
 from dpfl.client.hooks import MethodHooks
 from dpfl.config import RunConfig, coerce_field, need
+from dpfl.models import build_model
+from dpfl.privacy.events import PrivacyEvent
+from dpfl.privacy.mechanisms import GaussianMechanism
+from dpfl.privacy.plan import UPDATE_DP_RELATION
 from dpfl.privacy.verdict import MethodPrivacy
 from dpfl.server.strategy import DPFLStrategy
 
 UpdateClip = Callable[[torch.Tensor, float], torch.Tensor]
+# (cfg, input shape, number of classes) -> the model a method trains (both apps build it)
+ModelFor = Callable[[RunConfig, tuple[int, int, int], int], torch.nn.Module]
 
 
 @dataclass(frozen=True)
@@ -68,6 +74,23 @@ class ClientHalf:
         norm must be <= the clip norm."""
         return None
 
+    def round_clip(self, cfg: RunConfig, config: Mapping[str, Any]) -> float:
+        """This round's clip norm C of a client-level DP update (default ``clip-norm``;
+        a method that adapts C sends it in the round's config)."""
+        return cfg.clip_norm
+
+    def release_update(self, cfg: RunConfig, config: Mapping[str, Any],
+                       update: torch.Tensor, sigma: float, clip: float,
+                       generator: torch.Generator, server_round: int
+                       ) -> tuple[torch.Tensor, PrivacyEvent, dict[str, float]]:
+        """Client-level update DP: (the released update, its privacy event, extra reply
+        metrics). Default: clip to ``clip`` (or :meth:`update_clip`) and add
+        N(0, sigma^2 clip^2), one Gaussian event under replace-one."""
+        mechanism = GaussianMechanism(sigma, clip, relation=UPDATE_DP_RELATION,
+                                      clip_fn=self.update_clip(cfg))
+        noisy, event = mechanism.release(update, generator, server_round)
+        return noisy, event, {}
+
 
 def no_notes(cfg: RunConfig) -> MethodPrivacy:
     return MethodPrivacy()
@@ -88,6 +111,14 @@ class Method:
     presets: str | None = None                      # conf/<folder> of its reproduction
     # per-round parameters chosen from earlier outputs: budgets are a Rényi filter
     adaptive: bool = False
+    model: ModelFor | None = None                   # None: the registry's ``model``
+
+    def build_model(self, cfg: RunConfig, input_shape: tuple[int, int, int],
+                    num_classes: int) -> torch.nn.Module:
+        """The network this method trains (server and clients build the same one)."""
+        if self.model is not None:
+            return self.model(cfg, input_shape, num_classes)
+        return build_model(cfg.model, input_shape, num_classes)
 
     def check(self, cfg: RunConfig) -> None:
         """Method rules on the global keys (e.g. the trainers it supports)."""

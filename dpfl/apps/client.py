@@ -13,11 +13,17 @@ refused and the reason, and spends nothing.
 from __future__ import annotations
 
 import math
-
 import os
 
 import torch
-from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
+from flwr.app import (
+    ArrayRecord,
+    ConfigRecord,
+    Context,
+    Message,
+    MetricRecord,
+    RecordDict,
+)
 from flwr.clientapp import ClientApp
 
 from dpfl.client.trainers import train_dpsgd, train_plain
@@ -25,12 +31,11 @@ from dpfl.config import RunConfig
 from dpfl.data import ClientData, client_data
 from dpfl.logs import get_logger
 from dpfl.methods import method_for, parse_run_config
-from dpfl.models import build_model
 from dpfl.models.evaluation import device_for, evaluate_model
 from dpfl.privacy.budget import PrivacyHistory
 from dpfl.privacy.ledger import prior_history, server_events_from
-from dpfl.privacy.mechanisms import DpsgdRelease, GaussianMechanism
-from dpfl.privacy.plan import UPDATE_DP_RELATION, plan_from_record, plan_problem, planned_event
+from dpfl.privacy.mechanisms import DpsgdRelease
+from dpfl.privacy.plan import plan_from_record, plan_problem, planned_event
 from dpfl.privacy.randomness import mechanism_generator, public_seed
 from dpfl.tensors import flatten, state_difference, unflatten
 
@@ -53,7 +58,7 @@ def _partition(context: Context) -> tuple[int, int]:
 
 
 def _model(cfg: RunConfig, data: ClientData, arrays: ArrayRecord) -> torch.nn.Module:
-    model = build_model(cfg.model, tuple(data.x_train.shape[1:]), data.num_classes)
+    model = method_for(cfg).build_model(cfg, tuple(data.x_train.shape[1:]), data.num_classes)
     model.load_state_dict(arrays.to_torch_state_dict())
     return model
 
@@ -82,7 +87,8 @@ def train(msg: Message, context: Context) -> Message:
     method = method_for(cfg)
     hooks = method.client.hooks(cfg, msg, context, model)
     if cfg.trainer == "plain":
-        result = train_plain(model, data, cfg, shuffle_seed, device, hooks.post_step)
+        result = train_plain(model, data, cfg, shuffle_seed, device, hooks.post_step,
+                             hooks.pre_step, hooks.step)
         update = state_difference(model.state_dict(), received)
         metrics = {**base, "num-examples": n, "epsilon": float("inf"), "steps": result.steps}
         if cfg.report_train_loss:
@@ -124,8 +130,13 @@ def train(msg: Message, context: Context) -> Message:
                       status=ConfigRecord({"status": "refused", "reason": reason}))
 
     sigma = planned.sigma
+    extra_metrics: dict[str, float] = {}
     noise_rng = mechanism_generator(cfg.reproducible, cfg.seed, pid, server_round, device)
+    clip = method.client.round_clip(cfg, config)
     if cfg.trainer == "dpsgd":
+        if hooks.pre_step is not None or hooks.step is not None:
+            raise RuntimeError(f"strategy {cfg.strategy!r} changes the local step, which "
+                               "Opacus owns under trainer=dpsgd")
         sampling_rng = (noise_rng if device.type == "cpu" else
                         mechanism_generator(cfg.reproducible, cfg.seed, pid, server_round))
         result = train_dpsgd(model, data, cfg, sigma, sampling_rng, noise_rng, device,
@@ -134,28 +145,29 @@ def train(msg: Message, context: Context) -> Message:
         update = state_difference(model.state_dict(), received)
         num_examples = n
     else:
-        result = train_plain(model, data, cfg, shuffle_seed, device, hooks.post_step)
+        result = train_plain(model, data, cfg, shuffle_seed, device, hooks.post_step,
+                             hooks.pre_step, hooks.step)
         raw = flatten(state_difference(model.state_dict(), received))
         if device.type != "cpu":  # the flat update lives on the CPU: so must its noise
             noise_rng = mechanism_generator(cfg.reproducible, cfg.seed, pid, server_round)
-        mechanism = GaussianMechanism(sigma, cfg.clip_norm, relation=UPDATE_DP_RELATION,
-                                      clip_fn=method.client.update_clip(cfg))
-        noisy, event = mechanism.release(raw, noise_rng, server_round)
+        noisy, event, update_metrics = method.client.release_update(
+            cfg, config, raw, sigma, clip, noise_rng, server_round)
         update = unflatten(noisy, received)
         # The data set size is private under client-level DP: aggregate with equal weights.
         # (A method that treats sizes as public derives them on the server itself.)
         num_examples = 1
+        extra_metrics = update_metrics
     del noise_rng
     history.charge(event)
     history.save(context.state)
     eps = history.epsilon(cfg.delta, cfg.accountant)
     metrics = {**base, "num-examples": num_examples, "epsilon": eps, "noise-multiplier": sigma,
-               "sample-rate": event.rate, "steps": event.steps}
+               "sample-rate": event.rate, "steps": event.steps, **extra_metrics}
     if cfg.report_train_loss:
         metrics["train-loss"] = result.train_loss
     privacy = PrivacyHistory([event], adaptive=history.adaptive).to_record()
     privacy["accountant"] = cfg.accountant
-    privacy["clip"] = cfg.max_grad_norm if cfg.trainer == "dpsgd" else cfg.clip_norm
+    privacy["clip"] = cfg.max_grad_norm if cfg.trainer == "dpsgd" else clip
     extras = hooks.finish(model, result)
     return _reply(msg, arrays=ArrayRecord(update), metrics=MetricRecord(metrics), privacy=privacy,
                   **extras)

@@ -23,8 +23,13 @@ from dpfl.data import label_counts, load_dataset, splits_for, test_tensors
 from dpfl.data.plots import plot_label_counts
 from dpfl.errors import UserError
 from dpfl.logs import get_logger
-from dpfl.methods import build_strategy, configured, guarantee, parse_run_config
-from dpfl.models import build_model
+from dpfl.methods import (
+    build_strategy,
+    configured,
+    guarantee,
+    method_for,
+    parse_run_config,
+)
 from dpfl.models.evaluation import device_for
 from dpfl.privacy.budget import PrivacyHistory
 from dpfl.privacy.ledger import Ledger, ledger_config
@@ -130,7 +135,7 @@ def setup(grid: Grid, cfg: RunConfig) -> Federation:
     ds = load_dataset(cfg.dataset, cfg.data_dir, cfg.download)
     x_test, y_test = test_tensors(cfg.dataset, cfg.data_dir, cfg.download)
     torch.manual_seed(cfg.seed)
-    model = build_model(cfg.model, ds.input_shape, ds.num_classes)
+    model = method_for(cfg).build_model(cfg, ds.input_shape, ds.num_classes)
     strategy.bind_model(model)
     num_nodes = len(strategy.wait_for_nodes(grid, cfg.min_train_nodes))
     if num_nodes > len(ds.y_train):

@@ -12,13 +12,18 @@ from typing import Callable
 import torch
 from flwr.app import ArrayRecord
 
-from dpfl.client.trainers import PostStep, TrainResult
+from dpfl.client.trainers import LocalStep, PostStep, PreStep, TrainResult
 
 
 @dataclass
 class MethodHooks:
-    """A post-step correction for local training and extra reply records."""
+    """Changes to local training (a gradient transform before each step, a whole
+    replacement step, a correction after it) and extra reply records. ``pre_step`` and
+    ``step`` apply to the training without per-sample DP only (``trainer=plain`` or
+    ``update-dp``): under DP-SGD Opacus owns the step."""
 
     post_step: PostStep | None = None
+    pre_step: PreStep | None = None
+    step: LocalStep | None = None
     finish: Callable[[torch.nn.Module, TrainResult], dict[str, ArrayRecord]] = field(
         default=lambda model, result: {})

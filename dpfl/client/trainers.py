@@ -66,12 +66,39 @@ def _optimizer(model: nn.Module, cfg: RunConfig) -> torch.optim.Optimizer:
 
 
 PostStep = Callable[[nn.Module, float], None]
+# A gradient transform between backward and the optimizer step (e.g. per-iteration
+# clipping, sparsification); only for local training whose release is privatised later.
+PreStep = Callable[[nn.Module], None]
+# One whole local step (forward, backward, optimizer step) returning the batch loss (e.g.
+# sharpness-aware minimisation's two passes).
+LocalStep = Callable[[nn.Module, torch.optim.Optimizer, nn.Module, torch.Tensor,
+                      torch.Tensor], torch.Tensor]
+
+
+def sgd_step(model: nn.Module, opt: torch.optim.Optimizer, criterion: nn.Module,
+             x: torch.Tensor, y: torch.Tensor, pre_step: PreStep | None = None
+             ) -> torch.Tensor:
+    """One plain local step: forward, backward, ``pre_step`` on the gradients, step."""
+    opt.zero_grad(set_to_none=True)
+    loss = criterion(model(x), y)
+    loss.backward()
+    if pre_step is not None:
+        pre_step(model)
+    opt.step()
+    return loss
 
 
 def train_plain(model: nn.Module, data: ClientData, cfg: RunConfig, seed: int,
-                device: torch.device, post_step: PostStep | None = None) -> TrainResult:
-    """Non-private local SGD for ``local-epochs`` epochs (``post_step(model, lr)`` after
-    every optimizer step: a method's data-independent correction)."""
+                device: torch.device, post_step: PostStep | None = None,
+                pre_step: PreStep | None = None, step: LocalStep | None = None
+                ) -> TrainResult:
+    """Local SGD without per-sample DP for ``local-epochs`` epochs (the non-private
+    trainer, and the local half of client-level update DP, whose noise is added to the
+    whole update afterwards). ``pre_step(model)`` transforms the gradients before each
+    optimizer step; ``step`` replaces the whole step; ``post_step(model, lr)`` runs after
+    every step (a method's data-independent correction)."""
+    if pre_step is not None and step is not None:
+        raise ValueError("give pre_step or step, not both")
     model.to(device).train()
     opt = _optimizer(model, cfg)
     criterion = nn.CrossEntropyLoss()
@@ -80,10 +107,10 @@ def train_plain(model: nn.Module, data: ClientData, cfg: RunConfig, seed: int,
     for _ in range(cfg.local_epochs):
         for x, y in loader:
             x, y = x.to(device), y.to(device)
-            opt.zero_grad(set_to_none=True)
-            loss = criterion(model(x), y)
-            loss.backward()
-            opt.step()
+            if step is not None:
+                loss = step(model, opt, criterion, x, y)
+            else:
+                loss = sgd_step(model, opt, criterion, x, y, pre_step)
             if post_step is not None:
                 post_step(model, cfg.lr)
             total += loss.item() * len(y)

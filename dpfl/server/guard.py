@@ -25,20 +25,42 @@ from dpfl.privacy.budget import PrivacyHistory
 from dpfl.privacy.charging import Charge, charge_for
 from dpfl.privacy.events import PrivacyEvent
 from dpfl.privacy.ledger import server_events_config
-from dpfl.privacy.plan import gaussian_norm_bound, noise_multiplier_for, plan_to_record, planned_event
+from dpfl.privacy.plan import (
+    gaussian_norm_bound,
+    noise_multiplier_for,
+    plan_to_record,
+    planned_event,
+)
 from dpfl.server.validation import ClientUpdate, Rejection, client_label
 
 log = get_logger("flwr.dpfl.guard")
 # A method's per-round noise multiplier for a partition (None: the run's calibrated one).
 PlanSigma = Callable[[int | None, int], float | None]
+# A method's clip norm C of a round (None: the configured one), and the factor by which the
+# noise it asks clients to add to the update exceeds sigma C (e.g. when part of the
+# release's noise budget goes to a clipped-count bit sent with the update).
+PlanClip = Callable[[int], float | None]
+NoiseScale = Callable[[int], float]
+
+
+def _configured(server_round: int) -> None:
+    return None
+
+
+def _unscaled(server_round: int) -> float:
+    return 1.0
 
 
 class DPGuard:
     """The privacy side of a strategy (see module docstring)."""
 
-    def __init__(self, cfg: RunConfig, plan_sigma: PlanSigma, adaptive: bool = False) -> None:
+    def __init__(self, cfg: RunConfig, plan_sigma: PlanSigma, adaptive: bool = False,
+                 plan_clip: PlanClip = _configured, noise_scale: NoiseScale = _unscaled
+                 ) -> None:
         self.cfg = cfg
         self.plan_sigma = plan_sigma
+        self.plan_clip = plan_clip
+        self.noise_scale = noise_scale
         self.adaptive = adaptive
         self.ledger = None                          # the server's ledger (bind_ledger)
         self.partition_sizes: dict[int, int] = {}   # partition id -> training-set size
@@ -54,8 +76,13 @@ class DPGuard:
         return planned_event(self.cfg, self.partition_sizes[partition_id], server_round,
                              self.plan_sigma(partition_id, server_round))
 
-    def planned_clip(self) -> float:
-        return self.cfg.max_grad_norm if self.cfg.trainer == "dpsgd" else self.cfg.clip_norm
+    def planned_clip(self, server_round: int) -> float:
+        """The clip norm a reply of ``server_round`` must report (DP-SGD: max-grad-norm;
+        update DP: the method's C of the round, else clip-norm)."""
+        if self.cfg.trainer == "dpsgd":
+            return self.cfg.max_grad_norm
+        clip = self.plan_clip(server_round)
+        return self.cfg.clip_norm if clip is None else clip
 
     def plan_record(self, node_id: int, server_round: int) -> dict[str, Any]:
         """``plan-*`` keys for a node whose partition is known (else none), and the
@@ -80,8 +107,8 @@ class DPGuard:
         sigmas = {self.plan_sigma(p, server_round) for p in pids}
         if None in sigmas:  # the run's sigma (for update-dp it does not depend on n)
             sigmas = (sigmas - {None}) | {noise_multiplier_for(self.cfg, 1)}
-        sigma = max(sigmas)
-        bound = gaussian_norm_bound(self.cfg.clip_norm, sigma, dim)
+        sigma = max(sigmas) * self.noise_scale(server_round)
+        bound = gaussian_norm_bound(self.planned_clip(server_round), sigma, dim)
         return min(bound, user) if user else bound
 
     def weights(self, weights: torch.Tensor) -> torch.Tensor:
@@ -122,7 +149,8 @@ class DPGuard:
         reported = (float(reported) if isinstance(reported, (int, float))
                     and not isinstance(reported, bool) else None)
         history = self.ledger.clients.get(client, PrivacyHistory())
-        charge = charge_for(client, sent_round, privacy, plan, self.planned_clip(), history,
+        charge = charge_for(client, sent_round, privacy, plan, self.planned_clip(sent_round),
+                            history,
                             self.ledger.delta, self.ledger.accountant, reported)
         if identity_problem is not None:
             charge.problem = identity_problem if charge.problem is None else (

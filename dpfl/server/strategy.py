@@ -22,7 +22,14 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 import torch
-from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
+from flwr.app import (
+    ArrayRecord,
+    ConfigRecord,
+    Message,
+    MessageType,
+    MetricRecord,
+    RecordDict,
+)
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg
 
@@ -96,7 +103,8 @@ class DPFLStrategy(FedAvg):
         )
         self.cfg = cfg
         self.rng = random.Random(cfg.seed)
-        self.guard = DPGuard(cfg, self.plan_sigma, adaptive)
+        self.guard = DPGuard(cfg, self.plan_sigma, adaptive, self.plan_clip,
+                             self.update_noise_scale)
         self._global: ArrayRecord | None = None
         self._template: Template = []
         self._pending: RoundRecord | None = None   # for the Flower adapters only
@@ -129,6 +137,16 @@ class DPFLStrategy(FedAvg):
         """The round's noise multiplier for a partition when the method sets it per round
         (None: the run's calibrated one)."""
         return None
+
+    def plan_clip(self, server_round: int) -> float | None:
+        """The round's clip norm of a client-level DP update when the method adapts it
+        (None: ``clip-norm``)."""
+        return None
+
+    def update_noise_scale(self, server_round: int) -> float:
+        """How much more noise than sigma C the method's clients add to the update (1:
+        none; the reply norm bound uses it)."""
+        return 1.0
 
     def round_config(self, server_round: int) -> dict[str, Any]:
         """Keys every client's ConfigRecord carries this round (override in methods)."""
