@@ -18,6 +18,7 @@ from flwr.app import Context, Message
 
 from dpfl.client.hooks import MethodHooks
 from dpfl.config import RunConfig, coerce_field, need
+from dpfl.data import ClientData
 from dpfl.models import build_model
 from dpfl.privacy.events import PrivacyEvent
 from dpfl.privacy.mechanisms import GaussianMechanism
@@ -79,13 +80,21 @@ class ClientHalf:
         a method that adapts C sends it in the round's config)."""
         return cfg.clip_norm
 
+    def local_values(self, cfg: RunConfig, config: Mapping[str, Any], model: torch.nn.Module,
+                     data: ClientData) -> dict[str, float]:
+        """Private values computed after local training that :meth:`release_update` may
+        release with the update (e.g. a local validation score); default none."""
+        return {}
+
     def release_update(self, cfg: RunConfig, config: Mapping[str, Any],
                        update: torch.Tensor, sigma: float, clip: float,
-                       generator: torch.Generator, server_round: int
-                       ) -> tuple[torch.Tensor, PrivacyEvent, dict[str, float]]:
+                       generator: torch.Generator, server_round: int,
+                       local: Mapping[str, float]) -> tuple[torch.Tensor, PrivacyEvent,
+                                                            dict[str, float]]:
         """Client-level update DP: (the released update, its privacy event, extra reply
         metrics). Default: clip to ``clip`` (or :meth:`update_clip`) and add
-        N(0, sigma^2 clip^2), one Gaussian event under replace-one."""
+        N(0, sigma^2 clip^2), one Gaussian event under replace-one; ``local`` (from
+        :meth:`local_values`) is not released."""
         mechanism = GaussianMechanism(sigma, clip, relation=UPDATE_DP_RELATION,
                                       clip_fn=self.update_clip(cfg))
         noisy, event = mechanism.release(update, generator, server_round)

@@ -150,8 +150,9 @@ def train(msg: Message, context: Context) -> Message:
         raw = flatten(state_difference(model.state_dict(), received))
         if device.type != "cpu":  # the flat update lives on the CPU: so must its noise
             noise_rng = mechanism_generator(cfg.reproducible, cfg.seed, pid, server_round)
+        local = method.client.local_values(cfg, config, model, data)
         noisy, event, update_metrics = method.client.release_update(
-            cfg, config, raw, sigma, clip, noise_rng, server_round)
+            cfg, config, raw, sigma, clip, noise_rng, server_round, local)
         update = unflatten(noisy, received)
         # The data set size is private under client-level DP: aggregate with equal weights.
         # (A method that treats sizes as public derives them on the server itself.)

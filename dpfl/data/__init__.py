@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
+import numpy as np
 import torch
 
 from dpfl.data.loaders import (
@@ -18,7 +19,7 @@ from dpfl.data.partition import ClientSplit, client_splits, label_counts, partit
 
 __all__ = ["ArrayDataset", "ClientData", "ClientSplit", "DatasetUnavailable", "check_dataset",
            "client_data", "client_splits", "label_counts", "load_dataset", "partition_indices",
-           "test_tensors", "to_tensor"]
+           "server_holdout_indices", "server_validation", "test_tensors", "to_tensor"]
 
 
 @dataclass(frozen=True)
@@ -32,22 +33,45 @@ class ClientData:
     num_classes: int
 
 
+def server_holdout_indices(num_examples: int, holdout: int, seed: int) -> np.ndarray:
+    """The training-set indices kept from every client for the server's own validation
+    split (``server-holdout`` examples, a seeded sample; sorted)."""
+    if not 0 <= holdout < num_examples:
+        raise ValueError(f"server-holdout {holdout} not in [0, {num_examples})")
+    perm = np.random.default_rng(seed + 7919).permutation(num_examples)
+    return np.sort(perm[:holdout])
+
+
 @lru_cache(maxsize=8)
 def _splits(dataset: str, data_dir: str, download: bool, scheme: str, num_partitions: int,
             seed: int, val_fraction: float, alpha: float, labels_per_client: int,
-            noniid_fraction: float) -> tuple[ClientSplit, ...]:
+            noniid_fraction: float, holdout: int = 0) -> tuple[ClientSplit, ...]:
     ds = load_dataset(dataset, data_dir, download)
-    return tuple(client_splits(ds.y_train, scheme, num_partitions, seed=seed,
-                               val_fraction=val_fraction, alpha=alpha,
-                               labels_per_client=labels_per_client,
-                               noniid_fraction=noniid_fraction))
+    pool = np.setdiff1d(np.arange(len(ds.y_train)),
+                        server_holdout_indices(len(ds.y_train), holdout, seed))
+    splits = client_splits(ds.y_train[pool], scheme, num_partitions, seed=seed,
+                           val_fraction=val_fraction, alpha=alpha,
+                           labels_per_client=labels_per_client,
+                           noniid_fraction=noniid_fraction)
+    if holdout == 0:  # pool is the identity: indices unchanged
+        return tuple(splits)
+    return tuple(ClientSplit(train=pool[s.train], val=pool[s.val]) for s in splits)
 
 
 def splits_for(cfg, num_partitions: int) -> tuple[ClientSplit, ...]:
-    """All clients' splits for a run-config (deterministic, cached per process)."""
+    """All clients' splits for a run-config (deterministic, cached per process); the
+    ``server-holdout`` examples belong to no client."""
     return _splits(cfg.dataset, cfg.data_dir, cfg.download, cfg.partitioning, num_partitions,
                    cfg.seed, cfg.val_fraction, cfg.dirichlet_alpha, cfg.labels_per_client,
-                   cfg.noniid_fraction)
+                   cfg.noniid_fraction, cfg.server_holdout)
+
+
+def server_validation(cfg) -> tuple[torch.Tensor, torch.Tensor]:
+    """The server's validation split: the ``server-holdout`` training examples no client
+    holds (never the test set), as normalised tensors."""
+    ds = load_dataset(cfg.dataset, cfg.data_dir, cfg.download)
+    idx = server_holdout_indices(len(ds.y_train), cfg.server_holdout, cfg.seed)
+    return to_tensor(ds.name, ds.x_train[idx]), torch.from_numpy(ds.y_train[idx])
 
 
 @lru_cache(maxsize=64)

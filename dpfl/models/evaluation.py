@@ -24,3 +24,21 @@ def evaluate_model(model: nn.Module, x: torch.Tensor, y: torch.Tensor, device: t
         losses.append(nn.functional.cross_entropy(out, yb, reduction="sum").item())
         preds.append(out.argmax(1).cpu())
     return sum(losses) / max(len(y), 1), torch.cat(preds) if preds else torch.empty(0)
+
+
+def macro_f1(preds: torch.Tensor, labels: torch.Tensor, num_classes: int) -> float:
+    """Macro-averaged F1 over the classes present in ``labels`` or ``preds`` (a class
+    neither predicted nor present is skipped; F1 = 0 when its precision and recall are 0),
+    as scikit-learn's ``f1_score(average="macro", zero_division=0)`` on those labels."""
+    preds, labels = preds.long().cpu(), labels.long().cpu()
+    idx = labels * num_classes + preds
+    confusion = torch.bincount(idx, minlength=num_classes * num_classes).view(
+        num_classes, num_classes).double()
+    tp = confusion.diagonal()
+    support, predicted = confusion.sum(1), confusion.sum(0)
+    present = (support + predicted) > 0
+    if not bool(present.any()):
+        return 0.0
+    denom = support + predicted
+    f1 = torch.where(denom > 0, 2 * tp / denom.clamp(min=1), torch.zeros_like(tp))
+    return float(f1[present].mean())

@@ -184,6 +184,15 @@ class SparseVector:
         return self.apply(x, generator), self.event(round_)
 
 
+def geometric_clip_update(clip: float, unclipped_fraction: float, target_quantile: float,
+                          learning_rate: float) -> float:
+    """C <- C exp(-eta (b - gamma)), b the (noisy) fraction of updates with norm <= C
+    (Andrew, Thakkar, McMahan & Ramaswamy 2021, Alg. 1): too many unclipped updates
+    (b > gamma) shrink C, too many clipped ones grow it, towards the gamma-quantile of the
+    norms."""
+    return clip * math.exp(-learning_rate * (unclipped_fraction - target_quantile))
+
+
 @dataclass
 class QuantileClipTracker:
     """Private adaptive clipping (Andrew, Thakkar, McMahan & Ramaswamy 2021, "Differentially
@@ -227,7 +236,8 @@ class QuantileClipTracker:
         noise = float(torch.randn(1, generator=generator, dtype=torch.float64))
         fraction = (centred + noise * self.count_noise_multiplier) / m + 0.5
         self.history.append(self.clip)
-        self.clip = self.clip * math.exp(-self.learning_rate * (fraction - self.target_quantile))
+        self.clip = geometric_clip_update(self.clip, fraction, self.target_quantile,
+                                          self.learning_rate)
         return self.clip, self.event(round_)
 
     @staticmethod

@@ -231,8 +231,15 @@ class DPFLStrategy(FedAvg):
     # -- aggregation ---------------------------------------------------------------
     def aggregation_weights(self, accepted: list[ClientUpdate]) -> torch.Tensor:
         """FedAvg weights: the clients' sample counts (the guard equalises them under
-        client-level DP)."""
-        return torch.tensor([float(u.num_examples) for u in accepted])
+        client-level DP, where sizes are private). A method's own weights must use only
+        public or released values."""
+        return self.guard.weights(torch.tensor([float(u.num_examples) for u in accepted]))
+
+    def reply_problem(self, update: ClientUpdate) -> str | None:
+        """Why a validated reply is unusable by the method (e.g. a value it needs is
+        missing or out of range); None when fine. The reply is then rejected (and, like
+        every received update, charged)."""
+        return None
 
     def aggregate_updates(self, updates: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """The method's aggregation of an M x d update matrix (here: weighted mean)."""
@@ -258,6 +265,9 @@ class DPFLStrategy(FedAvg):
                 if charge.problem is not None and isinstance(checked, ClientUpdate):
                     checked = Rejection(checked.node_id, checked.partition_id, "invalid",
                                         charge.problem, checked.metrics)
+            if isinstance(checked, ClientUpdate) and (why := self.reply_problem(checked)):
+                checked = Rejection(checked.node_id, checked.partition_id, "invalid", why,
+                                    checked.metrics)
             if self.known_partition(checked.partition_id):
                 self.node_client[checked.node_id] = f"client-{checked.partition_id}"
             if isinstance(checked, Rejection):
@@ -273,7 +283,7 @@ class DPFLStrategy(FedAvg):
             return RoundOutcome(None, None, record)
         record.accepted.sort(key=lambda u: u.partition_id)
         updates = torch.stack([u.flat for u in record.accepted])
-        weights = self.guard.weights(self.aggregation_weights(record.accepted))
+        weights = self.aggregation_weights(record.accepted)
         aggregated = self.aggregate_updates(updates, weights)
         state = self._global.to_torch_state_dict()
         new_flat = self.server_step(flatten(state), aggregated)
