@@ -6,6 +6,7 @@ from typing import Callable
 
 from torch import nn
 
+from dpfl.models.channel_reduction import add_channel_reduction, find_channel_reduction
 from dpfl.models.nets import MLP, AlexNetSmall, CifarCNN, MnistCNN, resnet_groupnorm
 
 ModelBuilder = Callable[[tuple[int, int, int], int], nn.Module]
@@ -20,12 +21,19 @@ MODELS: dict[str, ModelBuilder] = {
 }
 
 
-def build_model(name: str, input_shape: tuple[int, int, int], num_classes: int) -> nn.Module:
-    """Instantiate a registered model."""
+def build_model(name: str, input_shape: tuple[int, int, int], num_classes: int,
+                channel_reduction: float = 0.0) -> nn.Module:
+    """Instantiate a registered model; ``channel_reduction`` > 0 inserts a learnable 1x1
+    reduction to ``ceil(channel_reduction * C)`` channels after its first conv block
+    (:func:`add_channel_reduction`), 0 leaves the model as registered."""
     if name not in MODELS:
         raise KeyError(f"unknown model {name!r}; known: {sorted(MODELS)}")
-    return MODELS[name](input_shape, num_classes)
+    if channel_reduction < 0:
+        raise ValueError(f"channel_reduction must be 0 (off) or in (0, 1], got "
+                         f"{channel_reduction!r}")
+    model = MODELS[name](input_shape, num_classes)
+    return add_channel_reduction(model, channel_reduction) if channel_reduction > 0 else model
 
 
-__all__ = ["MODELS", "build_model", "MLP", "MnistCNN", "CifarCNN", "AlexNetSmall",
-           "resnet_groupnorm"]
+__all__ = ["MODELS", "add_channel_reduction", "build_model", "find_channel_reduction", "MLP",
+           "MnistCNN", "CifarCNN", "AlexNetSmall", "resnet_groupnorm"]
