@@ -45,6 +45,8 @@ class RunConfig:
     # training examples kept from every client as the server's own validation split
     # (methods that score updates on the server; never the test set)
     server_holdout: int = 0
+    # partition only this many training examples (seeded sample; 0 = all): quick runs
+    train_subset: int = 0
     model: str = "mnist-cnn"
     num_rounds: int = 5
     local_epochs: int = 1
@@ -172,6 +174,7 @@ def validate(cfg: RunConfig) -> RunConfig:
           cfg.noniid_fraction)
     need(0.0 <= cfg.val_fraction < 1.0, "val-fraction", "must be in [0, 1)", cfg.val_fraction)
     need(cfg.server_holdout >= 0, "server-holdout", "must be >= 0", cfg.server_holdout)
+    need(cfg.train_subset >= 0, "train-subset", "must be >= 0 (0 = all)", cfg.train_subset)
     need(cfg.num_rounds >= 1, "num-rounds", "must be >= 1", cfg.num_rounds)
     need(cfg.local_epochs >= 1, "local-epochs", "must be >= 1", cfg.local_epochs)
     need(cfg.batch_size >= 1, "batch-size", "must be >= 1", cfg.batch_size)

@@ -33,6 +33,16 @@ class ClientData:
     num_classes: int
 
 
+def training_pool(num_examples: int, holdout: int, subset: int, seed: int) -> np.ndarray:
+    """The training-set indices the clients' partitions are drawn from: all but the
+    server's holdout, or a seeded ``train-subset`` of them (0 = all); sorted."""
+    pool = np.setdiff1d(np.arange(num_examples),
+                        server_holdout_indices(num_examples, holdout, seed))
+    if 0 < subset < len(pool):
+        pool = np.sort(np.random.default_rng(seed + 104729).choice(pool, subset, replace=False))
+    return pool
+
+
 def server_holdout_indices(num_examples: int, holdout: int, seed: int) -> np.ndarray:
     """The training-set indices kept from every client for the server's own validation
     split (``server-holdout`` examples, a seeded sample; sorted)."""
@@ -45,25 +55,26 @@ def server_holdout_indices(num_examples: int, holdout: int, seed: int) -> np.nda
 @lru_cache(maxsize=8)
 def _splits(dataset: str, data_dir: str, download: bool, scheme: str, num_partitions: int,
             seed: int, val_fraction: float, alpha: float, labels_per_client: int,
-            noniid_fraction: float, holdout: int = 0) -> tuple[ClientSplit, ...]:
+            noniid_fraction: float, holdout: int = 0, subset: int = 0
+            ) -> tuple[ClientSplit, ...]:
     ds = load_dataset(dataset, data_dir, download)
-    pool = np.setdiff1d(np.arange(len(ds.y_train)),
-                        server_holdout_indices(len(ds.y_train), holdout, seed))
+    pool = training_pool(len(ds.y_train), holdout, subset, seed)
     splits = client_splits(ds.y_train[pool], scheme, num_partitions, seed=seed,
                            val_fraction=val_fraction, alpha=alpha,
                            labels_per_client=labels_per_client,
                            noniid_fraction=noniid_fraction)
-    if holdout == 0:  # pool is the identity: indices unchanged
+    if holdout == 0 and subset == 0:  # pool is the identity: indices unchanged
         return tuple(splits)
     return tuple(ClientSplit(train=pool[s.train], val=pool[s.val]) for s in splits)
 
 
 def splits_for(cfg, num_partitions: int) -> tuple[ClientSplit, ...]:
     """All clients' splits for a run-config (deterministic, cached per process); the
-    ``server-holdout`` examples belong to no client."""
+    ``server-holdout`` examples belong to no client; ``train-subset`` > 0 draws the
+    partitions from that many of the others."""
     return _splits(cfg.dataset, cfg.data_dir, cfg.download, cfg.partitioning, num_partitions,
                    cfg.seed, cfg.val_fraction, cfg.dirichlet_alpha, cfg.labels_per_client,
-                   cfg.noniid_fraction, cfg.server_holdout)
+                   cfg.noniid_fraction, cfg.server_holdout, cfg.train_subset)
 
 
 def server_validation(cfg) -> tuple[torch.Tensor, torch.Tensor]:

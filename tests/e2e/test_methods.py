@@ -212,3 +212,42 @@ def test_aadp_renyi_filter_stops_a_client(tmp_path):
         assert flt.would_exceed(before, planned), (client, rnd)
         checked += 1
     assert checked, "no refusal came after at least one admitted round"
+
+
+@pytest.mark.parametrize("adpc,cra", [
+    ("private-quantile", ["cra-score=server-val"]),
+    ("noisy-norm", ["cra-score=client-f1", "client-f1-noise=0.3"]),
+    ("raw-norm", ["cra-score=client-f1"]),
+])
+def test_fedcompdp_readings_run_and_state_their_verdict(tmp_path, adpc, cra):
+    """FedCompDP from `dpfl simulate` with each ADPC and CRA reading (3 clients, 2 rounds):
+    every client is charged one Gaussian per round at the run's sigma whatever C_t is; C_t
+    of round 2 follows the reading (noisy-norm: the median noised norm, ~ sigma C sqrt(d) >>
+    C_1); the CRA weights sum to 1; the verdict is none exactly when raw norms or clear F1
+    scores are released."""
+    run = _simulate(tmp_path, "f", "strategy=fedcompdp", "trainer=update-dp", f"adpc={adpc}",
+                    "num-rounds=2", "lr=0.5", "noise-multiplier=0.3", "target-epsilon=1e6",
+                    "server-holdout=100", "llcm-ratio=0.5", *cra, clients=3)
+    rounds, ledger, summary, config = _read(run)
+    formal = adpc != "raw-norm" and ("cra-score=client-f1" not in cra
+                                     or "client-f1-noise=0.3" in cra)
+    assert (summary["guarantee"]["verdict"] == "formal") is formal, summary["guarantee"]
+    assert ledger["mismatches"] == []
+    for info in ledger["clients"].values():
+        assert [(e["mechanism"], e["sigma"]) for e in info["events"]] == [("gaussian", 0.3)] * 2
+    first, second = (r["train"] for r in rounds)
+    assert first["accepted"] == second["accepted"] == 3
+    assert first["clip-norm"] == 1.0
+    if adpc == "noisy-norm":
+        assert second["clip-norm"] > 10.0
+    elif adpc == "raw-norm":  # the median of the norms the clients reported in round 1
+        norms = sorted(c["update-norm"] for c in rounds[0]["clients"].values())
+        assert second["clip-norm"] == pytest.approx(norms[1], rel=1e-6)
+    else:  # exp(-0.2 (b - 0.5)) with the noisy unclipped fraction b
+        assert 0.7 < second["clip-norm"] < 1.4
+    for t in (first, second):
+        weights = [v for k, v in t.items() if k.startswith("cra-weight-")]
+        assert len(weights) == 3 and sum(weights) == pytest.approx(1.0)
+    reported = rounds[0]["clients"]["client-0"]
+    assert ("update-norm" in reported) is (adpc == "raw-norm")
+    assert ("adpc-unclipped" in reported) is (adpc == "private-quantile")
