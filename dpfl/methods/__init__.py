@@ -12,14 +12,25 @@ from typing import Any, Mapping
 
 from dpfl.config import ConfigError, RunConfig, need, parse_global
 from dpfl.method import Method
-from dpfl.methods import aadp, dpfedavg, dpfedavgm, dpfedexp, dpfedprox, dpscaffold, fedavg, gcfl, pegasus
+from dpfl.methods import (
+    aadp,
+    dpfedavg,
+    dpfedavgm,
+    dpfedexp,
+    dpfedprox,
+    dpfedsam,
+    dpscaffold,
+    fedavg,
+    gcfl,
+    pegasus,
+)
 from dpfl.models import MODELS
 from dpfl.privacy.verdict import Guarantee, guarantee_for
 from dpfl.server.strategy import DPFLStrategy
 
 METHODS: dict[str, Method] = {m.name: m for m in (
     fedavg.METHOD, dpfedavg.METHOD, gcfl.METHOD, dpfedprox.METHOD, dpscaffold.METHOD,
-    dpfedexp.METHOD, pegasus.METHOD, aadp.METHOD, dpfedavgm.METHOD,
+    dpfedexp.METHOD, pegasus.METHOD, aadp.METHOD, dpfedavgm.METHOD, dpfedsam.METHOD,
 )}
 
 
