@@ -20,7 +20,7 @@ from dpfl.methods import METHODS, build_strategy
 from dpfl.server.validation import Rejection
 from flower_helpers import message
 
-TRAINER = {"fedavg": "plain", "aadp": "update-dp"}
+TRAINER = {"fedavg": "plain", "aadp": "update-dp", "dpfedsam": "update-dp"}
 BAD_KINDS = ["nan", "inf", "shape", "dtype64", "dtypeint", "missing-key", "extra-key",
              "no-arrays", "no-metrics", "n-zero", "n-negative", "n-huge", "n-fraction", "n-nan",
              "eps-negative", "eps-nan", "privacy-unequal", "privacy-mechanism",

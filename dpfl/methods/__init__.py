@@ -18,6 +18,7 @@ from dpfl.methods import (
     dpfedavgm,
     dpfedexp,
     dpfedprox,
+    dpfedsam,
     dpscaffold,
     fedavg,
     fedcompdp,
@@ -31,6 +32,7 @@ from dpfl.server.strategy import DPFLStrategy
 METHODS: dict[str, Method] = {m.name: m for m in (
     fedavg.METHOD, dpfedavg.METHOD, gcfl.METHOD, dpfedprox.METHOD, dpscaffold.METHOD,
     dpfedexp.METHOD, pegasus.METHOD, aadp.METHOD, dpfedavgm.METHOD, fedcompdp.METHOD,
+    dpfedsam.METHOD,
 )}
 
 

@@ -32,9 +32,11 @@ def _read(run: Path) -> tuple[list[dict], dict, dict, dict]:
                       for f in ("ledger.json", "summary.json", "config.json")))
 
 
-# Client-level update DP (trainer=update-dp) runs end to end in the AADP-FL test below.
+# Client-level update DP (trainer=update-dp) runs end to end here (DP-FedSAM: local SAM,
+# then clip + noise) and in the AADP-FL test below.
 @pytest.mark.parametrize("strategy,extra", [
     ("dpfedprox", ["prox-mu=0.1"]),
+    ("dpfedsam", ["trainer=update-dp", "sam-rho=0.1"]),
 ])
 def test_method_runs_by_name(tmp_path, strategy, extra):
     proc = subprocess.run(
