@@ -53,7 +53,8 @@ METHODS: dict[str, dict[str, Any]] = {
     "cra-client-f1-noisy": {**_F, "cra-score": "client-f1", "client-f1-noise": -1.0},
     "sparsify-large": {**_F, "sparsify": "large", "sparsify-tau": 0.01},
     "fedsa": {"strategy": "dpfedavg", "trainer": "update-dp"},
-    "dpfedsam": {"strategy": "dpfedsam", "trainer": "update-dp"},
+    # plain SAM (not the authors' ASAM): Foret et al.'s radius 0.05, not ASAM's 0.5
+    "dpfedsam": {"strategy": "dpfedsam", "trainer": "update-dp", "sam-rho": 0.05},
 }
 DEFAULT_METHODS = ("fedcompdp", "wo-da", "wo-adpc", "fixed-clip", "wo-lc", "adpc-noisy-norm",
                    "adpc-raw-norm", "cra-client-f1", "fedsa", "dpfedsam")
