@@ -278,3 +278,11 @@ def test_replies_missing_or_out_of_range_values_are_rejected():
     assert "outside" in s.reply_problem(update(0, [1.0], **{BIT_KEY: 1e6, F1_KEY: 0.8}))
     assert "outside" in s.reply_problem(update(0, [1.0], **{BIT_KEY: 0.5, F1_KEY: 1.5}))
     assert "outside" in s.reply_problem(update(0, [1.0], **{BIT_KEY: math.nan, F1_KEY: 0.5}))
+
+
+def test_llcm_on_a_model_without_convolutions_is_a_config_error():
+    from dpfl.methods import method_for
+    c = cfg(model="mlp", llcm_ratio=0.5)
+    with pytest.raises(ConfigError, match="llcm-ratio"):
+        method_for(c).build_model(c, (1, 8, 8), 10)
+    assert method_for(cfg(model="mlp")).build_model(cfg(model="mlp"), (1, 8, 8), 10)

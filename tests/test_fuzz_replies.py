@@ -20,7 +20,11 @@ from dpfl.methods import METHODS, build_strategy
 from dpfl.server.validation import Rejection
 from flower_helpers import message
 
-TRAINER = {"fedavg": "plain", "aadp": "update-dp", "dpfedsam": "update-dp"}
+TRAINER = {"fedavg": "plain", "aadp": "update-dp", "dpfedsam": "update-dp",
+           "fedcompdp": "update-dp"}
+# what a method needs in every reply besides the generic keys, and its extra run-config
+METHOD_METRICS = {"fedcompdp": {"adpc-unclipped": 0.6}}
+METHOD_CONFIG = {"fedcompdp": {"server_holdout": 50}}
 BAD_KINDS = ["nan", "inf", "shape", "dtype64", "dtypeint", "missing-key", "extra-key",
              "no-arrays", "no-metrics", "n-zero", "n-negative", "n-huge", "n-fraction", "n-nan",
              "eps-negative", "eps-nan", "privacy-unequal", "privacy-mechanism",
@@ -48,7 +52,7 @@ def _privacy(kind: str) -> ConfigRecord:
     return rec
 
 
-def _reply(kind, template, node, rng, extra_template=None):
+def _reply(kind, template, node, rng, extra_template=None, method_metrics=None):
     state = {k: torch.from_numpy(rng.standard_normal(shape).astype(np.float32) * 0.01)
              for k, shape, _ in template}
     n, eps = int(rng.integers(10, 1000)), 1.0
@@ -77,7 +81,7 @@ def _reply(kind, template, node, rng, extra_template=None):
     content = {"privacy": _privacy(kind)}
     if kind != "no-metrics":
         content["metrics"] = MetricRecord({"num-examples": n, "partition-id": node % 50,
-                                           "epsilon": eps})
+                                           "epsilon": eps, **(method_metrics or {})})
     if kind != "no-arrays":
         content["arrays"] = ArrayRecord(state)
     if extra_template is not None:
@@ -90,7 +94,7 @@ def _reply(kind, template, node, rng, extra_template=None):
 @pytest.mark.parametrize("name", sorted(METHODS))
 def test_thousand_crafted_replies(name, server_identity):
     cfg = RunConfig(strategy=name, trainer=TRAINER.get(name, "dpsgd"), dataset="digits",
-                    model="mlp", max_update_norm=1e3)
+                    model="mlp", max_update_norm=1e3, **METHOD_CONFIG.get(name, {}))
     strategy = build_strategy(cfg)
     model = build_model("mlp", (1, 8, 8), 10)
     strategy.bind_model(model)
@@ -105,7 +109,8 @@ def test_thousand_crafted_replies(name, server_identity):
     rng = np.random.default_rng(seed)
     kinds = ["good" if rng.random() < 0.2 else BAD_KINDS[int(rng.integers(len(BAD_KINDS)))]
              for _ in range(1000)]
-    replies = [_reply(k, template, node, rng, extra) for node, k in enumerate(kinds, start=1)]
+    replies = [_reply(k, template, node, rng, extra, METHOD_METRICS.get(name))
+               for node, k in enumerate(kinds, start=1)]
     outcome = strategy.finish_round(1, rec, replies)
     new_arrays = outcome.arrays
     good = {i for i, k in enumerate(kinds, start=1) if k == "good"}

@@ -330,6 +330,13 @@ def _standard_normal(generator: torch.Generator) -> float:
     return float(torch.randn(1, generator=generator, dtype=torch.float64))
 
 
+def _norm(update: ClientUpdate) -> float:
+    """||Delta_i|| (eq. 10), as computed once when the reply was validated."""
+    if math.isnan(update.norm):
+        return float(torch.linalg.vector_norm(update.flat))
+    return update.norm
+
+
 # -- server half ---------------------------------------------------------------------------
 
 @dataclass
@@ -385,7 +392,7 @@ class FedCompDPStrategy(DPFLStrategy):
         """C_{t+1} from the round's accepted updates under the configured reading."""
         p, clip = _p(self.cfg), self.clip
         if p.adpc == "noisy-norm":
-            clip = median_clip([float(torch.linalg.vector_norm(u.flat)) for u in accepted])
+            clip = median_clip([_norm(u) for u in accepted])
         elif p.adpc == "raw-norm":
             clip = median_clip([float(u.metrics[NORM_KEY]) for u in accepted])
         elif p.adpc == "private-quantile":
@@ -447,8 +454,7 @@ class FedCompDPStrategy(DPFLStrategy):
         for u, f1 in zip(accepted, scores):
             pid = u.partition_id
             self.cra_state.f1[pid] = ema(self.cra_state.f1.get(pid), f1, p.cra_ema)
-            self.cra_state.norm[pid] = ema(self.cra_state.norm.get(pid),
-                                           float(torch.linalg.vector_norm(u.flat)), p.cra_ema)
+            self.cra_state.norm[pid] = ema(self.cra_state.norm.get(pid), _norm(u), p.cra_ema)
         f1_ema = torch.tensor([self.cra_state.f1[u.partition_id] for u in accepted])
         norm_ema = torch.tensor([self.cra_state.norm[u.partition_id] for u in accepted])
         weights = cra_weights(reliability_scores(f1_ema, norm_ema, p.cra_norm_weight),
@@ -504,8 +510,12 @@ class FedCompDPStrategy(DPFLStrategy):
 def fedcompdp_model(cfg: RunConfig, input_shape: tuple[int, int, int],
                     num_classes: int) -> nn.Module:
     """The configured model with LLCM's channel reduction (eq. 1) when ``llcm-ratio`` > 0."""
-    return build_model(cfg.model, input_shape, num_classes,
-                       channel_reduction=_p(cfg).llcm_ratio)
+    try:
+        return build_model(cfg.model, input_shape, num_classes,
+                           channel_reduction=_p(cfg).llcm_ratio)
+    except ValueError as exc:  # e.g. a model without a conv layer
+        raise ConfigError(f"run-config key 'llcm-ratio': {exc} (set llcm-ratio=0 for model "
+                          f"'{cfg.model}')") from None
 
 
 def fedcompdp_privacy(cfg: RunConfig) -> MethodPrivacy:

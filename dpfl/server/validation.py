@@ -27,6 +27,7 @@ class ClientUpdate:
     metrics: dict[str, Any]
     privacy: dict[str, Any] = field(default_factory=dict)
     extras: dict[str, torch.Tensor] = field(default_factory=dict)
+    norm: float = math.nan    # ||flat||_2, computed once at validation
 
 
 @dataclass
@@ -103,8 +104,8 @@ def validate_train_reply(msg: Message, template: Template, norm_bound: float | N
     flat = _flat_checked(content["arrays"], template, "update")
     if isinstance(flat, str):
         return Rejection(node, pid, "invalid", flat, metrics)
+    norm = float(torch.linalg.vector_norm(flat))   # one pass; kept for the methods
     if norm_bound is not None and math.isfinite(norm_bound):
-        norm = float(torch.linalg.vector_norm(flat))
         if norm > norm_bound:
             return Rejection(node, pid, "invalid", f"update norm {norm:.4g} exceeds the "
                              f"mechanism's bound {norm_bound:.4g}", metrics)
@@ -118,7 +119,7 @@ def validate_train_reply(msg: Message, template: Template, norm_bound: float | N
         extras[name] = checked
     privacy = dict(content["privacy"]) if "privacy" in content.config_records else {}
     return ClientUpdate(node, pid if pid is not None else -1, flat, int(n), metrics, privacy,
-                        extras)
+                        extras, norm)
 
 
 def _privacy_record_problem(content) -> str | None:
