@@ -16,7 +16,8 @@ from typing import Any, Mapping
 from dpfl.errors import UserError
 
 DATASETS = ("mnist", "fashion-mnist", "digits", "cifar10", "cifar100", "svhn")
-PARTITIONINGS = ("iid", "dirichlet", "shards", "size", "gcfl-contiguous", "noniid-fraction")
+PARTITIONINGS = ("iid", "dirichlet", "shards", "size", "gcfl-contiguous", "noniid-fraction",
+                 "class-grouped")
 TRAINERS = ("plain", "dpsgd", "update-dp")
 # pld: dp-accounting PLD (tightest, the default); rdp: Opacus / dp-accounting RDP;
 # prv: Opacus PRV (DP-SGD only)

@@ -17,6 +17,21 @@ def test_demo_defaults_parse():
     assert cfg.dataset == "mnist" and cfg.trainer == "dpsgd" and cfg.target_epsilon == 4.0
 
 
+@pytest.mark.parametrize("preset", sorted((Path(__file__).parent.parent / "conf").rglob("*.toml")),
+                         ids=lambda p: f"{p.parent.name}/{p.name}")
+def test_every_preset_parses(preset):
+    """Each conf/<paper>/*.toml is a valid run-config on its own (method keys included)."""
+    parse_run_config(tomllib.loads(preset.read_text()))
+
+
+def test_the_fedcompdp_presets_leave_strategy_to_the_reproduction():
+    root = Path(__file__).parent.parent / "conf" / "fedcompdp"
+    for name, partitioning in (("cifar10", "dirichlet"), ("svhn", "class-grouped")):
+        raw = tomllib.loads((root / f"{name}.toml").read_text())
+        assert "strategy" not in raw and raw["partitioning"] == partitioning
+        assert raw["dataset"] == name and raw["data-dir"] == "data"
+
+
 @pytest.mark.parametrize("key,value,fragment", [
     ("target-epsilon", 0.0, "'target-epsilon'"),
     ("target-epsilon", -1.0, "'target-epsilon'"),

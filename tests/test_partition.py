@@ -6,7 +6,12 @@ import numpy as np
 import pytest
 
 from dpfl.data import load_dataset
-from dpfl.data.partition import client_splits, label_counts, partition_indices
+from dpfl.data.partition import (
+    ClassGroupedPartitioner,
+    client_splits,
+    label_counts,
+    partition_indices,
+)
 
 LABELS = np.repeat(np.arange(10), 200)  # 2,000 samples, 200 per class
 
@@ -18,7 +23,7 @@ def _check_disjoint_complete(parts, n):
 
 
 @pytest.mark.parametrize("scheme", ["iid", "dirichlet", "size", "gcfl-contiguous",
-                                    "noniid-fraction"])
+                                    "noniid-fraction", "class-grouped"])
 def test_disjoint_and_complete(scheme):
     parts = partition_indices(LABELS, scheme, 5, seed=1, alpha=0.5, noniid_fraction=0.5)
     assert len(parts) == 5
@@ -73,6 +78,43 @@ def test_noniid_fraction_extremes():
 def test_size_partition_sizes_grow_linearly():
     sizes = [len(p) for p in partition_indices(LABELS, "size", 4, seed=0)]
     assert sizes == sorted(sizes) and sizes[3] > 3 * sizes[0]
+
+
+LABELS_10K = np.repeat(np.arange(10), 1000)  # 10,000 samples, 1,000 per class
+
+
+def test_class_grouped_is_deterministic_uneven_and_never_empty():
+    parts = partition_indices(LABELS_10K, "class-grouped", 10, seed=7)
+    _check_disjoint_complete(parts, len(LABELS_10K))
+    again = partition_indices(LABELS_10K, "class-grouped", 10, seed=7)
+    assert all(np.array_equal(a, b) for a, b in zip(parts, again))
+    other = partition_indices(LABELS_10K, "class-grouped", 10, seed=8)
+    assert [len(p) for p in other] != [len(p) for p in parts]
+    assert [len(p) for p in parts] == ClassGroupedPartitioner(10, seed=7).chunk_sizes(
+        10_000).tolist()
+    for seed in range(20):
+        sizes = ClassGroupedPartitioner(10, seed=seed).chunk_sizes(10_000)
+        assert sizes.sum() == 10_000
+        assert sizes.min() >= 10_000 // (20 * 10)  # the floor: no client is (nearly) empty
+        assert sizes.max() / sizes.min() > 2
+    # the floor is at least one sample: 7 clients on 9 samples all get some
+    tiny = partition_indices(LABELS[:9], "class-grouped", 7, seed=0)
+    assert all(len(p) >= 1 for p in tiny) and sum(map(len, tiny)) == 9
+
+
+def test_class_grouped_clients_hold_contiguous_runs_of_few_classes():
+    for seed in range(3):
+        parts = partition_indices(LABELS_10K, "class-grouped", 10, seed=seed)
+        held = [np.unique(LABELS_10K[p]) for p in parts]
+        for k, labels in enumerate(held):
+            # a contiguous run of classes, in client order, as wide as the chunk needs:
+            # a chunk of s samples spans at most ceil(s / 1000) + 1 classes
+            assert np.array_equal(labels, np.arange(labels[0], labels[-1] + 1))
+            assert len(labels) <= -(-len(parts[k]) // 1000) + 1
+            if k:
+                assert held[k - 1][-1] <= labels[0]
+        # one to a few classes: most clients hold one or two (chunks of ~1,000 on average)
+        assert np.median([len(labels) for labels in held]) <= 2
 
 
 def test_validation_holdout_disjoint():
