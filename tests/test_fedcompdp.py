@@ -286,3 +286,18 @@ def test_llcm_on_a_model_without_convolutions_is_a_config_error():
     with pytest.raises(ConfigError, match="llcm-ratio"):
         method_for(c).build_model(c, (1, 8, 8), 10)
     assert method_for(cfg(model="mlp")).build_model(cfg(model="mlp"), (1, 8, 8), 10)
+
+
+def test_norm_bound_and_round_clip_follow_the_method():
+    """The guard bounds a reply of round t by C_t + sigma_Delta C_t (sqrt(d) + 10), with
+    sigma_Delta the raised update noise of private-quantile (s_b = sigma: 2 / sqrt(3)), and
+    expects the reply's privacy record to state C_t."""
+    s = build_strategy(cfg(adpc="private-quantile", clip_norm=2.0))
+    s.bind_partition_sizes({0: 10, 1: 10})
+    s.round_config(1)
+    s.clip = 0.5
+    s.round_config(2)
+    sigma_delta = 1.0 / math.sqrt(1 - 0.25)
+    assert s.guard.norm_bound(100, 1) == pytest.approx(2.0 + sigma_delta * 2.0 * 20)
+    assert s.guard.norm_bound(100, 2) == pytest.approx(0.5 + sigma_delta * 0.5 * 20)
+    assert s.guard.planned_clip(1) == 2.0 and s.guard.planned_clip(2) == 0.5

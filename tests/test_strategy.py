@@ -101,8 +101,10 @@ def test_every_method_gets_the_guards_norm_bound_under_update_dp():
     for name, method in METHODS.items():
         if "update-dp" not in method.trainers or method.adaptive:
             continue
+        # FedCompDP's private-quantile raises the update noise (its own test checks that)
+        extra = {"server_holdout": 10, "adpc": "off"} if name == "fedcompdp" else {}
         cfg = run_config(strategy=name, trainer="update-dp", noise_multiplier=1.0,
-                         clip_norm=1.0)
+                         clip_norm=1.0, **extra)
         strategy = build_strategy(cfg)
         assert strategy.guard.norm_bound(100, 1) == pytest.approx(1 + 1 * (10 + 10)), name
         assert strategy.guard.weights(torch.tensor([3.0, 1.0])).tolist() == [1.0, 1.0], name
