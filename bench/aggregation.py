@@ -19,7 +19,7 @@ import torch
 from timing import best_time
 
 from dpfl.methods.fedcompdp import (
-    Constraint,
+    Constraints,
     cra_weights,
     ema,
     linearised_direction,
@@ -31,7 +31,7 @@ from dpfl.server.aggregation import server_sgd_step, weighted_mean
 
 
 def cra_aggregate(u: torch.Tensor, norms: torch.Tensor, w_prev: torch.Tensor,
-                  f1: torch.Tensor, state: dict, constraints: list[Constraint]) -> torch.Tensor:
+                  f1: torch.Tensor, state: dict, constraints: Constraints) -> torch.Tensor:
     """FedCompDP's server aggregation as the strategy runs it (eqs. 11-19); the update
     norms (eq. 10) come with the replies (validation computes them for every method)."""
     f1_ema = torch.tensor([ema(state["f1"].get(i), float(f), 0.5) for i, f in enumerate(f1)])
@@ -39,9 +39,8 @@ def cra_aggregate(u: torch.Tensor, norms: torch.Tensor, w_prev: torch.Tensor,
                              for i, n in enumerate(norms)])
     weights = cra_weights(reliability_scores(f1_ema, norm_ema, 0.1), 0.1)
     w_tilde = server_sgd_step(w_prev, weighted_mean(u, weights), 1.0)
-    kept = constraints + [Constraint(linearised_direction(w_tilde, w_prev))]
-    w, _ = primal_dual_step(w_tilde, w_prev, kept[-10:], 1.0, 0.5)
-    return w
+    new = constraints.add(linearised_direction(w_tilde, w_prev), 0)
+    return primal_dual_step(w_tilde, w_prev, constraints, 1.0, 0.5, new)
 
 
 def main() -> None:
@@ -70,8 +69,10 @@ def main() -> None:
         w_prev = torch.randn(args.dim, generator=g)
         f1 = torch.rand(m, generator=g)
         state = {"f1": {i: 0.5 for i in range(m)}, "norm": {i: 1.0 for i in range(m)}}
-        kept = [Constraint(linearised_direction(torch.randn(args.dim, generator=g),
-                                                torch.zeros(args.dim)), 0.1) for _ in range(9)]
+        dirs = torch.randn(10, args.dim, generator=g)
+        kept = Constraints(dirs / dirs.norm(dim=1, keepdim=True),
+                           torch.full((10,), 1e-9, dtype=torch.float64),
+                           torch.arange(10))   # 10 active constraints, the worst case
         norms = torch.linalg.vector_norm(u, dim=1)
         t_cra = best_time(lambda: cra_aggregate(u, norms, w_prev, f1, state, kept))
         print(f"{m:>4} {neg:>8.2f} {1e3 * t_avg:>10.1f} {1e3 * t_g1:>11.1f} {t_g1 / t_avg:>6.2f} "

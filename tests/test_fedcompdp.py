@@ -16,7 +16,7 @@ from dpfl.methods.fedcompdp import (
     BIT_KEY,
     F1_KEY,
     NORM_KEY,
-    Constraint,
+    Constraints,
     FedCompDPClient,
     cra_weights,
     ema,
@@ -224,15 +224,30 @@ def test_primal_dual_on_a_2d_toy():
     w_prev, w_tilde = torch.zeros(2), torch.tensor([3.0, 4.0])
     a = linearised_direction(w_tilde, w_prev)
     assert torch.allclose(a, torch.tensor([0.6, 0.8]))
-    w, active = primal_dual_step(w_tilde, w_prev, [Constraint(a)], rho=1.0, dual_lr=0.5)
-    assert torch.allclose(w, torch.tensor([1.8, 2.4])) and active[0].multiplier == 2.0
+    kept = Constraints.empty(2, keep=10)
+    slot = kept.add(a, 1)
+    w = primal_dual_step(w_tilde, w_prev, kept, rho=1.0, dual_lr=0.5, new=slot)
+    assert torch.allclose(w, torch.tensor([1.8, 2.4])) and len(kept) == 1
+    assert float(kept.multipliers[slot]) == 2.0
     w2_tilde = w + torch.tensor([0.0, 0.5])
-    w2, active = primal_dual_step(w2_tilde, w, active, rho=1.0, dual_lr=0.5)
-    assert active[0].multiplier == pytest.approx(1.7)
+    w2 = primal_dual_step(w2_tilde, w, kept, rho=1.0, dual_lr=0.5)
+    assert float(kept.multipliers[slot]) == pytest.approx(1.7)
     assert torch.allclose(w2, w2_tilde - 1.7 * torch.tensor([0.6, 0.8]))
-    small = Constraint(torch.tensor([0.6, 0.8]))
-    _, kept = primal_dual_step(w + 0.2 * torch.tensor([0.6, 0.8]), w, [small], 1.0, 0.5)
-    assert kept == [] and small.multiplier == 0.0
+    small = Constraints.empty(2, keep=10)
+    s2 = small.add(torch.tensor([0.6, 0.8]), 1)
+    w3 = primal_dual_step(w + 0.2 * torch.tensor([0.6, 0.8]), w, small, 1.0, 0.5, new=s2)
+    assert len(small) == 0 and torch.allclose(w3, w + 0.2 * torch.tensor([0.6, 0.8]))
+
+
+def test_constraint_slots_are_reused_and_the_oldest_is_replaced():
+    c = Constraints.empty(2, keep=3)
+    for k in range(3):
+        c.multipliers[c.add(torch.tensor([float(k), 0.0]), k)] = 1.0   # all active
+    slot = c.add(torch.tensor([9.0, 0.0]), 3)                       # full: the oldest goes
+    assert slot == 0 and c.directions[:, 0].tolist() == [9.0, 1.0, 2.0]
+    c.multipliers[slot] = 1.0
+    c.multipliers[1] = 0.0                                            # left the active set
+    assert c.add(torch.tensor([7.0, 0.0]), 4) == 1
 
 
 def test_zero_step_adds_no_constraint():
@@ -301,3 +316,22 @@ def test_norm_bound_and_round_clip_follow_the_method():
     assert s.guard.norm_bound(100, 1) == pytest.approx(2.0 + sigma_delta * 2.0 * 20)
     assert s.guard.norm_bound(100, 2) == pytest.approx(0.5 + sigma_delta * 0.5 * 20)
     assert s.guard.planned_clip(1) == 2.0 and s.guard.planned_clip(2) == 0.5
+
+
+def test_strategy_state_survives_a_checkpoint_round_trip(tmp_path):
+    """C_t, its history, the CRA EMAs and the kept constraints are checkpointed (a resumed
+    run continues them instead of restarting C at clip-norm)."""
+    s = build_strategy(cfg(clip_norm=1.0))
+    s.round_config(1)
+    s.clip = 0.42
+    s.cra_state.f1[3], s.cra_state.norm[3] = 0.7, 2.5
+    w_prev = torch.zeros(4)
+    s.server_step(w_prev, torch.tensor([3.0, 4.0, 0.0, 0.0]))
+    path = tmp_path / "state.pt"
+    torch.save(s.state_dict(), path)
+    t = build_strategy(cfg(clip_norm=1.0))
+    t.load_state_dict(torch.load(path, weights_only=False))
+    assert (t.clip, t.clips, t.cra_state.f1, t.cra_state.norm) == (0.42, {1: 1.0}, {3: 0.7},
+                                                                   {3: 2.5})
+    assert torch.equal(t.constraints.directions, s.constraints.directions)
+    assert torch.equal(t.constraints.multipliers, s.constraints.multipliers)

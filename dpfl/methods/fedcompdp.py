@@ -233,11 +233,35 @@ def cra_weights(scores: torch.Tensor, temperature: float) -> torch.Tensor:
 
 
 @dataclass
-class Constraint:
-    """One kept linearised CD-norm constraint a^T (w - w_{t-1}) - rho <= 0 (eq. 17)."""
+class Constraints:
+    """The kept linearised CD-norm constraints a_k^T (w - w_{t-1}) - rho <= 0 (eq. 17): a
+    fixed K x d buffer of unit directions (K = ``cd-max-constraints``) and their multipliers
+    lambda_k >= 0; a slot whose multiplier is 0 is free (the constraint left the active
+    set), so nothing is copied as constraints come and go."""
 
-    direction: torch.Tensor   # a_k, unit norm
-    multiplier: float = 0.0   # lambda_k >= 0
+    directions: torch.Tensor    # K x d (free rows are ignored: their multiplier is 0)
+    multipliers: torch.Tensor   # K, float64
+    age: torch.Tensor           # K, the round each slot was filled (-1 = never)
+
+    @classmethod
+    def empty(cls, dim: int, keep: int) -> "Constraints":
+        return cls(torch.zeros(keep, dim), torch.zeros(keep, dtype=torch.float64),
+                   torch.full((keep,), -1, dtype=torch.long))
+
+    def __len__(self) -> int:
+        """The number of active constraints."""
+        return int((self.multipliers > 0).sum())
+
+    def add(self, direction: torch.Tensor, round_: int) -> int:
+        """Store a new constraint (multiplier 0) in a free slot, else over the oldest one;
+        returns the slot. Active constraints then are the slots with multiplier > 0 plus
+        this one until the next dual step."""
+        free = (self.multipliers <= 0).nonzero().flatten()
+        slot = int(free[0]) if len(free) else int(self.age.argmin())
+        self.directions[slot] = direction
+        self.multipliers[slot] = 0.0
+        self.age[slot] = round_
+        return slot
 
 
 def linearised_direction(w_tilde: torch.Tensor, w_prev: torch.Tensor) -> torch.Tensor | None:
@@ -247,21 +271,23 @@ def linearised_direction(w_tilde: torch.Tensor, w_prev: torch.Tensor) -> torch.T
     return step / norm if norm > 0 else None
 
 
-def primal_dual_step(w_tilde: torch.Tensor, w_prev: torch.Tensor,
-                     constraints: list[Constraint], rho: float, dual_lr: float
-                     ) -> tuple[torch.Tensor, list[Constraint]]:
-    """Eqs. 18-19 on the kept constraints: lambda_k <- [lambda_k + eta (a_k^T (w~ - w_{t-1})
-    - rho)]_+, then w = w~ - sum_k lambda_k a_k; constraints whose multiplier is 0 leave
-    the active set. Returns (w, the active constraints)."""
-    step = w_tilde - w_prev
-    active, w = [], w_tilde.clone()
-    for c in constraints:
-        violation = float(c.direction @ step) - rho
-        c.multiplier = max(0.0, c.multiplier + dual_lr * violation)
-        if c.multiplier > 0:
-            w -= c.multiplier * c.direction
-            active.append(c)
-    return w, active
+def primal_dual_step(w_tilde: torch.Tensor, w_prev: torch.Tensor, constraints: Constraints,
+                     rho: float, dual_lr: float, new: int | None = None) -> torch.Tensor:
+    """Eqs. 18-19 on the kept constraints (the active ones and the ``new`` slot):
+    lambda_k <- [lambda_k + eta (a_k^T (w~ - w_{t-1}) - rho)]_+, then
+    w = w~ - sum_k lambda_k a_k; a constraint whose multiplier is 0 leaves the active set
+    (its slot is free). Two K x d products, A (w~ - w_{t-1}) and lambda^T A; updates
+    ``constraints`` in place and returns w."""
+    a, lams = constraints.directions, constraints.multipliers
+    kept = lams > 0
+    if new is not None:
+        kept[new] = True
+    if not bool(kept.any()):
+        return w_tilde.clone()
+    violation = (a @ (w_tilde - w_prev)).double() - rho
+    lams.copy_(torch.where(kept, (lams + dual_lr * violation).clamp(min=0.0),
+                           torch.zeros_like(lams)))
+    return w_tilde - lams.to(a.dtype) @ a
 
 
 # -- client half ---------------------------------------------------------------------------
@@ -356,7 +382,7 @@ class FedCompDPStrategy(DPFLStrategy):
         self.clip = cfg.clip_norm
         self.clips: dict[int, float] = {}           # round -> C_t sent
         self.cra_state = CRAState()
-        self.constraints: list[Constraint] = []
+        self.constraints: Constraints | None = None
         self.last_weights: dict[int, float] = {}
         self.last_active = 0
         self.eval_model: nn.Module | None = None
@@ -471,12 +497,12 @@ class FedCompDPStrategy(DPFLStrategy):
         p = _p(self.cfg)
         if not p.cd_correction:
             return w_tilde
+        if self.constraints is None:
+            self.constraints = Constraints.empty(len(global_flat), p.cd_max_constraints)
         direction = linearised_direction(w_tilde, global_flat)
-        if direction is not None:
-            self.constraints.append(Constraint(direction))
-            self.constraints = self.constraints[-p.cd_max_constraints:]
-        w, self.constraints = primal_dual_step(w_tilde, global_flat, self.constraints,
-                                               p.cd_rho * self.clip, p.cd_dual_lr)
+        new = None if direction is None else self.constraints.add(direction, len(self.clips))
+        w = primal_dual_step(w_tilde, global_flat, self.constraints, p.cd_rho * self.clip,
+                             p.cd_dual_lr, new)
         self.last_active = len(self.constraints)
         return w
 
@@ -493,7 +519,7 @@ class FedCompDPStrategy(DPFLStrategy):
     def state_dict(self) -> dict[str, Any]:
         return {**super().state_dict(), "clip": self.clip, "clips": dict(self.clips),
                 "cra-f1": dict(self.cra_state.f1), "cra-norm": dict(self.cra_state.norm),
-                "constraints": [(c.direction, c.multiplier) for c in self.constraints]}
+                "cd": None if self.constraints is None else self.constraints.__dict__.copy()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)
@@ -502,7 +528,7 @@ class FedCompDPStrategy(DPFLStrategy):
             self.clips = {int(k): float(v) for k, v in state["clips"].items()}
             self.cra_state = CRAState({int(k): float(v) for k, v in state["cra-f1"].items()},
                                       {int(k): float(v) for k, v in state["cra-norm"].items()})
-            self.constraints = [Constraint(d, float(m)) for d, m in state["constraints"]]
+            self.constraints = None if state["cd"] is None else Constraints(**state["cd"])
 
 
 # -- method ----------------------------------------------------------------------------
