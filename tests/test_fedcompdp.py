@@ -137,8 +137,12 @@ def test_private_quantile_matches_flowers_defaults_and_reverses_its_sign():
     (gamma = 0.5, eta = 0.2) but count the *clipped* updates (their norm bit is
     ``scaling_factor < 1``) in the formula that expects the *unclipped* fraction, so their
     C moves the wrong way: every factor is the inverse of ours at gamma = 0.5."""
-    from flwr.serverapp.strategy import DifferentialPrivacyServerSideAdaptiveClipping as W
-    from flwr.serverapp.strategy.dp_adaptive_clipping import adaptive_clip_inputs_inplace
+    from flwr.serverapp.strategy import (
+        DifferentialPrivacyServerSideAdaptiveClipping as W,
+    )
+    from flwr.serverapp.strategy.dp_adaptive_clipping import (
+        adaptive_clip_inputs_inplace,
+    )
 
     defaults = inspect.signature(W.__init__).parameters
     assert defaults["target_clipped_quantile"].default == 0.5

@@ -3,7 +3,13 @@ deterministic, and no change at all when both are 0."""
 
 import numpy as np
 
-from dpfl.data import client_splits, load_dataset, server_holdout_indices, splits_for, training_pool
+from dpfl.data import (
+    client_splits,
+    load_dataset,
+    server_holdout_indices,
+    splits_for,
+    training_pool,
+)
 from dpfl.methods import run_config
 
 

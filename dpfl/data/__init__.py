@@ -15,7 +15,12 @@ from dpfl.data.loaders import (
     load_dataset,
     to_tensor,
 )
-from dpfl.data.partition import ClientSplit, client_splits, label_counts, partition_indices
+from dpfl.data.partition import (
+    ClientSplit,
+    client_splits,
+    label_counts,
+    partition_indices,
+)
 
 __all__ = ["ArrayDataset", "ClientData", "ClientSplit", "DatasetUnavailable", "check_dataset",
            "client_data", "client_splits", "label_counts", "load_dataset", "partition_indices",

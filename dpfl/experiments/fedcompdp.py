@@ -27,6 +27,7 @@ from dpfl.experiments.common import (
     Reproduction,
     honest_verdict,
     load_records,
+    mean_std,
     pyplot,
     save_figure,
     table_header,
@@ -117,14 +118,6 @@ def _rounds_extra(record: dict[str, Any]) -> dict[str, Any]:
             "active-constraints-by-round": active}
 
 
-def _stats(values: list[float]) -> str:
-    if not values:
-        return "—"
-    mean = 100 * statistics.fmean(values)
-    return f"{mean:.2f}" if len(values) == 1 else (
-        f"{mean:.2f} ± {100 * statistics.stdev(values):.2f}")
-
-
 def ordering(scores: dict[str, float]) -> list[str]:
     """Arms by decreasing score."""
     return sorted(scores, key=lambda a: -scores[a])
@@ -174,7 +167,7 @@ def build_table(results: Path, command: str) -> str:
             table.setdefault(cell, {})[arm] = {
                 "accuracy": accs, "macro-f1": f1s, "max-epsilon": eps, "verdict": verdict,
                 "seeds": [r["seed"] for r in rs], "paper": paper}
-            lines.append(f"| {LABELS[arm]} | {len(rs)} | {_stats(accs)} | {_stats(f1s)} | "
+            lines.append(f"| {LABELS[arm]} | {len(rs)} | {mean_std(accs)} | {mean_std(f1s)} | "
                          f"{eps:.4g} | {cifar} | {svhn} | {verdict} |")
         ours = ordering({a: v for a, v in means.items() if a in PAPER_ORDER_ARMS})
         for k, name in ((0, "CIFAR-10"), (2, "SVHN")):
