@@ -268,7 +268,7 @@ def _sparse_vector_pld(unit: str, events: Sequence[PrivacyEvent],
     basic = pure + (events_epsilon_detail(rest, delta, "pld")[0] if rest else 0.0)
     if basic < rdp:
         return basic, "pld + basic composition of sparse-vector events"
-    return rdp, "rdp (sparse-vector events have no pld event)"
+    return rdp, "rdp or basic composition (sparse-vector events have no pld event)"
 
 
 def history_epsilon_detail(events: Sequence[PrivacyEvent], delta: float,
