@@ -56,8 +56,22 @@ class MethodParams:
         return {f.name.replace("_", "-"): getattr(self, f.name) for f in fields(self)}
 
 
+# The private mean training loss of the round, always among the ``local`` values the client
+# app passes to :meth:`ClientHalf.release_update` (released only if a method releases it).
+TRAIN_LOSS = "train-loss"
+
+
 class ClientHalf:
     """What a method adds on the client (default: nothing)."""
+
+    def planned_event(self, cfg: RunConfig, num_examples: int,
+                      server_round: int) -> PrivacyEvent | None:
+        """This round's planned release when the shared plan
+        (:func:`dpfl.privacy.plan.planned_event`) cannot express it (e.g. a pure-epsilon
+        Laplace release); None: the shared plan. Must equal the server's plan (the
+        strategy's :meth:`~dpfl.server.strategy.DPFLStrategy.plan_event`), computed from
+        public values only."""
+        return None
 
     def round_sigma(self, cfg: RunConfig, config: Mapping[str, Any], partition_id: int,
                     model: torch.nn.Module) -> float | None:
@@ -83,7 +97,8 @@ class ClientHalf:
     def local_values(self, cfg: RunConfig, config: Mapping[str, Any], model: torch.nn.Module,
                      data: ClientData) -> dict[str, float]:
         """Private values computed after local training that :meth:`release_update` may
-        release with the update (e.g. a local validation score); default none."""
+        release with the update (e.g. a local validation score); default none. The client
+        app adds :data:`TRAIN_LOSS` (the round's mean training loss) to them."""
         return {}
 
     def release_update(self, cfg: RunConfig, config: Mapping[str, Any],
@@ -94,7 +109,8 @@ class ClientHalf:
         """Client-level update DP: (the released update, its privacy event, extra reply
         metrics). Default: clip to ``clip`` (or :meth:`update_clip`) and add
         N(0, sigma^2 clip^2), one Gaussian event under replace-one; ``local`` (from
-        :meth:`local_values`) is not released."""
+        :meth:`local_values`, plus :data:`TRAIN_LOSS`) is not released. ``sigma`` is the
+        planned event's (0 for a method's own pure-epsilon plan)."""
         mechanism = GaussianMechanism(sigma, clip, relation=UPDATE_DP_RELATION,
                                       clip_fn=self.update_clip(cfg))
         noisy, event = mechanism.release(update, generator, server_round)
@@ -121,6 +137,9 @@ class Method:
     # per-round parameters chosen from earlier outputs: budgets are a Rényi filter
     adaptive: bool = False
     model: ModelFor | None = None                   # None: the registry's ``model``
+    # further rules on the global keys (raise ConfigError naming the key), e.g. a method
+    # that reads the update as plain SGD's sum of gradients needs momentum = 0
+    rules: Callable[[RunConfig], None] | None = None
 
     def build_model(self, cfg: RunConfig, input_shape: tuple[int, int, int],
                     num_classes: int) -> torch.nn.Module:
@@ -130,10 +149,12 @@ class Method:
         return build_model(cfg.model, input_shape, num_classes)
 
     def check(self, cfg: RunConfig) -> None:
-        """Method rules on the global keys (e.g. the trainers it supports)."""
+        """Method rules on the global keys (the trainers it supports, then :attr:`rules`)."""
         need(cfg.trainer in self.trainers, "trainer",
              f"strategy '{self.name}' needs trainer {' or '.join(map(repr, self.trainers))} "
              f"({self.trainer_reason})", cfg.trainer)
+        if self.rules is not None:
+            self.rules(cfg)
 
     def with_params(self, cfg: RunConfig, raw: Mapping[str, Any]) -> RunConfig:
         """``cfg`` carrying this method's parameters parsed from ``raw``."""

@@ -17,14 +17,19 @@ from dpfl.models import build_model
 from dpfl.privacy.budget import PrivacyHistory
 from dpfl.privacy.events import PrivacyEvent
 from dpfl.methods import METHODS, build_strategy
+from dpfl.methods.fedasgp import FedASGPParams
 from dpfl.server.validation import Rejection
 from flower_helpers import message
 
 TRAINER = {"fedavg": "plain", "aadp": "update-dp", "dpfedsam": "update-dp",
-           "fedcompdp": "update-dp"}
+           "fedcompdp": "update-dp", "fedasgp": "update-dp"}
 # what a method needs in every reply besides the generic keys, and its extra run-config
-METHOD_METRICS = {"fedcompdp": {"adpc-unclipped": 0.6}}
-METHOD_CONFIG = {"fedcompdp": {"server_holdout": 50}}
+# (DP-FedASGP's paper variant: the clear loss L_i of eq. 16 and the significant fraction;
+# its strict variant's replies are sparse, tests/test_fedasgp.py)
+METHOD_METRICS = {"fedcompdp": {"adpc-unclipped": 0.6},
+                  "fedasgp": {"asgp-loss": 0.7, "asgp-significant": 0.3}}
+METHOD_CONFIG = {"fedcompdp": {"server_holdout": 50},
+                 "fedasgp": {"params": FedASGPParams(asgp_variant="paper")}}
 BAD_KINDS = ["nan", "inf", "shape", "dtype64", "dtypeint", "missing-key", "extra-key",
              "no-arrays", "no-metrics", "n-zero", "n-negative", "n-huge", "n-fraction", "n-nan",
              "eps-negative", "eps-nan", "privacy-unequal", "privacy-mechanism",

@@ -106,8 +106,11 @@ def test_every_method_gets_the_guards_norm_bound_under_update_dp():
         cfg = run_config(strategy=name, trainer="update-dp", noise_multiplier=1.0,
                          clip_norm=1.0, **extra)
         strategy = build_strategy(cfg)
-        assert strategy.guard.norm_bound(100, 1) == pytest.approx(1 + 1 * (10 + 10)), name
         assert strategy.guard.weights(torch.tensor([3.0, 1.0])).tolist() == [1.0, 1.0], name
+        if strategy.update_norm_bound(100, 1) is not None:
+            # its own (non-Gaussian) noise and bound, e.g. DP-FedASGP's Laplace: own tests
+            continue
+        assert strategy.guard.norm_bound(100, 1) == pytest.approx(1 + 1 * (10 + 10)), name
 
 
 def test_a_server_release_is_charged_through_the_guard_to_the_clients_it_covers():

@@ -30,6 +30,7 @@ from dpfl.client.trainers import train_dpsgd, train_plain
 from dpfl.config import RunConfig
 from dpfl.data import ClientData, client_data
 from dpfl.logs import get_logger
+from dpfl.method import TRAIN_LOSS
 from dpfl.methods import method_for, parse_run_config
 from dpfl.models.evaluation import device_for, evaluate_model
 from dpfl.privacy.budget import PrivacyHistory
@@ -102,8 +103,10 @@ def train(msg: Message, context: Context) -> Message:
         log.warning("client %d adopted privacy events recorded by the server (node state "
                     "was lost, e.g. after a restart)", pid)
         history.save(context.state)
-    planned = planned_event(cfg, n, server_round,
-                            method.client.round_sigma(cfg, config, pid, model))
+    planned = method.client.planned_event(cfg, n, server_round)
+    if planned is None:
+        planned = planned_event(cfg, n, server_round,
+                                method.client.round_sigma(cfg, config, pid, model))
     eps_now = history.epsilon(cfg.delta, cfg.accountant)
     server_plan = plan_from_record(config, server_round)
     problem = plan_problem(planned, server_plan) if server_plan is not None else None
@@ -150,7 +153,8 @@ def train(msg: Message, context: Context) -> Message:
         raw = flatten(state_difference(model.state_dict(), received))
         if device.type != "cpu":  # the flat update lives on the CPU: so must its noise
             noise_rng = mechanism_generator(cfg.reproducible, cfg.seed, pid, server_round)
-        local = method.client.local_values(cfg, config, model, data)
+        local = {TRAIN_LOSS: result.train_loss,
+                 **method.client.local_values(cfg, config, model, data)}
         noisy, event, update_metrics = method.client.release_update(
             cfg, config, raw, sigma, clip, noise_rng, server_round, local)
         update = unflatten(noisy, received)

@@ -20,6 +20,7 @@ from dpfl.methods import (
     dpfedprox,
     dpfedsam,
     dpscaffold,
+    fedasgp,
     fedavg,
     fedcompdp,
     gcfl,
@@ -32,7 +33,7 @@ from dpfl.server.strategy import DPFLStrategy
 METHODS: dict[str, Method] = {m.name: m for m in (
     fedavg.METHOD, dpfedavg.METHOD, gcfl.METHOD, dpfedprox.METHOD, dpscaffold.METHOD,
     dpfedexp.METHOD, pegasus.METHOD, aadp.METHOD, dpfedavgm.METHOD, fedcompdp.METHOD,
-    dpfedsam.METHOD,
+    dpfedsam.METHOD, fedasgp.METHOD,
 )}
 
 

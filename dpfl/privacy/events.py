@@ -12,7 +12,9 @@ sparse-vector technique). Epsilon always comes from the field's libraries:
 - client-level events: dp-accounting's ``RdpAccountant`` (``rdp``) or ``PLDAccountant``
   (``pld``); ``prv`` is refused (it is Opacus' DP-SGD accountant). Laplace releases use
   the exact Laplace RDP/PLD; a generic pure eps-DP release (sparse vector) enters RDP
-  through eps-DP => (alpha, min(eps, alpha eps^2 / 2))-RDP (Bun & Steinke 2016).
+  through eps-DP => (alpha, min(eps, alpha eps^2 / 2))-RDP (Bun & Steinke 2016); under
+  ``pld`` a history with sparse-vector events takes the smaller of that RDP bound and
+  basic composition (dp-accounting has no event for a generic pure eps-DP release).
 
 Every non-Opacus path (RDP curves, PLD) turns an event into a dp-accounting ``DpEvent``
 through ONE function, :func:`dpfl.privacy.accounting.dp_event_of`
@@ -32,6 +34,7 @@ each distinct event's curve once and combining them with one matrix product
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
 from functools import lru_cache
 from typing import Iterable, Mapping, Sequence
@@ -109,8 +112,10 @@ class PrivacyEvent:
 
     @classmethod
     def pure(cls, round_: int, epsilon: float, mechanism: str = "laplace",
-             steps: int = 1) -> "PrivacyEvent":
-        return cls(round_, mechanism, epsilon=epsilon, steps=steps)
+             steps: int = 1, relation: str = "add-remove") -> "PrivacyEvent":
+        """A pure epsilon-DP release; ``relation`` records the neighbouring relation its
+        epsilon was derived under (its accounting uses epsilon alone)."""
+        return cls(round_, mechanism, epsilon=epsilon, steps=steps, relation=relation)
 
     @property
     def unit(self) -> str:
@@ -246,8 +251,24 @@ def _signature_epsilon(signature: tuple[tuple[tuple, int], ...], delta: float,
     if accountant == "prv":
         raise ValueError(PRV_CLIENT_LEVEL)
     if any(e.mechanism == "sparse-vector" for e in events):
-        raise ValueError("the PLD accountant has no sparse-vector event; use accountant 'rdp'")
+        return _sparse_vector_pld(unit, events, delta)
     return events_epsilon_detail([(e.to_dp_event(), e.steps) for e in events], delta, "pld")
+
+
+def _sparse_vector_pld(unit: str, events: Sequence[PrivacyEvent],
+                       delta: float) -> tuple[float, str]:
+    """``pld`` for a history with generic pure eps-DP events (``sparse-vector``: no
+    dp-accounting event has their worst-case privacy loss): the smaller of two valid upper
+    bounds, the RDP route (with :func:`_pure_bound`) and basic composition of the pure
+    events with the PLD epsilon of the rest; the method names which one was used."""
+    rdp = _pure_bound(unit, events, rdp_to_epsilon(unit, history_rdp(events), delta), delta)
+    pure = math.fsum(e.epsilon * e.steps for e in events if e.mechanism == "sparse-vector")
+    rest = [(e.to_dp_event(), e.steps) for e in events
+            if e.mechanism != "sparse-vector" and e.steps > 0]
+    basic = pure + (events_epsilon_detail(rest, delta, "pld")[0] if rest else 0.0)
+    if basic < rdp:
+        return basic, "pld + basic composition of sparse-vector events"
+    return rdp, "rdp or basic composition (sparse-vector events have no pld event)"
 
 
 def history_epsilon_detail(events: Sequence[PrivacyEvent], delta: float,

@@ -104,10 +104,13 @@ def laplace_noise(shape: torch.Size | tuple[int, ...], scale: float,
                   ) -> torch.Tensor:
     """Laplace(0, scale) samples by inverse CDF of float64 uniforms from ``generator``:
     -scale sign(u) log(1 - 2|u|), u uniform on (-1/2, 1/2)."""
-    u = torch.rand(shape, generator=generator, dtype=torch.float64) - 0.5
+    u = torch.rand(shape, generator=generator, dtype=torch.float64).sub_(0.5)
     # torch.rand is in [0, 1): u = -1/2 (log 0) is moved to the next float64 inside
-    u = u.clamp(min=math.nextafter(-0.5, 0.0))
-    return (-scale * torch.sign(u) * torch.log1p(-2.0 * u.abs())).to(dtype)
+    u.clamp_(min=math.nextafter(-0.5, 0.0))
+    sign = torch.sign(u)
+    # in place, one temporary: (log1p(-2|u|) sign) (-scale), bit-identical to
+    # -scale sign(u) log1p(-2|u|) (the sign is exact, one rounding either way)
+    return u.abs_().mul_(-2.0).log1p_().mul_(sign).mul_(-scale).to(dtype)
 
 
 @dataclass(frozen=True)
@@ -141,11 +144,25 @@ class LaplaceMechanism:
 class SparseVector:
     """The sparse-vector technique with numeric answers (Lyu, Su & Li 2017, "Understanding
     the Sparse Vector Technique for Differential Privacy", Alg. 1, with numeric answers
-    paid for by a third budget eps3, as in their general form): a noisy threshold rho = T + Lap(Delta / eps1); query i is
-    positive when v_i + Lap(2 c Delta / eps2) >= rho; the first c positives (in index
-    order: the algorithm stops after c) are released as v_i + Lap(c Delta / eps3), every
-    other coordinate is withheld (0). (eps1 + eps2 + eps3)-DP for queries of sensitivity
-    Delta."""
+    paid for by a third budget eps3, as in their general form): a noisy threshold
+    rho = T + Lap(Delta / eps1); query i is positive when q_i + Lap(2 c Delta / eps2) >= rho;
+    the first c positives (the algorithm stops after c) are released as
+    x_i + Lap(Delta_A / eps3), every other coordinate is withheld (0).
+    (eps1 + eps2 + eps3)-DP for queries of sensitivity Delta (``sensitivity``).
+
+    - ``answer_sensitivity`` Delta_A: the L1 sensitivity of the (at most c) released
+      answers together; 0 (default) means c Delta, i.e. each answer has the queries'
+      sensitivity and the c answers compose (Lyu et al.'s Lap(c Delta / eps3)). A caller
+      whose answers have a tighter joint bound passes it (e.g. c coordinates of a vector
+      of L2 sensitivity s: Delta_A = s sqrt(c)). For a fixed answer set the answers are a
+      Laplace mechanism of L1 sensitivity Delta_A, so they cost eps3 on top of the
+      selection (adaptive composition).
+    - ``random_order``: the queries are asked in a uniformly random order drawn from the
+      generator (independent of the data), so the c answers are a uniform sample of the
+      positives instead of the first c by index; a mixture over data-independent orders of
+      the same eps-DP algorithm is eps-DP.
+    - ``apply(x, generator, queries)``: the queries q (default x itself) are compared, x is
+      released (e.g. q = |x|, sensitivity C when every |x_i| <= C)."""
 
     eps_threshold: float
     eps_queries: float
@@ -153,31 +170,63 @@ class SparseVector:
     sensitivity: float
     threshold: float
     max_answers: int
+    answer_sensitivity: float = 0.0
+    random_order: bool = False
 
     def __post_init__(self) -> None:
         if min(self.eps_threshold, self.eps_queries, self.eps_answers, self.sensitivity) <= 0:
             raise ValueError("the three epsilons and the sensitivity must be > 0")
         if int(self.max_answers) != self.max_answers or self.max_answers < 1:
             raise ValueError("max_answers must be an integer >= 1")
+        if not self.answer_sensitivity >= 0:
+            raise ValueError("answer_sensitivity must be >= 0 (0: c x sensitivity)")
 
     @property
     def epsilon(self) -> float:
         return self.eps_threshold + self.eps_queries + self.eps_answers
 
-    def apply(self, x: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-        c, d = int(self.max_answers), self.sensitivity
-        rho = self.threshold + float(laplace_noise((1,), d / self.eps_threshold, generator,
-                                                   torch.float64))
-        noisy = x + laplace_noise(x.shape, 2.0 * c * d / self.eps_queries, generator,
-                                  x.dtype).to(x.device)
-        above = torch.nonzero(noisy >= rho).flatten()[:c]
-        out = torch.zeros_like(x)
-        out[above] = x[above] + laplace_noise(above.shape, c * d / self.eps_answers, generator,
-                                              x.dtype).to(x.device)
-        return out
+    @property
+    def threshold_scale(self) -> float:
+        """b of the threshold's noise Lap(Delta / eps1)."""
+        return self.sensitivity / self.eps_threshold
 
-    def event(self, round_: int) -> PrivacyEvent:
-        return PrivacyEvent.pure(round_, self.epsilon, "sparse-vector")
+    @property
+    def query_scale(self) -> float:
+        """b of each query's noise Lap(2 c Delta / eps2)."""
+        return 2.0 * int(self.max_answers) * self.sensitivity / self.eps_queries
+
+    @property
+    def answer_scale(self) -> float:
+        """b of each answer's noise Lap(Delta_A / eps3)."""
+        joint = self.answer_sensitivity or int(self.max_answers) * self.sensitivity
+        return joint / self.eps_answers
+
+    def select(self, queries: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+        """The indices (into the flattened queries) of the at most c positives."""
+        c = int(self.max_answers)
+        rho = self.threshold + float(laplace_noise((1,), self.threshold_scale, generator,
+                                                   torch.float64))
+        flat = queries.reshape(-1)
+        noisy = flat + laplace_noise(flat.shape, self.query_scale, generator,
+                                     flat.dtype).to(flat.device)
+        above = torch.nonzero(noisy >= rho).flatten()
+        if len(above) <= c:
+            return above
+        if self.random_order:
+            order = torch.randperm(len(above), generator=generator)[:c].to(above.device)
+            return above[order].sort().values
+        return above[:c]
+
+    def apply(self, x: torch.Tensor, generator: torch.Generator,
+              queries: torch.Tensor | None = None) -> torch.Tensor:
+        above = self.select(x if queries is None else queries, generator)
+        out = torch.zeros_like(x).reshape(-1)
+        out[above] = x.reshape(-1)[above] + laplace_noise(above.shape, self.answer_scale,
+                                                          generator, x.dtype).to(x.device)
+        return out.reshape(x.shape)
+
+    def event(self, round_: int, relation: str = "add-remove") -> PrivacyEvent:
+        return PrivacyEvent.pure(round_, self.epsilon, "sparse-vector", relation=relation)
 
     def release(self, x: torch.Tensor, generator: torch.Generator,
                 round_: int) -> tuple[torch.Tensor, PrivacyEvent]:

@@ -14,12 +14,16 @@ from dpfl.privacy.randomness import SCOPE as RANDOMNESS_SCOPE
 @dataclass(frozen=True)
 class MethodPrivacy:
     """What a method adds to the guarantee: ``scope`` text, values it releases in the
-    clear (each one makes the verdict ``none``), and whether its per-round parameters are
-    chosen adaptively (then a Rényi filter bounds the run)."""
+    clear (each one makes the verdict ``none``), whether its per-round parameters are
+    chosen adaptively (then a Rényi filter bounds the run), and its client's release when
+    it replaces the shared Gaussian one (``release``)."""
 
     scope: str = ""
     clear: tuple[str, ...] = ()
     adaptive: bool = False
+    # what a client-level (update-dp) client releases when it is not the shared "update
+    # clipped to C plus Gaussian noise" (e.g. a sparse vector with Laplace noise)
+    release: str = ""
 
 
 @dataclass(frozen=True)
@@ -63,10 +67,12 @@ def guarantee_for(cfg: RunConfig, method: MethodPrivacy = MethodPrivacy()) -> Gu
                  "client's dataset size is treated as public, as in Opacus")
     else:
         unit, relation, sampling = "client", UPDATE_DP_RELATION, "none"
-        scope = (f"every model update a client sends (whole update clipped to {cfg.clip_norm} "
-                 "plus client-side Gaussian noise; no amplification by client sampling is "
-                 "claimed); replace-one = any local dataset of the client vs any other (the "
-                 "server sees who sends what, so presence is not hidden: sensitivity 2C)")
+        release = method.release or (f"whole update clipped to {cfg.clip_norm} plus "
+                                     "client-side Gaussian noise")
+        scope = (f"every model update a client sends ({release}; no amplification by client "
+                 "sampling is claimed); replace-one = any local dataset of the client vs any "
+                 "other (the server sees who sends what, so presence is not hidden: "
+                 "sensitivity 2C)")
     if method.scope:
         scope += "; " + method.scope
     clear.extend(method.clear)

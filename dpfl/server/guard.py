@@ -4,9 +4,11 @@ One object owned by every dpfl strategy, as Flower's ``DifferentialPrivacy*`` wr
 compose around an inner strategy: whatever a method aggregates, the guard
 
 - computes each client's planned release from public values (``dpfl.privacy.plan``; a
-  method may set the round's sigma, e.g. AADP-FL's per-round budget) and sends it;
+  method may set the round's sigma, e.g. AADP-FL's per-round budget, or plan its own
+  release, e.g. a pure-epsilon Laplace one) and sends it;
 - bounds every update's L2 norm by what the mechanism promises (client-level update DP:
-  C + sigma_max C (sqrt(d) + 10), exceeded by an honest update w.p. < exp(-50));
+  C + sigma_max C (sqrt(d) + 10), exceeded by an honest update w.p. < exp(-50); a method
+  with another noise gives its own bound);
 - gives client-level DP updates equal aggregation weights (dataset sizes stay private);
 - charges the ledger for every received update — accepted, rejected or late — at no less
   than the plan (``dpfl.privacy.charging``), pinning each node to its first partition id.
@@ -41,6 +43,11 @@ PlanSigma = Callable[[int | None, int], float | None]
 # release's noise budget goes to a clipped-count bit sent with the update).
 PlanClip = Callable[[int], float | None]
 NoiseScale = Callable[[int], float]
+# A method's own planned release of a partition in a round (None: the shared plan of
+# dpfl.privacy.plan), and its own bound on an update's L2 norm for a model of d parameters
+# in a round (None: the Gaussian tail bound).
+PlanEvent = Callable[[int, int], PrivacyEvent | None]
+NormBound = Callable[[int, int], float | None]
 
 
 def _configured(server_round: int) -> None:
@@ -51,16 +58,27 @@ def _unscaled(server_round: int) -> float:
     return 1.0
 
 
+def _shared_plan(partition_id: int, server_round: int) -> None:
+    return None
+
+
+def _gaussian_bound(dim: int, server_round: int) -> None:
+    return None
+
+
 class DPGuard:
     """The privacy side of a strategy (see module docstring)."""
 
     def __init__(self, cfg: RunConfig, plan_sigma: PlanSigma, adaptive: bool = False,
-                 plan_clip: PlanClip = _configured, noise_scale: NoiseScale = _unscaled
+                 plan_clip: PlanClip = _configured, noise_scale: NoiseScale = _unscaled,
+                 plan_event: PlanEvent = _shared_plan, method_bound: NormBound = _gaussian_bound
                  ) -> None:
         self.cfg = cfg
         self.plan_sigma = plan_sigma
         self.plan_clip = plan_clip
         self.noise_scale = noise_scale
+        self.plan_event = plan_event
+        self.method_bound = method_bound
         self.adaptive = adaptive
         self.ledger = None                          # the server's ledger (bind_ledger)
         self.partition_sizes: dict[int, int] = {}   # partition id -> training-set size
@@ -72,7 +90,11 @@ class DPGuard:
         self.partition_sizes = dict(sizes)
 
     def planned_event(self, partition_id: int, server_round: int) -> PrivacyEvent:
-        """The release the server asks of ``partition_id`` in ``server_round``."""
+        """The release the server asks of ``partition_id`` in ``server_round``: the
+        method's own plan when it has one, else the shared plan."""
+        own = self.plan_event(partition_id, server_round)
+        if own is not None:
+            return own
         return planned_event(self.cfg, self.partition_sizes[partition_id], server_round,
                              self.plan_sigma(partition_id, server_round))
 
@@ -98,9 +120,13 @@ class DPGuard:
     # -- what the mechanism promises ---------------------------------------------------
     def norm_bound(self, dim: int, server_round: int) -> float | None:
         """The L2 bound a client's update must meet (None = no bound): the user's
-        ``max-update-norm`` and, for client-level update DP, the Gaussian tail bound at
-        the noisiest planned sigma of the round."""
+        ``max-update-norm`` and the method's own bound when it gives one, else, for
+        client-level update DP, the Gaussian tail bound at the noisiest planned sigma of
+        the round."""
         user = self.cfg.max_update_norm if self.cfg.max_update_norm > 0 else None
+        own = self.method_bound(dim, server_round)
+        if own is not None:
+            return min(own, user) if user else own
         if self.cfg.trainer != "update-dp":
             return user
         pids = sorted(self.partition_sizes) or [None]

@@ -104,7 +104,7 @@ class DPFLStrategy(FedAvg):
         self.cfg = cfg
         self.rng = random.Random(cfg.seed)
         self.guard = DPGuard(cfg, self.plan_sigma, adaptive, self.plan_clip,
-                             self.update_noise_scale)
+                             self.update_noise_scale, self.plan_event, self.update_norm_bound)
         self._global: ArrayRecord | None = None
         self._template: Template = []
         self._pending: RoundRecord | None = None   # for the Flower adapters only
@@ -147,6 +147,18 @@ class DPFLStrategy(FedAvg):
         """How much more noise than sigma C the method's clients add to the update (1:
         none; the reply norm bound uses it)."""
         return 1.0
+
+    def plan_event(self, partition_id: int, server_round: int) -> PrivacyEvent | None:
+        """The method's own planned release of a partition in a round, when the shared
+        plan (:func:`dpfl.privacy.plan.planned_event`) cannot express it (e.g. a
+        pure-epsilon Laplace release); None: the shared plan. It must equal what the
+        method's client half plans (:meth:`dpfl.method.ClientHalf.planned_event`)."""
+        return None
+
+    def update_norm_bound(self, dim: int, server_round: int) -> float | None:
+        """The method's own bound on an honest reply's update L2 norm (d = ``dim``
+        parameters) when its noise is not the guard's Gaussian; None: the guard's."""
+        return None
 
     def round_config(self, server_round: int) -> dict[str, Any]:
         """Keys every client's ConfigRecord carries this round (override in methods)."""

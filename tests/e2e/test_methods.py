@@ -253,3 +253,43 @@ def test_fedcompdp_readings_run_and_state_their_verdict(tmp_path, adpc, cra):
     reported = rounds[0]["clients"]["client-0"]
     assert ("update-norm" in reported) is (adpc == "raw-norm")
     assert ("adpc-unclipped" in reported) is (adpc == "private-quantile")
+
+
+@pytest.mark.parametrize("variant", ["strict", "paper"])
+def test_fedasgp_variants_run_and_state_their_verdict(tmp_path, variant):
+    """DP-FedASGP from `dpfl simulate` (3 clients, 2 rounds) in both variants: every client is
+    charged one pure sparse-vector event per round at the round's epsilon (1.0: the strict
+    variant's calibrated noise, the paper variant's nominal claim), planned and reported
+    alike (no mismatch); the eq. 16 weights of the 3 clients sum to 1; a strict client
+    releases at most c coordinates and no loss, a paper client its loss in the clear; the
+    verdict is formal exactly for the strict variant."""
+    import torch
+
+    run = _simulate(tmp_path, "a", "strategy=fedasgp", "trainer=update-dp",
+                    f"asgp-variant={variant}", "asgp-max-coords=50", "num-rounds=2", "lr=0.5",
+                    "target-epsilon=4.0", clients=3)
+    rounds, ledger, summary, _ = _read(run)
+    assert (summary["guarantee"]["verdict"] == "formal") is (variant == "strict"), \
+        summary["guarantee"]
+    assert ledger["mismatches"] == []
+    assert len(ledger["clients"]) == 3
+    for info in ledger["clients"].values():
+        assert [(e["mechanism"], e["relation"]) for e in info["events"]] == \
+            [("sparse-vector", "replace-one")] * 2
+        assert all(e["epsilon"] == pytest.approx(1.0, rel=1e-12) for e in info["events"])
+    checkpoint = torch.load(run / "checkpoint.pt", weights_only=False)
+    dim = sum(v.numel() for v in checkpoint["model"].values())
+    for r in rounds:
+        t = r["train"]
+        assert t["accepted"] == 3 and t["asgp-round-epsilon"] == pytest.approx(1.0)
+        weights = [v for k, v in t.items() if k.startswith("asgp-gamma-client-")]
+        assert len(weights) == 3 and sum(weights) == pytest.approx(1.0)
+        assert t["asgp-gamma-spread"] == pytest.approx(max(weights) - min(weights))
+        if variant == "strict":
+            assert 0 < t["asgp-significant-fraction"] * dim <= 50 + 1e-9
+        else:
+            assert 0.0 <= t["asgp-significant-fraction"] <= 1.0
+    reported = rounds[0]["clients"]["client-0"]
+    assert ("asgp-loss" in reported) is (variant == "paper")
+    assert all(c["epsilon"] == pytest.approx(2.0, rel=1e-9)
+               for c in summary["clients"].values())
