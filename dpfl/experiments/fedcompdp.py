@@ -59,6 +59,8 @@ METHODS: dict[str, dict[str, Any]] = {
     "cra-client-f1": {**_F, "cra-score": "client-f1"},
     "cra-client-f1-noisy": {**_F, "cra-score": "client-f1", "client-f1-noise": -1.0},
     "sparsify-large": {**_F, "sparsify": "large", "sparsify-tau": 0.01},
+    # diagnostic: ADPC without the per-step clip to the same C_t (the feedback loop's other half)
+    "no-step-clip": {**_F, "local-grad-clip": False},
     "fedsa": {"strategy": "dpfedavg", "trainer": "update-dp"},
     # plain SAM (not the authors' ASAM): Foret et al.'s radius 0.05, not ASAM's 0.5
     "dpfedsam": {"strategy": "dpfedsam", "trainer": "update-dp", "sam-rho": 0.05},
@@ -76,6 +78,7 @@ LABELS = {
     "cra-client-f1": "CRA from clients' F1 in the clear (not DP)",
     "cra-client-f1-noisy": "CRA from clients' noisy F1",
     "sparsify-large": "sparsification zeroes |g| > tau (other reading)",
+    "no-step-clip": "FedCompDP without per-step clipping (ADPC kept)",
     "fedsa": "FedSA (DP-FedAvg, client-level update DP)",
     "dpfedsam": "DP-FedSAM",
 }
