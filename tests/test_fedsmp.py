@@ -284,11 +284,12 @@ def test_aggregate_is_the_mean_times_d_over_k_for_rescaled_randk(mask, rescale, 
     strategy = build_strategy(_cfg(fedsmp_mask=mask, fedsmp_rescale=rescale,
                                    fedsmp_ratio=0.1))
     updates = torch.zeros(2, 50)
-    updates[0, :5], updates[1, 5:10] = 1.0, 3.0
+    updates[0, :5], updates[1, 5:9] = 1.0, 3.0
     out = strategy.aggregate_updates(updates, torch.ones(2))
     assert torch.allclose(out, factor * updates.mean(0))
-    metrics = strategy.round_metrics(RoundRecord(1))
-    assert metrics["fedsmp-kept-fraction"] == pytest.approx(0.1)
+    metrics = strategy.round_metrics(RoundRecord(1, accepted=[_update(0, updates[0]),
+                                                              _update(1, updates[1])]))
+    assert metrics["fedsmp-kept-fraction"] == pytest.approx(0.09)
 
 
 def test_norm_bound_counts_the_kept_coordinates_only():

@@ -171,7 +171,9 @@ class FedSMPStrategy(DPFLStrategy):
         super().__init__(cfg, adaptive)
         self.server_round = 0
         self._mask: tuple[tuple[int, int], torch.Tensor] | None = None
-        self.last_kept: list[float] = []
+        # each checked reply's count of non-zero coordinates (the reply check counts them
+        # anyway), for the round's kept-fraction metric without another pass over the updates
+        self._nonzero: dict[tuple[int, int], int] = {}
 
     def round_mask(self, dim: int, server_round: int) -> torch.Tensor:
         """The round's public rand-k mask as a boolean vector (cached per round)."""
@@ -189,7 +191,7 @@ class FedSMPStrategy(DPFLStrategy):
 
     def finish_round(self, server_round, record, replies):
         self.server_round = server_round
-        self.last_kept = []
+        self._nonzero.clear()
         return super().finish_round(server_round, record, replies)
 
     def reply_problem(self, update: ClientUpdate) -> str | None:
@@ -197,14 +199,15 @@ class FedSMPStrategy(DPFLStrategy):
         non-zero coordinates."""
         p, flat = _p(self.cfg), update.flat
         k = kept_count(flat.numel(), p.fedsmp_ratio)
+        nonzero = flat != 0
+        self._nonzero[(update.node_id, id(flat))] = int(nonzero.sum())
         if p.fedsmp_mask == "randk":
-            outside = int(((flat != 0) & ~self.round_mask(flat.numel(),
-                                                         self.server_round)).sum())
+            outside = int((nonzero & ~self.round_mask(flat.numel(), self.server_round)).sum())
             if outside:
                 return (f"{outside} non-zero coordinates outside the round's public rand-k "
                         f"mask (k = {k})")
             return None
-        released = int(torch.count_nonzero(flat))
+        released = self._nonzero[(update.node_id, id(flat))]
         if released > k:
             return f"{released} non-zero coordinates > k = {k} (fedsmp-mask=topk)"
         return None
@@ -212,8 +215,6 @@ class FedSMPStrategy(DPFLStrategy):
     def aggregate_updates(self, updates: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """The weighted mean (equal weights), times d / k for rescaled rand-k."""
         p = _p(self.cfg)
-        self.last_kept = (torch.count_nonzero(updates, dim=1).double()
-                          / max(updates.shape[1], 1)).tolist()
         mean = weighted_mean(updates, weights)
         if p.fedsmp_mask == "randk" and p.fedsmp_rescale:
             dim = updates.shape[1]
@@ -221,9 +222,14 @@ class FedSMPStrategy(DPFLStrategy):
         return mean
 
     def round_metrics(self, record: RoundRecord) -> dict[str, float]:
+        """The mean share of non-zero coordinates of the accepted replies."""
         out = super().round_metrics(record)
-        if self.last_kept:
-            out["fedsmp-kept-fraction"] = sum(self.last_kept) / len(self.last_kept)
+        kept = [self._nonzero.get((u.node_id, id(u.flat)), None) for u in record.accepted]
+        kept = [int(torch.count_nonzero(u.flat)) if c is None else c
+                for u, c in zip(record.accepted, kept)]
+        if kept:
+            dim = max(record.accepted[0].flat.numel(), 1)
+            out["fedsmp-kept-fraction"] = sum(kept) / (len(kept) * dim)
         return out
 
 
