@@ -215,11 +215,13 @@ class FedSMPStrategy(DPFLStrategy):
     def aggregate_updates(self, updates: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """The weighted mean (equal weights), times d / k for rescaled rand-k."""
         p = _p(self.cfg)
-        mean = weighted_mean(updates, weights)
-        if p.fedsmp_mask == "randk" and p.fedsmp_rescale:
-            dim = updates.shape[1]
-            mean = mean * (dim / kept_count(dim, p.fedsmp_ratio))
-        return mean
+        if not (p.fedsmp_mask == "randk" and p.fedsmp_rescale):
+            return weighted_mean(updates, weights)
+        weighted_mean(updates[:, :0], weights)   # its shape and weight checks, no arithmetic
+        dim = updates.shape[1]
+        w = weights.to(updates.dtype)
+        # d / k folded into the normalised weights: one M x d product, as FedAvg's mean
+        return (w * (dim / kept_count(dim, p.fedsmp_ratio) / float(w.sum()))) @ updates
 
     def round_metrics(self, record: RoundRecord) -> dict[str, float]:
         """The mean share of non-zero coordinates of the accepted replies."""
