@@ -1,8 +1,12 @@
 """One aggregation of M client updates of d ~ 1.2M floats: FedAvg's weighted mean vs GCFL's
-projection correction + weighted mean, and vs FedCompDP's CRA (update norms, EMAs, scores,
+projection correction + weighted mean, vs FedCompDP's CRA (update norms, EMAs, scores,
 softmax weights, weighted mean, then the primal-dual correction against 10 kept CD-norm
-constraints), with the ratios to FedAvg per M. (CRA's server-side F1 scoring evaluates a
-model per client: that is evaluation, not aggregation, and is not timed here.)
+constraints), vs DP-FedASGP's eq. 16 weighting as its strategy runs it (the paper variant:
+gamma_i from the public sizes and the reported losses, then the weighted mean; the strict
+variant: n_i / n, then the weighted mean; its count of released coordinates per reply is
+made once by the reply check, not here; goal <= 1.2x FedAvg at M = 100) and vs Fed-SMP's
+(the weighted mean times d / k, the rand-k rescale), with the ratios to FedAvg per M. (CRA's server-side F1 scoring
+evaluates a model per client: that is evaluation, not aggregation, and is not timed here.)
 
     python bench/aggregation.py [--dim 1200000] [--ms 2 10 50 100] [--chunks 1024 16384 ...]
 
@@ -18,6 +22,8 @@ import argparse
 import torch
 from timing import best_time
 
+from dpfl.methods import build_strategy, run_config
+from dpfl.methods.fedasgp import LOSS_KEY, SIGNIFICANT_KEY
 from dpfl.methods.fedcompdp import (
     Constraints,
     cra_weights,
@@ -28,6 +34,8 @@ from dpfl.methods.fedcompdp import (
 )
 from dpfl.methods.gcfl import gcfl_aggregate
 from dpfl.server.aggregation import server_sgd_step, weighted_mean
+from dpfl.server.strategy import DPFLStrategy
+from dpfl.server.validation import ClientUpdate
 
 
 def cra_aggregate(u: torch.Tensor, norms: torch.Tensor, w_prev: torch.Tensor,
@@ -43,6 +51,20 @@ def cra_aggregate(u: torch.Tensor, norms: torch.Tensor, w_prev: torch.Tensor,
     return primal_dual_step(w_tilde, w_prev, constraints, 1.0, 0.5, new)
 
 
+def method_strategy(strategy: str, m: int, **keys) -> DPFLStrategy:
+    """A method's real strategy with M public partition sizes bound."""
+    out = build_strategy(run_config(strategy=strategy, trainer="update-dp", **keys))
+    out.bind_partition_sizes({i: 100 + 7 * i for i in range(m)})
+    return out
+
+
+def method_aggregate(strategy: DPFLStrategy, accepted: list[ClientUpdate],
+                     u: torch.Tensor) -> torch.Tensor:
+    """What ``finish_round`` does between stacking the updates and the server step: the
+    method's weights, then its aggregation."""
+    return strategy.aggregate_updates(u, strategy.aggregation_weights(accepted))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--dim", type=int, default=1_200_000)
@@ -54,7 +76,9 @@ def main() -> None:
     shared = torch.randn(args.dim, generator=g)
     print(f"d = {args.dim:,}, float32, {torch.get_num_threads()} threads")
     print(f"{'M':>4} {'neg-cos':>8} {'FedAvg ms':>10} {'GCFL(1) ms':>11} {'ratio':>6} "
-          f"{'GCFL(M/10) ms':>14} {'ratio':>6} {'CRA ms':>8} {'ratio':>6}")
+          f"{'GCFL(M/10) ms':>14} {'ratio':>6} {'CRA ms':>8} {'ratio':>6} "
+          f"{'ASGP-p ms':>10} {'ratio':>6} {'ASGP-s ms':>10} {'ratio':>6} "
+          f"{'SMP ms':>8} {'ratio':>6}")
     for m in args.ms:
         u = 0.02 * shared + torch.randn(m, args.dim, generator=g)
         w = torch.randint(500, 1500, (m,), generator=g).float()
@@ -75,13 +99,24 @@ def main() -> None:
                            torch.arange(10))   # 10 active constraints, the worst case
         norms = torch.linalg.vector_norm(u, dim=1)
         t_cra = best_time(lambda: cra_aggregate(u, norms, w_prev, f1, state, kept))
+        losses = torch.rand(m, generator=g) + 0.5
+        accepted = [ClientUpdate(node_id=i + 1, partition_id=i, flat=u[i], num_examples=1,
+                                 metrics={LOSS_KEY: float(losses[i]), SIGNIFICANT_KEY: 0.1})
+                    for i in range(m)]
+        asgp = {v: method_strategy("fedasgp", m, asgp_variant=v) for v in ("paper", "strict")}
+        t_ap = best_time(lambda: method_aggregate(asgp["paper"], accepted, u))
+        t_as = best_time(lambda: method_aggregate(asgp["strict"], accepted, u))
+        smp = method_strategy("fedsmp", m)
+        t_smp = best_time(lambda: method_aggregate(smp, accepted, u))
         print(f"{m:>4} {neg:>8.2f} {1e3 * t_avg:>10.1f} {1e3 * t_g1:>11.1f} {t_g1 / t_avg:>6.2f} "
               f"{1e3 * t_g10:>14.1f} {t_g10 / t_avg:>6.2f} {1e3 * t_cra:>8.1f} "
-              f"{t_cra / t_avg:>6.2f}")
+              f"{t_cra / t_avg:>6.2f} {1e3 * t_ap:>10.1f} {t_ap / t_avg:>6.2f} "
+              f"{1e3 * t_as:>10.1f} {t_as / t_avg:>6.2f} {1e3 * t_smp:>8.1f} "
+              f"{t_smp / t_avg:>6.2f}")
         for chunk in args.chunks:
             t = best_time(lambda: gcfl_aggregate(u, w, refs1, chunk=chunk))
             print(f"{'':>4} chunk {chunk:>8}: GCFL(1) {1e3 * t:.1f} ms, ratio {t / t_avg:.2f}")
-        del u, un
+        u = un = accepted = None  # frees the M x d matrices before the next M
 
 
 if __name__ == "__main__":

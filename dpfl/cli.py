@@ -17,6 +17,9 @@
   dpfl reproduce aadp [--seeds 0 1 2] [--cells mnist-mlp ...] [--methods aadp ...]
       AADP-FL's Table 2 (20 clients; FedAvg, DP-FedAvg, DP-SCAFFOLD, AADP-FL and the paper-
       noise ablation); writes results/aadp/ (median beside the paper).
+  dpfl reproduce fedasgp [--seeds 0 1] [--cells eps0.5 ...] [--methods fedasgp-strict ...]
+      DP-FedASGP's Table VI in shape (100 clients, 10 % per round; DP-FedAvg, DP-FedASGP
+      paper and strict, Fed-SMP) at equal accounted epsilon; writes results/fedasgp/.
   dpfl privacy-report RUN_DIR
       verdict, then per-client unit, relation, sampling, delta, epsilon (recomputed from the
       ledger), rounds and verdict; cross-checks the ledger against summary.json and

@@ -1,9 +1,9 @@
 """Run-config: bad values stop the run at start with a message naming the key."""
 
-import tomllib
 from pathlib import Path
 
 import pytest
+import tomllib
 
 from dpfl.config import ConfigError
 from dpfl.methods import parse_run_config
@@ -68,7 +68,7 @@ def test_fedavg_requires_plain_trainer():
 # only; AADP-FL and DP-FedSAM are client-level DP by construction.
 ACCEPTED_TRAINERS = {"fedavg": {"plain"}, "dpscaffold": {"dpsgd"}, "aadp": {"update-dp"},
                      "dpfedsam": {"update-dp"}, "fedcompdp": {"update-dp"},
-                     "fedasgp": {"update-dp"}}
+                     "fedasgp": {"update-dp"}, "fedsmp": {"update-dp"}}
 DP_TRAINERS = {"dpsgd", "update-dp"}
 
 

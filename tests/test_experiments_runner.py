@@ -48,6 +48,16 @@ CASES = [
     ("aadp", "fmnist-cnn", "aadp-eps64", 0, 20, "fmnist-cnn__aadp-eps64__seed0",
      {**_preset("aadp", "fmnist.toml"), "model": "mnist-cnn", **_AADP_CALIBRATED,
       "aadp-epsilon": 64.0}),
+    # DP-FedASGP: the cell sets the arm's epsilon per round and every arm's whole-run target
+    # (30 rounds x 4 = 120 by basic composition; 30 x 0.5 = 15)
+    ("fedasgp", "eps4", "dpfedavg", 0, 100, "eps4__dpfedavg__seed0",
+     {**_preset("fedasgp", "mnist.toml"), "strategy": "dpfedavg", "target-epsilon": 120.0}),
+    ("fedasgp", "eps0.5", "fedasgp-strict", 1, 100, "eps0.5__fedasgp-strict__seed1",
+     {**_preset("fedasgp", "mnist.toml"), "strategy": "fedasgp", "asgp-variant": "strict",
+      "asgp-epsilon": 0.5, "target-epsilon": 15.0}),
+    ("fedasgp", "eps4", "fedsmp-randk", 2, 100, "eps4__fedsmp-randk__seed2",
+     {**_preset("fedasgp", "mnist.toml"), "strategy": "fedsmp", "fedsmp-mask": "randk",
+      "target-epsilon": 120.0}),
 ]
 
 
@@ -127,6 +137,8 @@ def test_reproduce_is_seed_major_and_skips_recorded_runs(tmp_path, fake, monkeyp
     ("pegasus", ["calibrated"], ["dpfedavg", "pegasus"]),
     ("aadp", ["mnist-mlp", "mnist-cnn"],
      ["aadp", "aadp-paper-noise", "fedavg", "dpfedavg", "dpscaffold"]),
+    ("fedasgp", ["eps0.1", "eps0.2", "eps0.5", "eps1", "eps2", "eps4"],
+     ["dpfedavg", "fedasgp-paper", "fedasgp-strict", "fedsmp-randk"]),
 ])
 def test_cli_runs_the_default_grid_of_each_paper(tmp_path, monkeypatch, capsys, paper, cells,
                                                  methods):
@@ -186,7 +198,7 @@ def test_reproduce_help_lists_every_cell_and_method_of_every_paper(capsys, paper
 
 def test_reproduce_help_gives_every_option_and_its_default(capsys):
     text = _reproduce_help(capsys)
-    assert "{gcfl,pegasus,aadp,fedcompdp}" in text and "seeds to run (default: 0 1 2)" in text
+    assert "{gcfl,pegasus,aadp,fedcompdp,fedasgp}" in text and "seeds to run (default: 0 1 2)" in text
     for option in ("--cells", "--methods", "--skip-existing", "--results", "--work-dir"):
         line = text[text.index(f"  {option}"):].split("\n  -")[0]
         assert len(line.split(None, 2)) == 3, f"{option} has no help text"

@@ -9,27 +9,31 @@ import zlib
 import numpy as np
 import pytest
 import torch
+from flower_helpers import message
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 from flwr.app.error import Error
 
 from dpfl.config import RunConfig
+from dpfl.methods import METHODS, build_strategy
+from dpfl.methods.fedasgp import FedASGPParams
+from dpfl.methods.fedsmp import FedSMPParams
 from dpfl.models import build_model
 from dpfl.privacy.budget import PrivacyHistory
 from dpfl.privacy.events import PrivacyEvent
-from dpfl.methods import METHODS, build_strategy
-from dpfl.methods.fedasgp import FedASGPParams
 from dpfl.server.validation import Rejection
-from flower_helpers import message
 
 TRAINER = {"fedavg": "plain", "aadp": "update-dp", "dpfedsam": "update-dp",
-           "fedcompdp": "update-dp", "fedasgp": "update-dp"}
+           "fedcompdp": "update-dp", "fedasgp": "update-dp", "fedsmp": "update-dp"}
 # what a method needs in every reply besides the generic keys, and its extra run-config
 # (DP-FedASGP's paper variant: the clear loss L_i of eq. 16 and the significant fraction;
-# its strict variant's replies are sparse, tests/test_fedasgp.py)
+# its strict variant's replies are sparse, tests/test_fedasgp.py; Fed-SMP keeps every
+# coordinate here, k = d, since good replies are dense: its sparse checks are in
+# tests/test_fedsmp.py)
 METHOD_METRICS = {"fedcompdp": {"adpc-unclipped": 0.6},
                   "fedasgp": {"asgp-loss": 0.7, "asgp-significant": 0.3}}
 METHOD_CONFIG = {"fedcompdp": {"server_holdout": 50},
-                 "fedasgp": {"params": FedASGPParams(asgp_variant="paper")}}
+                 "fedasgp": {"params": FedASGPParams(asgp_variant="paper")},
+                 "fedsmp": {"params": FedSMPParams(fedsmp_ratio=1.0)}}
 BAD_KINDS = ["nan", "inf", "shape", "dtype64", "dtypeint", "missing-key", "extra-key",
              "no-arrays", "no-metrics", "n-zero", "n-negative", "n-huge", "n-fraction", "n-nan",
              "eps-negative", "eps-nan", "privacy-unequal", "privacy-mechanism",

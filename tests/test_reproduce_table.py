@@ -1,6 +1,9 @@
 """The reproduction table: mean ± std over seeds beside the paper's numbers."""
 
 import json
+from pathlib import Path
+
+import pytest
 
 from dpfl.experiments.gcfl import PAPER, build_table
 
@@ -127,7 +130,12 @@ def test_aadp_sweep_methods_are_calibrated_aadp_with_a_larger_budget(tmp_path):
     paper number, and the default grid does not run it."""
     from pathlib import Path
 
-    from dpfl.experiments.aadp import DEFAULT_METHODS, METHODS, SWEEP_EPSILONS, overrides_for
+    from dpfl.experiments.aadp import (
+        DEFAULT_METHODS,
+        METHODS,
+        SWEEP_EPSILONS,
+        overrides_for,
+    )
     from dpfl.experiments.aadp import build_table as aadp_table
 
     root = Path(__file__).resolve().parents[1]
@@ -179,3 +187,76 @@ def test_aadp_sweep_points_order_by_round_budget_and_take_medians(tmp_path):
         (tmp_path / "runs" / f"r{i}.json").write_text(json.dumps(r))
     aadp_table(tmp_path, "x")
     assert (tmp_path / "sweep.png").exists() and (tmp_path / "accuracy.png").exists()
+
+
+def test_fedasgp_matched_budget_is_the_strict_ledger_of_a_client_in_every_round():
+    """Every arm's target: the ledger of R pure events at the cell's epsilon per round (basic
+    composition R eps when it is smaller, else the pure-DP RDP bound); a Gaussian arm
+    calibrated to it over R rounds ends at that epsilon too."""
+    import numpy as np
+    from dp_accounting.rdp.rdp_privacy_accountant import (
+        DEFAULT_RDP_ORDERS,
+        compute_epsilon,
+    )
+
+    from dpfl.experiments.fedasgp import matched_epsilon
+    from dpfl.privacy.accounting import calibrate_noise
+    from dpfl.privacy.events import PrivacyEvent, history_epsilon
+
+    assert matched_epsilon(4.0, 30, 1e-5, "rdp") == 120.0
+    orders = np.asarray(DEFAULT_RDP_ORDERS)
+    rdp, _ = compute_epsilon(orders, 30 * np.minimum(0.1, orders * 0.1 ** 2 / 2), 1e-5)
+    assert matched_epsilon(0.1, 30, 1e-5, "rdp") == rdp < 3.0
+    for eps in (0.1, 2.0):
+        target = matched_epsilon(eps, 30, 1e-5, "rdp")
+        sigma = calibrate_noise(target, 1e-5, 30, accountant="rdp", relation="replace-one")
+        gaussian = [PrivacyEvent.gaussian(r, sigma, relation="replace-one") for r in range(30)]
+        assert history_epsilon(gaussian, 1e-5, "rdp") == pytest.approx(target, rel=1e-3)
+
+
+def test_fedasgp_run_config_gives_every_arm_the_cells_budget():
+    from dpfl.experiments.fedasgp import REPRODUCTION, matched_epsilon
+
+    root = Path(__file__).resolve().parents[1]
+    for cell, eps, rounds in (("eps0.2", 0.2, 30), ("paper-eps0.2", 0.2, 200)):
+        target = matched_epsilon(eps, rounds, 1e-5, "rdp")
+        for arm in REPRODUCTION.methods:
+            o = REPRODUCTION.overrides(root, cell, arm, 0)
+            assert o["target-epsilon"] == target and o["num-rounds"] == rounds
+            assert o["trainer"] == "update-dp" and o["noise-multiplier"] == 0.0
+            assert o["fraction-train"] == 0.1 and o["dirichlet-alpha"] == 1.0
+            assert o.get("asgp-epsilon") == (eps if arm.startswith("fedasgp") else None)
+    assert REPRODUCTION.overrides(root, "paper-eps1", "dpfedavg", 0)["train-subset"] == 0
+
+
+def test_fedasgp_table_budget_ledger_paper_columns_and_plots(tmp_path):
+    from dpfl.experiments.fedasgp import PAPER
+    from dpfl.experiments.fedasgp import build_table as fedasgp_table
+
+    (tmp_path / "runs").mkdir()
+    arms = (("dpfedavg", "formal", None, 0.80), ("fedasgp-paper", "none: raw", 0.5, 0.90),
+            ("fedasgp-strict", "formal", 0.5, 0.20), ("fedsmp-randk", "formal", None, 0.70))
+    for seed in (0, 1):
+        for arm, verdict, round_eps, acc in arms:
+            rec = {"cell": "eps0.5", "method": arm, "seed": seed, "accuracy": acc + seed / 100,
+                   "config": {"target-epsilon": 15.0}, "verdict": verdict,
+                   "randomness": "secret (OS entropy)",
+                   "epsilon": {"client-0": 1.5, "client-7": 3.0 + seed},
+                   "accuracy-by-round": [0.1, acc], "round-epsilon": round_eps}
+            if arm.startswith("fedasgp"):
+                rec["significant-fraction-by-round"] = [0.01, 0.02]
+                rec["gamma-spread-by-round"] = [0.05, None]
+            (tmp_path / "runs" / f"eps0.5__{arm}__seed{seed}.json").write_text(json.dumps(rec))
+    text = fedasgp_table(tmp_path, "dpfl reproduce fedasgp --cells eps0.5")
+    row = next(l for l in text.splitlines() if l.startswith("| eps0.5 | 0.5 |"))
+    assert "| 15 | 80.50 ± 0.71 (n = 2) | 90.50 ± 0.71 (n = 2) |" in row
+    assert row.endswith(f"| {PAPER[0.5][0]:.2f} | {PAPER[0.5][1]:.2f} |")
+    strict = next(l for l in text.splitlines()
+                  if l.startswith("| eps0.5 | DP-FedASGP strict"))
+    assert "| 4 / 2.5 (2/2) | 0.5 | formal |" in strict
+    assert "| 1 | 15.15 |" in text          # the strict variant at the paper's scales
+    table = json.loads((tmp_path / "table.json").read_text())
+    assert table["eps0.5"]["fedasgp-paper"]["paper"] == PAPER[0.5][1]
+    assert table["eps0.5"]["budget"] == 15.0
+    for plot in ("accuracy.png", "significant.png", "gamma.png"):
+        assert (tmp_path / plot).exists()

@@ -23,6 +23,7 @@ from dpfl.methods import (
     fedasgp,
     fedavg,
     fedcompdp,
+    fedsmp,
     gcfl,
     pegasus,
 )
@@ -33,7 +34,7 @@ from dpfl.server.strategy import DPFLStrategy
 METHODS: dict[str, Method] = {m.name: m for m in (
     fedavg.METHOD, dpfedavg.METHOD, gcfl.METHOD, dpfedprox.METHOD, dpscaffold.METHOD,
     dpfedexp.METHOD, pegasus.METHOD, aadp.METHOD, dpfedavgm.METHOD, fedcompdp.METHOD,
-    dpfedsam.METHOD, fedasgp.METHOD,
+    dpfedsam.METHOD, fedasgp.METHOD, fedsmp.METHOD,
 )}
 
 

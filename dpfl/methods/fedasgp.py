@@ -364,12 +364,20 @@ class FedASGPStrategy(DPFLStrategy):
         super().__init__(cfg, adaptive)
         self.last_weights: dict[int, float] = {}
         self.last_fraction: list[float] = []
+        # strict: each checked reply's count of released coordinates (reply_problem counts
+        # them anyway), so neither the weighting nor the round's metrics pass over the
+        # M x d updates again
+        self._released: dict[tuple[int, int], int] = {}
 
     def plan_event(self, partition_id: int, server_round: int) -> PrivacyEvent:
         return round_event(self.cfg, server_round)
 
     def update_norm_bound(self, dim: int, server_round: int) -> float:
         return update_norm_bound(self.cfg, dim)
+
+    def finish_round(self, server_round, record, replies):
+        self._released.clear()
+        return super().finish_round(server_round, record, replies)
 
     def reply_problem(self, update: ClientUpdate) -> str | None:
         """n_i must be known (public partition sizes); the paper variant needs a finite
@@ -389,6 +397,7 @@ class FedASGPStrategy(DPFLStrategy):
                 return f"metric '{SIGNIFICANT_KEY}' must be a number in [0, 1], got {frac!r}"
             return None
         released = int(torch.count_nonzero(update.flat))
+        self._released[(update.node_id, id(update.flat))] = released
         if released > p.asgp_max_coords:
             return (f"{released} non-zero coordinates > asgp-max-coords "
                     f"{p.asgp_max_coords} (the sparse vector releases at most c)")
@@ -403,13 +412,17 @@ class FedASGPStrategy(DPFLStrategy):
             self.last_fraction = [float(u.metrics[SIGNIFICANT_KEY]) for u in accepted]
         else:
             weights = gamma_weights(sizes, [0.0] * len(sizes))   # n_i / n
-            self.last_fraction = [int(torch.count_nonzero(u.flat)) / max(u.flat.numel(), 1)
-                                  for u in accepted]
+            self.last_fraction = []   # strict: counted from the replies (round_metrics)
         self.last_weights = {u.partition_id: float(w) for u, w in zip(accepted, weights)}
         return weights.to(torch.float32)
 
     def round_metrics(self, record: RoundRecord) -> dict[str, float]:
         out = super().round_metrics(record)
+        if _p(self.cfg).asgp_variant == "strict" and record.accepted:
+            counts = [self._released.get((u.node_id, id(u.flat))) for u in record.accepted]
+            self.last_fraction = [(int(torch.count_nonzero(u.flat)) if c is None else c)
+                                  / max(u.flat.numel(), 1)
+                                  for u, c in zip(record.accepted, counts)]
         if self.last_fraction:
             out["asgp-significant-fraction"] = sum(self.last_fraction) / len(self.last_fraction)
         if self.last_weights:

@@ -293,3 +293,34 @@ def test_fedasgp_variants_run_and_state_their_verdict(tmp_path, variant):
     assert ("asgp-loss" in reported) is (variant == "paper")
     assert all(c["epsilon"] == pytest.approx(2.0, rel=1e-9)
                for c in summary["clients"].values())
+
+
+def test_fedsmp_randk_runs_with_the_public_mask_and_the_shared_plan(tmp_path):
+    """Fed-SMP rand-k from `dpfl simulate` (3 clients, 2 rounds, digits): every client is
+    charged one Gaussian per round at the run's calibrated sigma under replace-one, planned
+    and reported alike (no mismatch); each round's replies keep k = round(0.1 d) coordinates
+    (the kept fraction) and, the mask being public, the server rejected none of them as
+    outside it; the verdict is formal and the clients end within target-epsilon."""
+    import torch
+
+    from dpfl.methods.fedsmp import kept_count
+
+    run = _simulate(tmp_path, "smp", "strategy=fedsmp", "trainer=update-dp", "fedsmp-mask=randk",
+                    "fedsmp-ratio=0.1", "num-rounds=2", "lr=0.5", "target-epsilon=8.0",
+                    clients=3)
+    rounds, ledger, summary, _ = _read(run)
+    assert summary["guarantee"]["verdict"] == "formal", summary["guarantee"]
+    assert ledger["mismatches"] == []
+    sigmas = set()
+    for info in ledger["clients"].values():
+        assert [(e["mechanism"], e["relation"]) for e in info["events"]] == \
+            [("gaussian", "replace-one")] * 2
+        sigmas |= {e["sigma"] for e in info["events"]}
+    assert len(sigmas) == 1 and len(ledger["clients"]) == 3
+    checkpoint = torch.load(run / "checkpoint.pt", weights_only=False)
+    dim = sum(v.numel() for v in checkpoint["model"].values())
+    for r in rounds:
+        t = r["train"]
+        assert t["accepted"] == 3 and t["rejected"] == 0
+        assert t["fedsmp-kept-fraction"] == pytest.approx(kept_count(dim, 0.1) / dim, rel=1e-6)
+    assert all(c["epsilon"] <= 8.0 * (1 + 1e-6) for c in summary["clients"].values())
