@@ -11,6 +11,7 @@ import pytest
 import torch
 from flower_helpers import context, message
 from flwr.app import ArrayRecord, ConfigRecord, RecordDict
+from rng_helpers import replay
 
 from dpfl.apps.client import train
 from dpfl.config import ConfigError, RunConfig
@@ -53,10 +54,6 @@ def _cfg(**kw):
     return run_config(strategy="fedasgp", trainer="update-dp", **kw)
 
 
-def _replay(gen: torch.Generator) -> torch.Generator:
-    twin = torch.Generator()
-    twin.set_state(gen.get_state())
-    return twin
 
 
 # -- eq. 14 ----------------------------------------------------------------------------------
@@ -120,7 +117,7 @@ def test_paper_release_matches_a_loop_with_the_same_draws(seed):
     gen = torch.Generator().manual_seed(seed)
     g = l2_clip(torch.randn(3_000, generator=gen), 1.0)
     scales = paper_scales(1.0, 2.0, budget_split(1.0, 0.9, 2.0))
-    twin = _replay(gen)
+    twin = replay(gen)
     out, mask = paper_release(g, 3, 10, scales, gen)
     lam = asgp_threshold(g, 3, 10)
     alpha = float(laplace_noise((1,), scales.query, twin, torch.float64))
@@ -144,7 +141,7 @@ def test_sparse_vector_selection_matches_a_loop_with_the_same_draws(seed):
     c = 40
     scales = strict_scales(1.0, c, budget_split(2000.0, 0.9, 2.0))
     svt = strict_svt(scales, 1.0, c, threshold=0.012)
-    twin = _replay(gen)
+    twin = replay(gen)
     picked = svt.select(g.abs(), gen)
     rho = 0.012 + float(laplace_noise((1,), scales.threshold, twin, torch.float64))
     noise = laplace_noise((5_000,), scales.query, twin, torch.float32)
@@ -164,7 +161,7 @@ def test_strict_release_never_a_non_selected_coordinate_and_at_most_c(seed):
     g = l2_clip(torch.randn(4_000, generator=gen) * torch.rand(4_000, generator=gen) ** 4, 1.0)
     c = [1, 5, 50, 400, 4_000, 10_000][seed]
     svt = strict_svt(strict_scales(1.0, c, budget_split(1.0, 0.9, 2.0)), 1.0, c, 0.01)
-    selected = set(svt.select(g.abs(), _replay(gen)).tolist())
+    selected = set(svt.select(g.abs(), replay(gen)).tolist())
     out = svt.apply(g, gen, queries=g.abs())
     released = set(out.nonzero().flatten().tolist())
     assert released <= selected and len(released) <= c
@@ -192,7 +189,7 @@ def test_client_release_is_minus_lr_times_the_released_gradient():
     update = -0.25 * g
     assert torch.allclose(gradient_sum(update, 0.25), g)
     gen = torch.Generator().manual_seed(5)
-    expected = round_svt(cfg).apply(l2_clip(g, 0.5), _replay(gen), queries=l2_clip(g, 0.5).abs())
+    expected = round_svt(cfg).apply(l2_clip(g, 0.5), replay(gen), queries=l2_clip(g, 0.5).abs())
     out, event, metrics = half.release_update(cfg, {}, update, 0.0, 0.5, gen, 4,
                                               {TRAIN_LOSS: 1.3})
     assert torch.equal(out, expected * -0.25)

@@ -10,6 +10,7 @@ import pytest
 import torch
 from flower_helpers import context, message
 from flwr.app import ArrayRecord, ConfigRecord, RecordDict
+from rng_helpers import replay
 from scipy import stats
 
 from dpfl.apps.client import train
@@ -45,10 +46,6 @@ def _cfg(**kw):
     return run_config(strategy="fedsmp", trainer="update-dp", **kw)
 
 
-def _replay(gen: torch.Generator) -> torch.Generator:
-    twin = torch.Generator()
-    twin.set_state(gen.get_state())
-    return twin
 
 
 # -- the mask ------------------------------------------------------------------------------
@@ -165,9 +162,9 @@ def test_release_draws_its_noise_from_the_generator_only():
     half = METHODS["fedsmp"].client
     u = torch.randn(500, generator=torch.Generator().manual_seed(4))
     gen = torch.Generator().manual_seed(11)
-    twin = _replay(gen)
+    twin = replay(gen)
     out, _, _ = half.release_update(cfg, {}, u, 0.3, 1.0, gen, 6, {})
-    again, _, _ = half.release_update(cfg, {}, u, 0.3, 1.0, _replay(twin), 6, {})
+    again, _, _ = half.release_update(cfg, {}, u, 0.3, 1.0, replay(twin), 6, {})
     assert torch.equal(out, again)
     kept = randk_indices(500, 100, cfg.seed, 6)
     expected = torch.zeros(500)
