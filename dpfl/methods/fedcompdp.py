@@ -94,7 +94,7 @@ from dpfl.privacy.events import PrivacyEvent
 from dpfl.privacy.mechanisms import GaussianMechanism, geometric_clip_update
 from dpfl.privacy.plan import UPDATE_DP_RELATION, noise_multiplier_for
 from dpfl.privacy.verdict import MethodPrivacy
-from dpfl.server.aggregation import server_sgd_step, weighted_mean
+from dpfl.server.aggregation import server_sgd_step
 from dpfl.server.strategy import DPFLStrategy, RoundRecord
 from dpfl.server.validation import ClientUpdate
 from dpfl.tensors import flatten, unflatten
@@ -487,9 +487,6 @@ class FedCompDPStrategy(DPFLStrategy):
                               p.cra_temperature)
         self.last_weights = {u.partition_id: float(w) for u, w in zip(accepted, weights)}
         return weights
-
-    def aggregate_updates(self, updates: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        return weighted_mean(updates, weights)
 
     def server_step(self, global_flat: torch.Tensor, aggregated: torch.Tensor) -> torch.Tensor:
         """Eq. 15's w~, then the primal-dual correction (eqs. 16-19)."""
