@@ -20,6 +20,14 @@
   dpfl reproduce fedasgp [--seeds 0 1] [--cells eps0.5 ...] [--methods fedasgp-strict ...]
       DP-FedASGP's Table VI in shape (100 clients, 10 % per round; DP-FedAvg, DP-FedASGP
       paper and strict, Fed-SMP) at equal accounted epsilon; writes results/fedasgp/.
+  dpfl attack RUN_DIR [--client 0] [--seed 0] [--reference-models 4]
+      membership inference (loss threshold, ML-Leaks, RMIA, gradient norm) against a
+      finished run's client: its final global model and, when the run kept it
+      (record-updates), the client's update as the server saw it; writes RUN_DIR/attack/.
+  dpfl audit RUN_DIR [--canaries M] [--audit-seed S]
+      an empirical epsilon lower bound (one-run canary audit): scores an audit run, or runs
+      one (same config, canary clients) in RUN_DIR/audit/; exit 3 when the bound exceeds a
+      formal run's accounted epsilon.
   dpfl privacy-report RUN_DIR
       verdict, then per-client unit, relation, sampling, delta, epsilon (recomputed from the
       ledger), rounds and verdict; cross-checks the ledger against summary.json and
@@ -108,6 +116,33 @@ def cmd_privacy_report(args: argparse.Namespace) -> int:
     from dpfl.server.plots import plot_epsilon
 
     return privacy_report_command(run_directory(args.run_dir), plot=plot_epsilon)
+
+
+def cmd_attack(args: argparse.Namespace) -> int:
+    from dpfl.attacks.command import attack_run
+
+    attack_run(run_directory(args.run_dir), client=args.client, seed=args.seed,
+               reference_models=args.reference_models, shadow_epochs=args.shadow_epochs,
+               max_members=args.max_members)
+    return 0
+
+
+def cmd_audit(args: argparse.Namespace) -> int:
+    from dpfl.attacks.audit import audit
+    from dpfl.launch import RunFailed, simulate
+
+    root = app_dir()
+
+    def run(num_clients: int, overrides: dict, output_root: Path) -> Path:
+        return simulate(root, num_clients, overrides, output_root,
+                        num_cpus=args.cpus_per_client)
+
+    try:
+        report = audit(run_directory(args.run_dir), run, args.canaries, args.audit_seed)
+    except RunFailed as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    return 3 if report["bound-exceeds-accounted"] else 0
 
 
 def cmd_reproduce(args: argparse.Namespace) -> int:
@@ -201,6 +236,25 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--insecure", action="store_true",
                    help="no TLS, no SuperNode authentication (warns)")
     p.set_defaults(func=cmd_deploy)
+    p = sub.add_parser("attack", help="membership-inference attacks on a finished run")
+    p.add_argument("run_dir")
+    p.add_argument("--client", type=int, default=0, help="target client (partition id)")
+    p.add_argument("--seed", type=int, default=0, help="attacker's seed (splits, shadows)")
+    p.add_argument("--reference-models", type=int, default=4,
+                   help="RMIA's reference models (default 4)")
+    p.add_argument("--shadow-epochs", type=int, default=10,
+                   help="epochs of the global model's shadow/reference training")
+    p.add_argument("--max-members", type=int, default=1000,
+                   help="at most this many member records (seeded sample)")
+    p.set_defaults(func=cmd_attack)
+    p = sub.add_parser("audit", help="one-run canary audit: an epsilon lower bound")
+    p.add_argument("run_dir")
+    p.add_argument("--canaries", type=int, default=None,
+                   help="canary clients of the audit run (default: every client)")
+    p.add_argument("--audit-seed", type=int, default=None,
+                   help="the auditor's secret seed (default: fresh OS entropy)")
+    p.add_argument("--cpus-per-client", type=float, default=1.0)
+    p.set_defaults(func=cmd_audit)
     p = sub.add_parser("privacy-report", help="per-client privacy table and epsilon plot")
     p.add_argument("run_dir")
     p.set_defaults(func=cmd_privacy_report)

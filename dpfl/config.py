@@ -78,6 +78,16 @@ class RunConfig:
     # ledger's last round, every recorded spend kept charged (else the resume is refused)
     resume_without_checkpoint: bool = False
     report_train_loss: bool = False
+    # privacy measurement (dpfl audit / dpfl attack): clients 0..audit-canaries-1 are canary
+    # clients; each replaces its update by a secret canary vector of norm audit-canary-norm
+    # (0 = clip-norm) with probability 1/2 (bits and directions from the auditor's secret
+    # audit-seed); the server scores every canary reply (audit.jsonl)
+    audit_canaries: int = 0
+    audit_seed: int = 0
+    audit_canary_norm: float = 0.0
+    # keep the last received update of clients 0..record-updates-1 (updates/, for the
+    # membership-inference attacks on what the server saw)
+    record_updates: int = 0
     # the active method's own parameters (a dpfl.method.MethodParams, or None)
     params: Any = None
 
@@ -196,6 +206,15 @@ def validate(cfg: RunConfig) -> RunConfig:
     need(cfg.max_update_norm >= 0, "max-update-norm", "must be >= 0 (0 = off)",
           cfg.max_update_norm)
     need(cfg.round_timeout > 0, "round-timeout", "must be > 0", cfg.round_timeout)
+    need(cfg.audit_canaries >= 0, "audit-canaries", "must be >= 0 (0 = no canaries)",
+         cfg.audit_canaries)
+    need(cfg.audit_canaries == 0 or cfg.trainer != "dpsgd", "audit-canaries",
+         "canary clients audit client-level DP (trainer=update-dp or plain); sample-level "
+         "DP-SGD canaries are not implemented", cfg.audit_canaries)
+    need(cfg.audit_canary_norm >= 0, "audit-canary-norm", "must be >= 0 (0 = clip-norm)",
+         cfg.audit_canary_norm)
+    need(cfg.record_updates >= 0, "record-updates", "must be >= 0 (0 = none)",
+         cfg.record_updates)
     need(cfg.resume or not cfg.resume_without_checkpoint, "resume-without-checkpoint",
           "needs resume=true", cfg.resume_without_checkpoint)
     need(bool(cfg.output_dir), "output-dir", "must not be empty", cfg.output_dir)

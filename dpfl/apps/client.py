@@ -26,6 +26,7 @@ from flwr.app import (
 )
 from flwr.clientapp import ClientApp
 
+from dpfl.client.canary import canary_update, is_canary
 from dpfl.client.trainers import train_dpsgd, train_plain
 from dpfl.config import RunConfig
 from dpfl.data import ClientData, client_data
@@ -91,6 +92,8 @@ def train(msg: Message, context: Context) -> Message:
         result = train_plain(model, data, cfg, shuffle_seed, device, hooks.post_step,
                              hooks.pre_step, hooks.step)
         update = state_difference(model.state_dict(), received)
+        if is_canary(cfg, pid):
+            update = unflatten(canary_update(cfg, pid, flatten(update)), received)
         metrics = {**base, "num-examples": n, "epsilon": float("inf"), "steps": result.steps}
         if cfg.report_train_loss:
             metrics["train-loss"] = result.train_loss
@@ -150,7 +153,7 @@ def train(msg: Message, context: Context) -> Message:
     else:
         result = train_plain(model, data, cfg, shuffle_seed, device, hooks.post_step,
                              hooks.pre_step, hooks.step)
-        raw = flatten(state_difference(model.state_dict(), received))
+        raw = canary_update(cfg, pid, flatten(state_difference(model.state_dict(), received)))
         if device.type != "cpu":  # the flat update lives on the CPU: so must its noise
             noise_rng = mechanism_generator(cfg.reproducible, cfg.seed, pid, server_round)
         local = {TRAIN_LOSS: result.train_loss,

@@ -38,8 +38,10 @@ from dpfl.server.evaluation import classification_metrics
 from dpfl.server.exchange import ReplyExchange
 from dpfl.server.plots import plot_accuracy, plot_epsilon
 from dpfl.server.report import epsilon_table
+from dpfl.server.observer import UpdateObserver
 from dpfl.server.rundir import RunDir
 from dpfl.server.strategy import DPFLStrategy, RoundRecord
+from dpfl.tensors import flatten
 
 log = get_logger("flwr.dpfl.server")
 # After the last round, how long the server waits for replies still in flight (each is a
@@ -66,6 +68,7 @@ class Federation:
     ledger: Ledger
     exchange: ReplyExchange
     t_start: float
+    observer: UpdateObserver
     start: int = 1                      # first round to run
     rounds: list[dict[str, Any]] = field(default_factory=list)
     initial: dict[str, float] = field(default_factory=dict)
@@ -138,6 +141,11 @@ def setup(grid: Grid, cfg: RunConfig) -> Federation:
     model = method_for(cfg).build_model(cfg, ds.input_shape, ds.num_classes)
     strategy.bind_model(model)
     num_nodes = len(strategy.wait_for_nodes(grid, cfg.min_train_nodes))
+    for key, value in (("audit-canaries", cfg.audit_canaries),
+                       ("record-updates", cfg.record_updates)):
+        if value > num_nodes:
+            raise ConfigError(f"run-config key '{key}': {value} clients but the federation "
+                              f"has {num_nodes}")
     if num_nodes > len(ds.y_train):
         raise ConfigError(f"{num_nodes} clients but only {len(ds.y_train)} training samples "
                           f"in dataset '{cfg.dataset}'")
@@ -159,7 +167,8 @@ def setup(grid: Grid, cfg: RunConfig) -> Federation:
     strategy.bind_ledger(ledger)
     return Federation(grid, cfg, run_dir, claim, strategy, model, x_test, y_test,
                       device_for(), num_nodes, ArrayRecord(model.state_dict()), ledger,
-                      ReplyExchange(grid, namer=strategy.client_name), t_start)
+                      ReplyExchange(grid, namer=strategy.client_name), t_start,
+                      UpdateObserver(cfg, run_dir.path))
 
 
 def resume(fed: Federation) -> bool:
@@ -235,6 +244,8 @@ def run_round(fed: Federation, rnd: int) -> RoundRecord:
     messages = _skip_busy(record, fed.exchange, rnd, messages, fed.strategy.client_name)
     replies, late = fed.exchange.send_and_receive(messages, rnd, cfg.round_timeout)
     outcome = strategy.finish_round(rnd, record, replies)
+    if fed.observer.active:
+        fed.observer.observe(rnd, record.accepted, flatten(fed.arrays.to_torch_state_dict()))
     if outcome.arrays is not None:
         fed.arrays = outcome.arrays
     _charge_late(strategy, record, late)

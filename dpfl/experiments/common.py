@@ -15,7 +15,7 @@ from typing import Any
 
 import tomllib
 
-PAPERS = ("gcfl", "pegasus", "aadp", "fedcompdp", "fedasgp")  # modules dpfl.experiments.<name>, each a REPRODUCTION
+PAPERS = ("gcfl", "pegasus", "aadp", "fedcompdp", "fedasgp", "audit")  # modules dpfl.experiments.<name>, each a REPRODUCTION
 
 
 def simulate_record(root: Path, clients: int, overrides: dict[str, Any],

@@ -1,0 +1,141 @@
+"""``dpfl audit RUN_DIR``: an empirical lower bound on epsilon from one training run
+(Steinke, Nasr & Jagielski, "Privacy Auditing with One (1) Training Run", NeurIPS 2023).
+
+A run directory whose run had canary clients (``audit-canaries`` = m > 0) is scored; any
+other finished run is audited by ONE more training run with the same configuration in
+``RUN_DIR/audit/`` in which clients 0 .. m-1 (default: every client) are canary clients
+(:mod:`dpfl.client.canary`: with a secret bit b_i ~ Bernoulli(1/2) client i releases the
+canary vector c * u_i through its method instead of its training update) and the server
+scores every canary reply by <update, u_i> (:mod:`dpfl.server.observer`).
+
+The auditor's statistic for canary i is the sum of its scores over the rounds it took part
+in (the server sees each reply: the strongest auditor of the local trust model); canaries
+that never took part are left out (which clients are sampled does not depend on the bits,
+so the bits of those that took part are still independent fair coins). Guesses: the
+highest sums "included", the lowest "excluded", abstaining in between; the bound is
+:func:`dpfl.privacy.audit.audit_scores` at 95 % confidence (Bonferroni over the abstention
+levels tried). It is compared with the largest accounted epsilon of the audited canary
+clients (the ledger's, replace-one client level): every canary's guarantee is its
+client's. A lower bound above the accounted epsilon of a ``formal`` run is a bug in the
+audit or in the accounting: the command then exits 3.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from dpfl.attacks.target import run_config
+from dpfl.client.canary import canary_norm
+from dpfl.durable import atomic_write_text, read_lines
+from dpfl.errors import UserError, read_json_file
+from dpfl.methods import guarantee
+from dpfl.privacy.audit import audit_scores
+from dpfl.privacy.canaries import canary_bits
+from dpfl.server.observer import AUDIT_FILE
+
+# keys of config.json that belong to the audited run's identity, not to its training
+_NOT_COPIED = ("run-name", "output-dir", "resume", "resume-without-checkpoint",
+               "audit-canaries", "audit-seed", "record-updates")
+
+
+def canary_statistics(run_dir: Path) -> dict[int, float]:
+    """Canary client -> the sum of its scores over ``audit.jsonl`` (replies seen)."""
+    path = run_dir / AUDIT_FILE
+    if not path.exists():
+        raise UserError(f"{path}: no canary scores (the run had no accepted canary reply)")
+    lines, _partial = read_lines(path)
+    sums: dict[int, float] = {}
+    for number, line in enumerate(lines, 1):
+        try:
+            rec = json.loads(line)
+            client, score = int(rec["client"]), float(rec["score"])
+        except (ValueError, KeyError, TypeError) as exc:
+            raise UserError(f"{path}: line {number} is damaged ({exc})") from exc
+        sums[client] = sums.get(client, 0.0) + score
+    return sums
+
+
+def score_audit_run(run_dir: Path, confidence: float = 0.95) -> dict[str, Any]:
+    """The epsilon lower bound of an audit run, beside its accounted epsilon."""
+    cfg, num_clients = run_config(run_dir)
+    if cfg.audit_canaries < 1:
+        raise UserError(f"{run_dir}: not an audit run (audit-canaries = 0)")
+    sums = canary_statistics(run_dir)
+    seen = sorted(c for c in sums if 0 <= c < cfg.audit_canaries)
+    bits = canary_bits(cfg.audit_seed, cfg.audit_canaries)
+    scores = torch.tensor([sums[c] for c in seen], dtype=torch.float64)
+    included = bits[seen] if seen else torch.zeros(0, dtype=torch.bool)
+    result = audit_scores(scores, included, cfg.delta, confidence)
+    summary = read_json_file(run_dir / "summary.json", "run summary")
+    clients = summary.get("clients", {})
+    canary_eps = [float(clients[f"client-{c}"]["epsilon"]) for c in seen
+                  if f"client-{c}" in clients]
+    verdict = guarantee(cfg).verdict
+    accounted = max(canary_eps) if canary_eps else (float("inf") if not cfg.is_private
+                                                      else 0.0)
+    out = {
+        "run-dir": str(run_dir), "strategy": cfg.strategy, "trainer": cfg.trainer,
+        "verdict": verdict, "delta": cfg.delta, "confidence": confidence,
+        "canaries": cfg.audit_canaries, "canaries-seen": len(seen),
+        "canary-norm": canary_norm(cfg), "clients": num_clients,
+        "rounds": summary.get("rounds-run"),
+        "epsilon-lower-bound": result.epsilon_lower,
+        "guesses": result.r, "correct": result.v, "k-plus": result.k_plus,
+        "k-minus": result.k_minus,
+        "accounted-epsilon-max": accounted,
+        "accounted-epsilon-min": min(canary_eps) if canary_eps else None,
+        "final-accuracy": summary.get("final", {}).get("accuracy"),
+    }
+    out["bound-exceeds-accounted"] = bool(verdict == "formal"
+                                          and result.epsilon_lower > accounted + 1e-9)
+    return out
+
+
+def audit_overrides(run_dir: Path, canaries: int | None, audit_seed: int | None
+                    ) -> tuple[dict[str, Any], int]:
+    """The run-config of the audit run of finished run ``run_dir`` and its client count."""
+    raw = dict(read_json_file(run_dir / "config.json", "run configuration"))
+    num_clients = int(raw.pop("num-clients", 0))
+    if num_clients < 1:
+        raise UserError(f"{run_dir / 'config.json'}: no 'num-clients' (not a finished run)")
+    m = num_clients if canaries is None else canaries
+    if not 1 <= m <= num_clients:
+        raise UserError(f"--canaries {m}: must be in [1, {num_clients}] (the run's clients)")
+    overrides = {k: v for k, v in raw.items() if k not in _NOT_COPIED}
+    overrides.update({"audit-canaries": m, "run-name": "audit-run",
+                      "audit-seed": secrets.randbits(31) if audit_seed is None else audit_seed})
+    return overrides, num_clients
+
+
+def audit(run_dir: Path, simulate: Callable[..., Path], canaries: int | None = None,
+          audit_seed: int | None = None, confidence: float = 0.95, log=print
+          ) -> dict[str, Any]:
+    """Score ``run_dir`` when it is an audit run, else run its audit run first
+    (``simulate(num_clients, overrides, output_root) -> run dir``); write ``audit.json``."""
+    cfg, _ = run_config(run_dir)
+    target = run_dir
+    done = run_dir / "audit" / "audit-run"
+    if cfg.audit_canaries == 0 and (done / "summary.json").exists():
+        log(f"{done}: audit run already finished: scoring it")
+        target = done
+    elif cfg.audit_canaries == 0:
+        overrides, num_clients = audit_overrides(run_dir, canaries, audit_seed)
+        log(f"audit of {run_dir.name}: one training run with {overrides['audit-canaries']} "
+            f"canary clients of {num_clients} in {run_dir / 'audit'}")
+        target = simulate(num_clients, overrides, run_dir / "audit")
+    report = score_audit_run(target, confidence)
+    atomic_write_text(target / "audit.json", json.dumps(report, indent=1))
+    log(f"audited epsilon >= {report['epsilon-lower-bound']:.3f} at {confidence:.0%} "
+        f"confidence ({report['correct']}/{report['guesses']} guesses right, "
+        f"{report['canaries-seen']} canaries seen); accounted epsilon "
+        f"{report['accounted-epsilon-max']:.4g}; verdict {report['verdict']}")
+    if report["bound-exceeds-accounted"]:
+        log("ERROR: the audited lower bound exceeds the accounted epsilon of a formal run: "
+            "a bug in the audit or in the accounting")
+    log(f"wrote {target / 'audit.json'}")
+    return report

@@ -1,0 +1,67 @@
+"""What the server keeps of the updates it sees, for privacy measurement (``dpfl audit``,
+``dpfl attack``); nothing here is used by training.
+
+- Canary scores (audit runs, ``audit-canaries`` > 0): for every accepted reply of a canary
+  client, the projection <update, u_i> on its secret canary direction, one line per reply
+  in ``audit.jsonl`` (appended durably; a resumed run appends, and the auditor's statistic
+  sums them: a round trained twice was released twice).
+- Recorded updates (``record-updates`` = k > 0): the last accepted update of clients
+  0 .. k-1 with the global model it was computed from, ``updates/client-<i>.pt``; the
+  membership-inference attacks score the model the server could rebuild from it
+  (global + update), the strongest attacker of the local trust model.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from dpfl.config import RunConfig
+from dpfl.durable import append_line, atomic_write
+from dpfl.privacy.canaries import canary_direction, canary_score
+from dpfl.server.validation import ClientUpdate
+
+AUDIT_FILE = "audit.jsonl"
+UPDATES_DIR = "updates"
+
+
+def recorded_update_path(run_dir: Path, partition_id: int) -> Path:
+    return Path(run_dir) / UPDATES_DIR / f"client-{partition_id}.pt"
+
+
+class UpdateObserver:
+    """Scores canary replies and keeps target clients' updates for one run directory."""
+
+    def __init__(self, cfg: RunConfig, run_dir: Path) -> None:
+        self.cfg = cfg
+        self.run_dir = Path(run_dir)
+        self._directions: dict[tuple[int, int], torch.Tensor] = {}
+
+    @property
+    def active(self) -> bool:
+        return self.cfg.audit_canaries > 0 or self.cfg.record_updates > 0
+
+    def _direction(self, partition_id: int, dim: int) -> torch.Tensor:
+        key = (partition_id, dim)
+        if key not in self._directions:
+            self._directions[key] = canary_direction(self.cfg.audit_seed, partition_id, dim)
+        return self._directions[key]
+
+    def observe(self, server_round: int, accepted: list[ClientUpdate],
+                global_flat: torch.Tensor) -> None:
+        """Record what the server saw in ``server_round`` (``global_flat``: the model the
+        round's clients started from)."""
+        for u in accepted:
+            if 0 <= u.partition_id < self.cfg.audit_canaries:
+                score = canary_score(u.flat, self._direction(u.partition_id, u.flat.numel()))
+                append_line(self.run_dir / AUDIT_FILE, json.dumps(
+                    {"round": server_round, "client": u.partition_id, "score": score,
+                     "norm": float(u.flat.norm())}))
+            if 0 <= u.partition_id < self.cfg.record_updates:
+                path = recorded_update_path(self.run_dir, u.partition_id)
+                path.parent.mkdir(exist_ok=True)
+                state = {"round": server_round, "global": global_flat.clone(),
+                         "update": u.flat.clone()}
+                atomic_write(path, lambda f, state=state: torch.save(state, f))

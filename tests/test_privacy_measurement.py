@@ -1,0 +1,127 @@
+"""The run-side halves of `dpfl audit` and `dpfl attack`: canary clients, the server's
+canary scores and recorded updates, and the scoring of an audit run directory."""
+
+import json
+import math
+
+import pytest
+import torch
+
+from dpfl.attacks.audit import audit_overrides, canary_statistics, score_audit_run
+from dpfl.client.canary import canary_norm, canary_update, is_canary
+from dpfl.config import ConfigError
+from dpfl.errors import UserError
+from dpfl.methods import run_config
+from dpfl.privacy.canaries import canary_bits, canary_direction
+from dpfl.server.observer import AUDIT_FILE, UpdateObserver, recorded_update_path
+from dpfl.server.validation import ClientUpdate
+
+
+def _cfg(**kw):
+    base = dict(strategy="dpfedavg", trainer="update-dp", audit_canaries=6, audit_seed=1234)
+    return run_config(**{**base, **kw})
+
+
+@pytest.mark.parametrize("fields,key", [
+    (dict(audit_canaries=-1), "audit-canaries"),
+    (dict(trainer="dpsgd"), "audit-canaries"),
+    (dict(audit_canary_norm=-0.5), "audit-canary-norm"),
+    (dict(record_updates=-2), "record-updates"),
+])
+def test_bad_measurement_keys_stop_at_start(fields, key):
+    with pytest.raises(ConfigError, match=key):
+        _cfg(**fields)
+
+
+def test_canary_client_releases_its_canary_only_when_its_bit_is_set():
+    cfg = _cfg(clip_norm=0.7)
+    bits = canary_bits(cfg.audit_seed, cfg.audit_canaries)
+    assert 0 < int(bits[:6].sum()) < 6     # this seed has both kinds of canary client
+    update = torch.randn(500)
+    for pid in range(8):
+        out = canary_update(cfg, pid, update.clone())
+        if pid < 6 and bool(bits[pid]):
+            assert is_canary(cfg, pid)
+            expected = 0.7 * canary_direction(cfg.audit_seed, pid, 500)
+            torch.testing.assert_close(out, expected)
+            assert math.isclose(float(out.norm()), 0.7, rel_tol=1e-5)
+        else:
+            assert torch.equal(out, update)
+    assert canary_norm(_cfg(audit_canary_norm=3.0)) == 3.0
+    assert canary_norm(_cfg(clip_norm=0.25)) == 0.25
+
+
+def _update(pid, flat):
+    return ClientUpdate(node_id=100 + pid, partition_id=pid, flat=flat, num_examples=1,
+                        metrics={})
+
+
+def test_observer_scores_canary_replies_and_keeps_target_updates(tmp_path):
+    cfg = _cfg(record_updates=2)
+    obs = UpdateObserver(cfg, tmp_path)
+    flats = {pid: torch.randn(300) for pid in (0, 1, 5, 7)}
+    g = torch.randn(300)
+    obs.observe(3, [_update(p, f) for p, f in flats.items()], g)
+    lines = [json.loads(l) for l in (tmp_path / AUDIT_FILE).read_text().splitlines()]
+    assert [l["client"] for l in lines] == [0, 1, 5]          # 7 is not a canary
+    for line in lines:
+        u = canary_direction(cfg.audit_seed, line["client"], 300)
+        assert line["round"] == 3
+        assert math.isclose(line["score"], float(flats[line["client"]].double()
+                                                 @ u.double()), rel_tol=1e-9)
+    for pid in (0, 1):
+        rec = torch.load(recorded_update_path(tmp_path, pid))
+        assert rec["round"] == 3 and torch.equal(rec["update"], flats[pid])
+        assert torch.equal(rec["global"], g)
+    assert not recorded_update_path(tmp_path, 5).exists()
+
+
+def _audit_run_dir(tmp_path, cfg, scores_by_client, eps, name="run"):
+    run = tmp_path / name
+    run.mkdir()
+    (run / "config.json").write_text(json.dumps({**cfg.to_dict(), "num-clients": 8}))
+    (run / "summary.json").write_text(json.dumps({
+        "rounds-run": 2, "final": {"accuracy": 0.5},
+        "clients": {f"client-{c}": {"epsilon": eps} for c in range(8)}}))
+    with open(run / AUDIT_FILE, "w") as f:
+        for c, scores in scores_by_client.items():
+            for r, s in enumerate(scores, 1):
+                f.write(json.dumps({"round": r, "client": c, "score": s, "norm": 1.0}) + "\n")
+    return run
+
+
+def test_audit_scoring_sums_rounds_and_flags_a_bound_above_the_ledger(tmp_path):
+    cfg = _cfg(audit_canaries=8)
+    bits = canary_bits(cfg.audit_seed, 8)
+    # perfectly separable sums over two rounds; client 3 never took part (left out)
+    scores = {c: [0.5 * float(bits[c]), 0.5 * float(bits[c]) + 0.01 * c]
+              for c in range(8) if c != 3}
+    run = _audit_run_dir(tmp_path, cfg, scores, eps=1e-3)
+    assert canary_statistics(run)[2] == pytest.approx(bits[2].item() + 0.02)
+    report = score_audit_run(run)
+    assert report["canaries-seen"] == 7
+    assert report["correct"] == report["guesses"] > 0
+    assert report["epsilon-lower-bound"] > 0.1
+    assert report["verdict"] == "formal"
+    assert report["bound-exceeds-accounted"]          # 1e-3 accounted: the check fires
+    generous = _audit_run_dir(tmp_path, cfg, scores, eps=50.0, name="generous")
+    assert not score_audit_run(generous)["bound-exceeds-accounted"]
+
+
+def test_damaged_canary_line_is_a_one_line_error(tmp_path):
+    (tmp_path / AUDIT_FILE).write_text('{"round": 1, "client": 0, "score": 1.0}\nnot json\n')
+    with pytest.raises(UserError, match="line 2"):
+        canary_statistics(tmp_path)
+
+
+def test_audit_run_copies_the_training_config_and_adds_canaries(tmp_path):
+    cfg = run_config(strategy="dpfedavg", trainer="update-dp", num_rounds=3,
+                     run_name="orig", record_updates=1)
+    (tmp_path / "config.json").write_text(json.dumps({**cfg.to_dict(), "num-clients": 5}))
+    overrides, n = audit_overrides(tmp_path, None, 77)
+    assert n == 5 and overrides["audit-canaries"] == 5 and overrides["audit-seed"] == 77
+    assert overrides["num-rounds"] == 3 and overrides["run-name"] == "audit-run"
+    assert "record-updates" not in overrides and "output-dir" not in overrides
+    assert audit_overrides(tmp_path, 2, None)[0]["audit-canaries"] == 2
+    with pytest.raises(UserError, match="--canaries"):
+        audit_overrides(tmp_path, 9, None)
