@@ -211,6 +211,7 @@ def validate(cfg: RunConfig) -> RunConfig:
     need(cfg.audit_canaries == 0 or cfg.trainer != "dpsgd", "audit-canaries",
          "canary clients audit client-level DP (trainer=update-dp or plain); sample-level "
          "DP-SGD canaries are not implemented", cfg.audit_canaries)
+    need(cfg.audit_seed >= 0, "audit-seed", "must be >= 0", cfg.audit_seed)
     need(cfg.audit_canary_norm >= 0, "audit-canary-norm", "must be >= 0 (0 = clip-norm)",
          cfg.audit_canary_norm)
     need(cfg.record_updates >= 0, "record-updates", "must be >= 0 (0 = none)",

@@ -1,0 +1,66 @@
+"""`dpfl audit` and `dpfl attack` on real simulated federations (digits, 12 clients, 2-3
+rounds): a non-private run leaks (canaries found, attacks score), a formal run's audited
+bound stays under its ledger's epsilon, and both commands write their reports."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.e2e
+ROOT = Path(__file__).resolve().parents[2]
+CLIENTS = 12
+
+
+def _dpfl(*args: str, timeout: int = 900) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "dpfl.cli", *args], cwd=ROOT,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def _simulate(tmp_path: Path, name: str, *overrides: str) -> Path:
+    proc = _dpfl("simulate", "--clients", str(CLIENTS), "--output-dir", str(tmp_path),
+                 "dataset=digits", "model=mlp", "batch-size=32", "lr=0.5", "val-fraction=0",
+                 f"min-train-nodes={CLIENTS}", f"run-name={name}", *overrides)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return tmp_path / name
+
+
+def test_non_private_run_is_audited_and_attacked(tmp_path):
+    run = _simulate(tmp_path, "plain", "strategy=fedavg", "trainer=plain", "num-rounds=3",
+                    f"audit-canaries={CLIENTS}", "audit-seed=11", "record-updates=1",
+                    "local-epochs=5")
+    proc = _dpfl("audit", str(run))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    audit = json.loads((run / "audit.json").read_text())
+    # no noise: the canary sums separate perfectly, the bound is what 12 canaries allow
+    assert audit["canaries-seen"] == CLIENTS and audit["correct"] == audit["guesses"]
+    assert audit["epsilon-lower-bound"] > 0.3
+    assert audit["verdict"].startswith("none")
+    proc = _dpfl("attack", str(run), "--client", "0", "--reference-models", "2",
+                 "--shadow-epochs", "3")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads((run / "attack" / "attack.json").read_text())
+    names = {"global", "update"} if (run / "updates" / "client-0.pt").exists() else {"global"}
+    assert set(report["targets"]) == names
+    for target in report["targets"].values():
+        assert len(target["attacks"]) == 4
+        for a in target["attacks"]:
+            assert 0.0 <= a["auc"] <= 1.0 and a["members"] == a["non-members"] > 0
+    assert (run / "attack" / "roc-global.png").stat().st_size > 0
+
+
+def test_formal_run_audit_bound_stays_under_the_ledger(tmp_path):
+    run = _simulate(tmp_path, "dp", "strategy=dpfedavg", "trainer=update-dp", "num-rounds=2",
+                    "target-epsilon=2.0")
+    # a finished ordinary run: `dpfl audit` trains its audit run (same config + canaries)
+    proc = _dpfl("audit", str(run), "--audit-seed", "5")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    audit = json.loads((run / "audit" / "audit-run" / "audit.json").read_text())
+    assert audit["verdict"] == "formal" and audit["canaries"] == CLIENTS
+    assert 0 < audit["accounted-epsilon-max"] <= 2.0 + 1e-9
+    assert audit["epsilon-lower-bound"] <= audit["accounted-epsilon-max"]
+    assert not audit["bound-exceeds-accounted"]
+    config = json.loads((run / "audit" / "audit-run" / "config.json").read_text())
+    assert config["num-rounds"] == 2 and config["audit-seed"] == 5
