@@ -36,9 +36,9 @@ from dpfl.privacy.ledger import Ledger, ledger_config
 from dpfl.privacy.verdict import Guarantee
 from dpfl.server.evaluation import classification_metrics
 from dpfl.server.exchange import ReplyExchange
+from dpfl.server.observer import UpdateObserver
 from dpfl.server.plots import plot_accuracy, plot_epsilon
 from dpfl.server.report import epsilon_table
-from dpfl.server.observer import UpdateObserver
 from dpfl.server.rundir import RunDir
 from dpfl.server.strategy import DPFLStrategy, RoundRecord
 from dpfl.tensors import flatten

@@ -21,8 +21,13 @@ import torch
 from torch import nn
 
 from dpfl.config import RunConfig
-from dpfl.data import load_dataset, server_holdout_indices, splits_for, to_tensor
-from dpfl.data import training_pool
+from dpfl.data import (
+    load_dataset,
+    server_holdout_indices,
+    splits_for,
+    to_tensor,
+    training_pool,
+)
 from dpfl.errors import UserError, read_json_file
 from dpfl.methods import method_for, parse_run_config
 from dpfl.server.observer import recorded_update_path
