@@ -235,3 +235,22 @@ def test_unequal_members_and_nonmembers_raise(attack):
     short = (NONMEMBERS[0][:63], NONMEMBERS[1][:63])
     with pytest.raises(ValueError, match="equal numbers"):
         attack(_make(), MEMBERS, short, POPULATION, _make, never, seed=0)
+
+
+def test_a_model_whose_weights_blew_up_is_attacked_at_chance_not_a_crash():
+    """A diverged target (NaN logits, as a run whose global model exploded) scores every
+    record alike: AUC 0.5, no exception."""
+    torch.manual_seed(0)
+    x = torch.randn(200, 20)
+    y = torch.randint(0, 10, (200,))
+    def make():
+        return nn.Sequential(nn.Linear(20, 16), nn.ReLU(), nn.Linear(16, 10))
+    target = make()
+    with torch.no_grad():
+        target[0].weight.fill_(float("nan"))
+    def train(m, xs, ys, seed):
+        return train_reference_model(m, xs, ys, epochs=1, lr=0.1, batch_size=32, seed=seed)
+    results = run_attacks(target, (x[:20], y[:20]), (x[20:40], y[20:40]), (x[40:], y[40:]),
+                          make, train, seed=0, reference_models=2)
+    for r in results:
+        assert r.auc() == pytest.approx(0.5), r.name

@@ -20,6 +20,8 @@ All randomness comes from ``seed``: the same inputs and seed give the same score
 
 from __future__ import annotations
 
+import math
+
 import warnings
 from dataclasses import dataclass
 from typing import Callable
@@ -257,7 +259,9 @@ def per_example_grad_norm(model: nn.Module, x: torch.Tensor, y: torch.Tensor,
             norms.append(torch.as_tensor(sq, dtype=torch.float64).sqrt())
     finally:
         model.train(was_training)
-    return torch.cat(norms) if norms else torch.zeros(0, dtype=torch.float64)
+    if not norms:
+        return torch.zeros(0, dtype=torch.float64)
+    return torch.nan_to_num(torch.cat(norms), nan=math.inf)  # unknown: least member-like
 
 
 def _neg_grad_norm(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:

@@ -3,6 +3,8 @@ model outputs the attacks read: softmax posteriors and per-example losses."""
 
 from __future__ import annotations
 
+import math
+
 from typing import Callable
 
 import torch
@@ -54,13 +56,15 @@ def _logits(model: nn.Module, x: torch.Tensor, batch_size: int) -> torch.Tensor:
 def softmax_outputs(model: nn.Module, x: torch.Tensor, batch_size: int = 1000
                     ) -> torch.Tensor:
     """Softmax posteriors (float64, shape [n, classes]) of ``model`` on ``x``."""
-    return torch.softmax(_logits(model, x, batch_size), dim=1)
+    # a model whose weights blew up (NaN / inf logits) tells nothing: probability 0
+    return torch.nan_to_num(torch.softmax(_logits(model, x, batch_size), dim=1), nan=0.0)
 
 
 def per_example_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor,
                      batch_size: int = 1000) -> torch.Tensor:
     """Cross-entropy loss of each example (float64, shape [n])."""
-    return F.cross_entropy(_logits(model, x, batch_size), y.long(), reduction="none")
+    loss = F.cross_entropy(_logits(model, x, batch_size), y.long(), reduction="none")
+    return torch.nan_to_num(loss, nan=math.inf)   # unknown loss: the least member-like
 
 
 def true_label_probability(model: nn.Module, x: torch.Tensor, y: torch.Tensor,

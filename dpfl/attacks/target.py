@@ -30,6 +30,7 @@ from dpfl.data import (
 )
 from dpfl.errors import UserError, read_json_file
 from dpfl.methods import method_for, parse_run_config
+from dpfl.privacy.canaries import canary_bits
 from dpfl.server.observer import recorded_update_path
 from dpfl.tensors import unflatten
 
@@ -120,7 +121,10 @@ def target_models(run_dir: Path, cfg: RunConfig, client: int, input_shape: tuple
     out = [TargetModel("global", final, None,
                        f"final global model after round {checkpoint.get('round')}")]
     upd_path = recorded_update_path(run_dir, client)
-    if upd_path.exists():
+    if released_canary(cfg, client):
+        out[0].note += (f"; client {client}'s update is not attacked: in this audit run it "
+                        "released its canary instead of training")
+    elif upd_path.exists():
         try:
             rec = torch.load(upd_path, map_location="cpu", weights_only=False)
             start = unflatten(rec["global"], state)
@@ -133,6 +137,13 @@ def target_models(run_dir: Path, cfg: RunConfig, client: int, input_shape: tuple
                                f"client {client}'s update of round {rec['round']} as the "
                                "server received it, applied to that round's global model"))
     return out
+
+
+def released_canary(cfg: RunConfig, client: int) -> bool:
+    """Whether ``client`` is a canary client of an audit run whose coin came up 1 (its
+    updates were its canary vector, not training on its records)."""
+    return (0 <= client < cfg.audit_canaries
+            and bool(canary_bits(cfg.audit_seed, cfg.audit_canaries)[client]))
 
 
 def model_factory(build: Callable[[], nn.Module], start: dict[str, torch.Tensor] | None
