@@ -28,6 +28,9 @@
       an empirical epsilon lower bound (one-run canary audit): scores an audit run, or runs
       one (same config, canary clients) in RUN_DIR/audit/; exit 3 when the bound exceeds a
       formal run's accounted epsilon.
+  dpfl reproduce audit [--cells eps4 ...] [--methods dpfedavg ...]
+      the privacy table: every method at matched accounted epsilon, each run a one-run
+      audit with membership inference on one client; writes results/audit/.
   dpfl privacy-report RUN_DIR
       verdict, then per-client unit, relation, sampling, delta, epsilon (recomputed from the
       ledger), rounds and verdict; cross-checks the ledger against summary.json and
