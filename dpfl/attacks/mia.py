@@ -21,7 +21,6 @@ All randomness comes from ``seed``: the same inputs and seed give the same score
 from __future__ import annotations
 
 import math
-
 import warnings
 from dataclasses import dataclass
 from typing import Callable

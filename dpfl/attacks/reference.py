@@ -4,7 +4,6 @@ model outputs the attacks read: softmax posteriors and per-example losses."""
 from __future__ import annotations
 
 import math
-
 from typing import Callable
 
 import torch
