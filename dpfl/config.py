@@ -81,7 +81,8 @@ class RunConfig:
     # privacy measurement (dpfl audit / dpfl attack): clients 0..audit-canaries-1 are canary
     # clients; each replaces its update by a secret canary vector of norm audit-canary-norm
     # (0 = clip-norm) with probability 1/2 (bits and directions from the auditor's secret
-    # audit-seed); the server scores every canary reply (audit.jsonl)
+    # audit-seed); the server scores every canary reply (audit.jsonl). Under trainer=dpsgd
+    # the canaries are examples added to the clients' data (dpfl.client.canary)
     audit_canaries: int = 0
     audit_seed: int = 0
     audit_canary_norm: float = 0.0
@@ -208,9 +209,6 @@ def validate(cfg: RunConfig) -> RunConfig:
     need(cfg.round_timeout > 0, "round-timeout", "must be > 0", cfg.round_timeout)
     need(cfg.audit_canaries >= 0, "audit-canaries", "must be >= 0 (0 = no canaries)",
          cfg.audit_canaries)
-    need(cfg.audit_canaries == 0 or cfg.trainer != "dpsgd", "audit-canaries",
-         "canary clients audit client-level DP (trainer=update-dp or plain); sample-level "
-         "DP-SGD canaries are not implemented", cfg.audit_canaries)
     need(cfg.audit_seed >= 0, "audit-seed", "must be >= 0", cfg.audit_seed)
     need(cfg.audit_canary_norm >= 0, "audit-canary-norm", "must be >= 0 (0 = clip-norm)",
          cfg.audit_canary_norm)

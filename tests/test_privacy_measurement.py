@@ -24,7 +24,6 @@ def _cfg(**kw):
 
 @pytest.mark.parametrize("fields,key", [
     (dict(audit_canaries=-1), "audit-canaries"),
-    (dict(trainer="dpsgd"), "audit-canaries"),
     (dict(audit_canary_norm=-0.5), "audit-canary-norm"),
     (dict(record_updates=-2), "record-updates"),
 ])
@@ -127,3 +126,46 @@ def test_audit_run_copies_the_training_config_and_adds_canaries(tmp_path):
     assert audit_overrides(tmp_path, 2, None)[0]["audit-canaries"] == 2
     with pytest.raises(UserError, match="--canaries"):
         audit_overrides(tmp_path, 9, None)
+
+
+def test_canary_examples_join_their_hosts_data_when_their_bit_is_set():
+    from dpfl.client.canary import canary_examples, with_canary_examples
+    from dpfl.data import ClientData
+
+    cfg = run_config(strategy="dpfedavg", trainer="dpsgd", audit_canaries=9, audit_seed=3)
+    bits = canary_bits(3, 9)
+    x, y = canary_examples(cfg, (1, 8, 8), 10)
+    assert x.shape == (9, 1, 8, 8) and int(y.min()) >= 0 and int(y.max()) < 10
+    base = ClientData(torch.zeros(5, 1, 8, 8), torch.zeros(5, dtype=torch.long),
+                      torch.zeros(0, 1, 8, 8), torch.zeros(0, dtype=torch.long), 10)
+    total = 0
+    for pid in range(4):   # canary i lives on client i mod 4
+        got = with_canary_examples(cfg, pid, 4, base)
+        mine = [i for i in range(9) if i % 4 == pid and bool(bits[i])]
+        assert len(got.y_train) == 5 + len(mine)
+        torch.testing.assert_close(got.x_train[5:], x[mine])
+        assert torch.equal(got.y_train[5:], y[mine])
+        total += len(mine)
+    assert total == int(bits.sum())
+    # client-level runs: no canary examples, and update-dp canaries are not examples
+    assert with_canary_examples(_cfg(), 0, 4, base) is base
+    assert not is_canary(cfg, 0)
+
+
+def test_dpsgd_samples_at_the_public_rate_whatever_the_canaries_add():
+    from dpfl.client.trainers import train_dpsgd
+    from dpfl.data import ClientData
+    from dpfl.models import build_model
+    from dpfl.privacy.plan import dpsgd_sample_rate, planned_dpsgd_steps
+
+    cfg = run_config(strategy="dpfedavg", trainer="dpsgd", batch_size=16, lr=0.1,
+                     noise_multiplier=1.0)
+    g = torch.Generator().manual_seed(0)
+    data = ClientData(torch.randn(70, 1, 8, 8, generator=g), torch.randint(0, 10, (70,), generator=g),
+                      torch.zeros(0, 1, 8, 8), torch.zeros(0, dtype=torch.long), 10)
+    model = build_model("mlp", (1, 8, 8), 10)
+    result = train_dpsgd(model, data, cfg, 1.0, torch.Generator().manual_seed(1),
+                         torch.Generator().manual_seed(2), torch.device("cpu"),
+                         public_examples=40)
+    assert result.sample_rate == pytest.approx(dpsgd_sample_rate(40, 16))   # 1/3, not 1/5
+    assert result.steps == planned_dpsgd_steps(40, cfg)

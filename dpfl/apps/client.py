@@ -26,7 +26,7 @@ from flwr.app import (
 )
 from flwr.clientapp import ClientApp
 
-from dpfl.client.canary import canary_update, is_canary
+from dpfl.client.canary import canary_update, is_canary, with_canary_examples
 from dpfl.client.trainers import train_dpsgd, train_plain
 from dpfl.config import RunConfig
 from dpfl.data import ClientData, client_data
@@ -145,8 +145,9 @@ def train(msg: Message, context: Context) -> Message:
                                "Opacus owns under trainer=dpsgd")
         sampling_rng = (noise_rng if device.type == "cpu" else
                         mechanism_generator(cfg.reproducible, cfg.seed, pid, server_round))
-        result = train_dpsgd(model, data, cfg, sigma, sampling_rng, noise_rng, device,
-                             hooks.post_step)
+        result = train_dpsgd(model, with_canary_examples(cfg, pid, nparts, data), cfg, sigma,
+                             sampling_rng, noise_rng, device, hooks.post_step,
+                             public_examples=n)
         event = DpsgdRelease(sigma, result.sample_rate, result.steps).event(server_round)
         update = state_difference(model.state_dict(), received)
         num_examples = n

@@ -8,6 +8,13 @@ other finished run is audited by ONE more training run with the same configurati
 canary vector c * u_i through its method instead of its training update) and the server
 scores every canary reply by <update, u_i> (:mod:`dpfl.server.observer`).
 
+Sample-level DP-SGD runs (``trainer=dpsgd``) audit canary *examples* instead
+(:func:`dpfl.client.canary.with_canary_examples`: m out-of-distribution examples with random
+labels, canary i added to client i mod N's data when its bit is 1; default m = 10 per
+client), scored offline by minus their loss under the model the server rebuilt from the
+host's last update (the audit run keeps every host's update), and compared with the hosts'
+per-sample epsilon.
+
 The auditor's statistic for canary i is the sum of its scores over the rounds it took part
 in (the server sees each reply: the strongest auditor of the local trust model); canaries
 that never took part are left out (which clients are sampled does not depend on the bits,
@@ -29,8 +36,11 @@ from typing import Any, Callable
 
 import torch
 
-from dpfl.attacks.target import run_config
-from dpfl.client.canary import canary_norm
+from dpfl.attacks.reference import per_example_loss
+from dpfl.attacks.target import run_config, target_models
+from dpfl.client.canary import canary_examples, canary_host, canary_norm
+from dpfl.config import RunConfig
+from dpfl.data import load_dataset
 from dpfl.durable import atomic_write_text, read_lines
 from dpfl.errors import UserError, read_json_file
 from dpfl.methods import guarantee
@@ -60,12 +70,34 @@ def canary_statistics(run_dir: Path) -> dict[int, float]:
     return sums
 
 
+def example_canary_scores(run_dir: Path, cfg: RunConfig, num_clients: int
+                          ) -> tuple[dict[int, float], dict[int, int]]:
+    """DP-SGD audit runs: canary example i's score is minus its loss under the model the
+    server last rebuilt from its host's update (global + update, kept by
+    ``record-updates``), or under the final global model when the host's update was not
+    kept; returns the scores and each canary's host."""
+    ds = load_dataset(cfg.dataset, cfg.data_dir, cfg.download)
+    x, y = canary_examples(cfg, tuple(ds.input_shape), ds.num_classes)
+    scores: dict[int, float] = {}
+    hosts = {i: canary_host(i, num_clients) for i in range(cfg.audit_canaries)}
+    for host in sorted(set(hosts.values())):
+        models = target_models(run_dir, cfg, host, ds.input_shape, ds.num_classes)
+        model = models[-1].model   # the host's update when kept, else the global model
+        mine = [i for i, h in hosts.items() if h == host]
+        loss = per_example_loss(model, x[mine], y[mine])
+        scores.update({i: -float(v) for i, v in zip(mine, loss)})
+    return scores, hosts
+
+
 def score_audit_run(run_dir: Path, confidence: float = 0.95) -> dict[str, Any]:
     """The epsilon lower bound of an audit run, beside its accounted epsilon."""
     cfg, num_clients = run_config(run_dir)
     if cfg.audit_canaries < 1:
         raise UserError(f"{run_dir}: not an audit run (audit-canaries = 0)")
-    sums = canary_statistics(run_dir)
+    if cfg.trainer == "dpsgd":   # canary examples, scored offline
+        sums, hosts = example_canary_scores(run_dir, cfg, num_clients)
+    else:                         # canary clients, scored by the server
+        sums, hosts = canary_statistics(run_dir), {}
     seen = sorted(c for c in sums if 0 <= c < cfg.audit_canaries)
     bits = canary_bits(cfg.audit_seed, cfg.audit_canaries)
     scores = torch.tensor([sums[c] for c in seen], dtype=torch.float64)
@@ -73,7 +105,9 @@ def score_audit_run(run_dir: Path, confidence: float = 0.95) -> dict[str, Any]:
     result = audit_scores(scores, included, cfg.delta, confidence)
     summary = read_json_file(run_dir / "summary.json", "run summary")
     clients = summary.get("clients", {})
-    canary_eps = [float(clients[f"client-{c}"]["epsilon"]) for c in seen
+    # each canary is covered by its client's epsilon (its host's, for canary examples)
+    owners = sorted({hosts.get(c, c) for c in seen})
+    canary_eps = [float(clients[f"client-{c}"]["epsilon"]) for c in owners
                   if f"client-{c}" in clients]
     verdict = guarantee(cfg).verdict
     accounted = max(canary_eps) if canary_eps else (float("inf") if not cfg.is_private
@@ -82,7 +116,9 @@ def score_audit_run(run_dir: Path, confidence: float = 0.95) -> dict[str, Any]:
         "run-dir": str(run_dir), "strategy": cfg.strategy, "trainer": cfg.trainer,
         "verdict": verdict, "delta": cfg.delta, "confidence": confidence,
         "canaries": cfg.audit_canaries, "canaries-seen": len(seen),
-        "canary-norm": canary_norm(cfg), "clients": num_clients,
+        "canary-kind": ("examples (sample level)" if cfg.trainer == "dpsgd" else
+                        f"clients (client level), norm {canary_norm(cfg):g}"),
+        "clients": num_clients,
         "rounds": summary.get("rounds-run"),
         "epsilon-lower-bound": result.epsilon_lower,
         "guesses": result.r, "correct": result.v, "k-plus": result.k_plus,
@@ -103,10 +139,14 @@ def audit_overrides(run_dir: Path, canaries: int | None, audit_seed: int | None
     num_clients = int(raw.pop("num-clients", 0))
     if num_clients < 1:
         raise UserError(f"{run_dir / 'config.json'}: no 'num-clients' (not a finished run)")
-    m = num_clients if canaries is None else canaries
-    if not 1 <= m <= num_clients:
-        raise UserError(f"--canaries {m}: must be in [1, {num_clients}] (the run's clients)")
+    sample_level = raw.get("trainer") == "dpsgd"
+    m = (num_clients if not sample_level else 10 * num_clients) if canaries is None else canaries
+    if not 1 <= m <= (10**6 if sample_level else num_clients):
+        raise UserError(f"--canaries {m}: must be in [1, {num_clients}] (the run's clients)"
+                        if not sample_level else f"--canaries {m}: must be >= 1")
     overrides = {k: v for k, v in raw.items() if k not in _NOT_COPIED}
+    if raw.get("trainer") == "dpsgd":   # canary examples: keep the hosts' updates to score
+        overrides["record-updates"] = min(m, num_clients)
     overrides.update({"audit-canaries": m, "run-name": "audit-run",
                       "audit-seed": secrets.randbits(31) if audit_seed is None else audit_seed})
     return overrides, num_clients

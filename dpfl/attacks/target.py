@@ -20,6 +20,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from dpfl.client.canary import is_canary
 from dpfl.config import RunConfig
 from dpfl.data import (
     load_dataset,
@@ -142,7 +143,7 @@ def target_models(run_dir: Path, cfg: RunConfig, client: int, input_shape: tuple
 def released_canary(cfg: RunConfig, client: int) -> bool:
     """Whether ``client`` is a canary client of an audit run whose coin came up 1 (its
     updates were its canary vector, not training on its records)."""
-    return (0 <= client < cfg.audit_canaries
+    return (is_canary(cfg, client)
             and bool(canary_bits(cfg.audit_seed, cfg.audit_canaries)[client]))
 
 

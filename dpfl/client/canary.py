@@ -7,6 +7,14 @@ sparsification): a canary is a change of that one client's data, so the run's cl
 guarantee covers it, and the auditor (the server) measures the mechanism exactly as
 deployed. With b_i = 0 the client trains as usual. Bits and directions come from
 ``audit-seed``, the auditor's secret (:mod:`dpfl.privacy.canaries`).
+
+Sample-level DP-SGD (``trainer=dpsgd``): the m canaries are *examples* — out-of-distribution
+inputs (standard normal noise in the model's normalised input space) with random labels,
+secret like the bits — canary i hosted by client i mod N and added to its training set when
+its bit is 1 (add/remove: the unit of DP-SGD's guarantee). The host keeps Poisson sampling
+at the rate of its public size (:func:`dpfl.client.trainers.train_dpsgd`'s
+``public_examples``), so the planned release and the accounting are unchanged and each
+canary is covered by its host's per-sample epsilon.
 """
 
 from __future__ import annotations
@@ -14,7 +22,45 @@ from __future__ import annotations
 import torch
 
 from dpfl.config import RunConfig
+from dpfl.data import ClientData
 from dpfl.privacy.canaries import canary_bits, canary_direction
+
+# domain separation of the canary examples' stream from the bits' and directions' streams
+_EXAMPLES = 0x5A17
+
+
+def canary_examples(cfg: RunConfig, input_shape: tuple[int, ...], num_classes: int
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """All m canary examples of a sample-level audit run (same on every party that knows
+    ``audit-seed``): N(0, 1) inputs and uniformly random labels."""
+    g = torch.Generator().manual_seed(int(cfg.audit_seed) * 1_000_003 + _EXAMPLES)
+    m = cfg.audit_canaries
+    x = torch.randn((m, *input_shape), generator=g)
+    y = torch.randint(0, num_classes, (m,), generator=g)
+    return x, y
+
+
+def canary_host(index: int, num_partitions: int) -> int:
+    """The client that holds canary example ``index``."""
+    return index % num_partitions
+
+
+def with_canary_examples(cfg: RunConfig, partition_id: int, num_partitions: int,
+                         data: ClientData) -> ClientData:
+    """``data`` plus the included canary examples this client hosts (DP-SGD audit runs
+    only; otherwise ``data`` unchanged)."""
+    if cfg.audit_canaries == 0 or cfg.trainer != "dpsgd":
+        return data
+    bits = canary_bits(cfg.audit_seed, cfg.audit_canaries)
+    mine = [i for i in range(cfg.audit_canaries)
+            if canary_host(i, num_partitions) == partition_id and bool(bits[i])]
+    if not mine:
+        return data
+    x, y = canary_examples(cfg, tuple(data.x_train.shape[1:]), data.num_classes)
+    idx = torch.tensor(mine)
+    return ClientData(torch.cat([data.x_train, x[idx].to(data.x_train.dtype)]),
+                      torch.cat([data.y_train, y[idx].to(data.y_train.dtype)]),
+                      data.x_val, data.y_val, data.num_classes)
 
 
 def canary_norm(cfg: RunConfig) -> float:
@@ -24,8 +70,8 @@ def canary_norm(cfg: RunConfig) -> float:
 
 
 def is_canary(cfg: RunConfig, partition_id: int) -> bool:
-    """Whether ``partition_id`` is a canary client of this (audit) run."""
-    return 0 <= partition_id < cfg.audit_canaries
+    """Whether ``partition_id`` is a canary client of this (client-level audit) run."""
+    return cfg.trainer != "dpsgd" and 0 <= partition_id < cfg.audit_canaries
 
 
 def canary_update(cfg: RunConfig, partition_id: int, update: torch.Tensor) -> torch.Tensor:

@@ -15,6 +15,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from dpfl.config import RunConfig
 from dpfl.data import ClientData
+from dpfl.privacy.plan import steps_per_epoch
 
 # Known, harmless warnings that would otherwise flood every round's log:
 # torch 2.14 + Opacus hooks; secure_mode needs torchcsprng, which cannot be installed here
@@ -56,9 +57,26 @@ def _first(batch: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor
     return batch[0]
 
 
-def _loader(data: ClientData, batch_size: int, generator: torch.Generator) -> DataLoader:
-    return DataLoader(BatchedTensors(data.x_train, data.y_train), batch_size=batch_size,
-                      shuffle=True, generator=generator, collate_fn=_first)
+class _FixedLengthLoader(DataLoader):
+    """A DataLoader that reports ``length`` batches: Opacus samples at 1 / len(loader), so
+    this fixes DP-SGD's Poisson rate whatever the dataset's actual size."""
+
+    def __init__(self, *args, length: int, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._length = int(length)
+
+    def __len__(self) -> int:
+        return self._length
+
+
+def _loader(data: ClientData, batch_size: int, generator: torch.Generator,
+            length: int | None = None) -> DataLoader:
+    dataset = BatchedTensors(data.x_train, data.y_train)
+    if length is not None:
+        return _FixedLengthLoader(dataset, batch_size=batch_size, shuffle=True,
+                                  generator=generator, collate_fn=_first, length=length)
+    return DataLoader(dataset, batch_size=batch_size, shuffle=True, generator=generator,
+                      collate_fn=_first)
 
 
 def _optimizer(model: nn.Module, cfg: RunConfig) -> torch.optim.Optimizer:
@@ -122,7 +140,8 @@ def train_plain(model: nn.Module, data: ClientData, cfg: RunConfig, seed: int,
 
 def train_dpsgd(model: nn.Module, data: ClientData, cfg: RunConfig, noise_multiplier: float,
                 sampling_rng: torch.Generator, noise_rng: torch.Generator, device: torch.device,
-                post_step: PostStep | None = None) -> TrainResult:
+                post_step: PostStep | None = None, public_examples: int | None = None
+                ) -> TrainResult:
     """Sample-level DP-SGD with Opacus: Poisson sampling, per-sample clipping to
     ``max-grad-norm``, Gaussian noise ``noise_multiplier * max-grad-norm``.
 
@@ -133,6 +152,10 @@ def train_dpsgd(model: nn.Module, data: ClientData, cfg: RunConfig, noise_multip
     ``post_step(model, lr)`` runs after every DP step: it may only use public or
     already-released values (the model itself, the global model, control variates), so it
     is post-processing and costs no privacy (a method's data-independent correction).
+
+    ``public_examples``: sample at the rate of that many examples (the public partition
+    size) although ``data`` holds more (an audit run's canary examples): the planned rate
+    and steps stay those of the public size.
 
     ``model``'s parameters are trained in place (Opacus wraps, the module is shared).
     The step count is read from the Opacus accountant attached to the optimizer.
@@ -146,7 +169,9 @@ def train_dpsgd(model: nn.Module, data: ClientData, cfg: RunConfig, noise_multip
         warnings.simplefilter("ignore")
         made = engine.make_private(
             module=model, optimizer=_optimizer(model, cfg), criterion=criterion,
-            data_loader=_loader(data, cfg.batch_size, sampling_rng),
+            data_loader=_loader(data, cfg.batch_size, sampling_rng,
+                                None if public_examples is None else
+                                steps_per_epoch(public_examples, cfg.batch_size)),
             noise_multiplier=noise_multiplier, max_grad_norm=cfg.max_grad_norm,
             poisson_sampling=True, grad_sample_mode=cfg.opacus_mode, noise_generator=noise_rng,
         )

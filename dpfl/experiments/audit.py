@@ -7,7 +7,8 @@ client's update as the server received it and on the final global model
 
 Each run is ONE audit run (``conf/audit/mnist.toml``): all 50 clients are canary clients
 (half of them, by secret coin flips, release a canary vector through their method instead
-of their training update), every client takes part in every round, and the attack target
+of their training update; under DP-SGD the canaries are 500 examples, 10 hosted per
+client, each added with probability 1/2), every client takes part in every round, and the attack target
 is the first of clients 0..7 whose coin came up 0 (it trained on its data as usual; its
 update was kept, ``record-updates``). Cells ``eps1``, ``eps4``, ``eps8``: the whole-run
 budget per client (``target-epsilon``; Gaussian arms calibrate sigma to it over the
@@ -40,6 +41,7 @@ CLIENTS = 50
 EPSILONS = {"eps1": 1.0, "eps4": 4.0, "eps8": 8.0}
 CELLS = {cell: "mnist.toml" for cell in EPSILONS}
 _UPDATE_DP = {"trainer": "update-dp"}
+_DPSGD = {"trainer": "dpsgd", "audit-canaries": 500, "record-updates": 50}
 METHODS: dict[str, dict[str, Any]] = {
     "fedavg": {"strategy": "fedavg", "trainer": "plain"},
     "dpfedavg": {"strategy": "dpfedavg", **_UPDATE_DP},
@@ -54,6 +56,9 @@ METHODS: dict[str, dict[str, Any]] = {
                           "adpc": "raw-norm"},
     "aadp": {"strategy": "aadp", **_UPDATE_DP, "aadp-noise": "calibrated"},
     "aadp-paper": {"strategy": "aadp", **_UPDATE_DP, "aadp-noise": "paper"},
+    # sample-level DP-SGD: 500 canary examples (10 per client), every host's update kept
+    "dpfedavg-dpsgd": {"strategy": "dpfedavg", **_DPSGD},
+    "dpscaffold": {"strategy": "dpscaffold", **_DPSGD},
 }
 DEFAULT_METHODS = tuple(METHODS)
 PER_ROUND_KEYS = {"fedasgp": "asgp-epsilon", "aadp": "aadp-epsilon"}
@@ -69,8 +74,11 @@ def _run_config(preset: dict[str, Any], cell: str, method: str) -> dict[str, Any
     return {**preset, **keys, "target-epsilon": eps}
 
 
-def attack_client(audit_seed: int, canaries: int) -> int:
-    """The first of clients 0..7 whose canary coin is 0 (it trained normally)."""
+def attack_client(audit_seed: int, canaries: int, trainer: str) -> int:
+    """The first of clients 0..7 whose canary coin is 0 (it trained normally); client 0
+    under DP-SGD (its canaries are examples: every client trains)."""
+    if trainer == "dpsgd":
+        return 0
     bits = canary_bits(audit_seed, canaries)
     for pid in range(min(TARGET_CANDIDATES, canaries)):
         if not bool(bits[pid]):
@@ -83,7 +91,8 @@ def _measure(record: dict[str, Any]) -> dict[str, Any]:
     run_dir = Path(record["run-dir"])
     audit = score_audit_run(run_dir)
     config = record["config"]
-    client = attack_client(int(config["audit-seed"]), int(config["audit-canaries"]))
+    client = attack_client(int(config["audit-seed"]), int(config["audit-canaries"]),
+                           str(config["trainer"]))
     attack = attack_run(run_dir, client=client, seed=record["seed"], log=lambda m: None)
     return {"audit": audit, "attack": attack}
 

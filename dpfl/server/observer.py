@@ -1,8 +1,8 @@
 """What the server keeps of the updates it sees, for privacy measurement (``dpfl audit``,
 ``dpfl attack``); nothing here is used by training.
 
-- Canary scores (audit runs, ``audit-canaries`` > 0): for every accepted reply of a canary
-  client, the projection <update, u_i> on its secret canary direction, one line per reply
+- Canary scores (client-level audit runs, ``audit-canaries`` > 0): for every accepted reply
+  of a canary client, the projection <update, u_i> on its secret canary direction, one line per reply
   in ``audit.jsonl`` (appended durably; a resumed run appends, and the auditor's statistic
   sums them: a round trained twice was released twice).
 - Recorded updates (``record-updates`` = k > 0): the last accepted update of clients
@@ -54,7 +54,7 @@ class UpdateObserver:
         """Record what the server saw in ``server_round`` (``global_flat``: the model the
         round's clients started from)."""
         for u in accepted:
-            if 0 <= u.partition_id < self.cfg.audit_canaries:
+            if self.cfg.trainer != "dpsgd" and 0 <= u.partition_id < self.cfg.audit_canaries:
                 score = canary_score(u.flat, self._direction(u.partition_id, u.flat.numel()))
                 append_line(self.run_dir / AUDIT_FILE, json.dumps(
                     {"round": server_round, "client": u.partition_id, "score": score,

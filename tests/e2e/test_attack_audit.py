@@ -79,3 +79,23 @@ def test_formal_run_audit_bound_stays_under_the_ledger(tmp_path):
     assert not audit["bound-exceeds-accounted"]
     config = json.loads((run / "audit" / "audit-run" / "config.json").read_text())
     assert config["num-rounds"] == 2 and config["audit-seed"] == 5
+
+
+def test_dpsgd_run_is_audited_with_canary_examples(tmp_path):
+    """Sample-level DP-SGD: 60 canary examples (5 per client) in one audit run; the hosts
+    keep their public sampling rate (no refusal, no plan mismatch) and the bound stays under
+    the hosts' per-sample epsilon."""
+    run = _simulate(tmp_path, "dpsgd", "strategy=dpfedavg", "trainer=dpsgd", "num-rounds=2",
+                    "target-epsilon=2.0", "audit-canaries=60", "audit-seed=9",
+                    f"record-updates={CLIENTS}")
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["ledger-mismatches"] == 0 and summary["charges-not-matching-plan"] == 0
+    rounds = [json.loads(l) for l in (run / "rounds.jsonl").read_text().splitlines()]
+    assert [r["train"]["accepted"] for r in rounds] == [CLIENTS, CLIENTS]
+    proc = _dpfl("audit", str(run))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    audit = json.loads((run / "audit.json").read_text())
+    assert audit["canary-kind"].startswith("examples") and audit["canaries-seen"] == 60
+    assert audit["verdict"] == "formal"
+    assert 0 < audit["accounted-epsilon-max"] <= 2.0 + 1e-9
+    assert audit["epsilon-lower-bound"] <= audit["accounted-epsilon-max"]
