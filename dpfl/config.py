@@ -86,6 +86,9 @@ class RunConfig:
     audit_canaries: int = 0
     audit_seed: int = 0
     audit_canary_norm: float = 0.0
+    # > 0: sparse canaries on that many secret coordinates (the auditor then also scores
+    # the overlap of each reply's non-zero pattern with the canary's support)
+    audit_canary_support: int = 0
     # keep the last received update of clients 0..record-updates-1 (updates/, for the
     # membership-inference attacks on what the server saw)
     record_updates: int = 0
@@ -212,6 +215,8 @@ def validate(cfg: RunConfig) -> RunConfig:
     need(cfg.audit_seed >= 0, "audit-seed", "must be >= 0", cfg.audit_seed)
     need(cfg.audit_canary_norm >= 0, "audit-canary-norm", "must be >= 0 (0 = clip-norm)",
          cfg.audit_canary_norm)
+    need(cfg.audit_canary_support >= 0, "audit-canary-support", "must be >= 0 (0 = dense)",
+         cfg.audit_canary_support)
     need(cfg.record_updates >= 0, "record-updates", "must be >= 0 (0 = none)",
          cfg.record_updates)
     need(cfg.resume or not cfg.resume_without_checkpoint, "resume-without-checkpoint",

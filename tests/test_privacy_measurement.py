@@ -169,3 +169,35 @@ def test_dpsgd_samples_at_the_public_rate_whatever_the_canaries_add():
                          public_examples=40)
     assert result.sample_rate == pytest.approx(dpsgd_sample_rate(40, 16))   # 1/3, not 1/5
     assert result.steps == planned_dpsgd_steps(40, cfg)
+
+
+def test_sparse_canaries_and_the_support_overlap_statistic(tmp_path):
+    from dpfl.privacy.canaries import support_overlap
+
+    dense = canary_direction(5, 2, 1000)
+    assert torch.equal(canary_direction(5, 2, 1000, 0), dense)   # the default is unchanged
+    sparse = canary_direction(5, 2, 1000, 30)
+    assert int((sparse != 0).sum()) == 30
+    assert math.isclose(float(sparse.norm()), 1.0, rel_tol=1e-5)
+    update = torch.zeros(1000)
+    update[sparse != 0] = 1.0
+    update[(sparse != 0).nonzero().flatten()[:6]] = 0.0
+    assert support_overlap(update, sparse) == pytest.approx(24 / 30)   # worked by hand
+    # the observer records the overlap; the auditor tries both statistics
+    cfg = _cfg(audit_canaries=40, audit_canary_support=30)
+    obs = UpdateObserver(cfg, tmp_path)
+    bits = canary_bits(cfg.audit_seed, 40)
+    for c in range(40):   # included canaries: their own support; the others: a random one
+        u = canary_direction(cfg.audit_seed, c, 1000, 30) if bits[c] else \
+            canary_direction(99, c, 1000, 30)
+        # (included ones with the sign flipped: the dot product points the wrong way)
+        obs.observe(1, [_update(c, u * (-1.0 if bits[c] else 1.0))], torch.zeros(1000))
+    lines = [json.loads(l) for l in (tmp_path / AUDIT_FILE).read_text().splitlines()]
+    assert all(("overlap" in l) and (l["overlap"] == 1.0) == bool(bits[l["client"]])
+               for l in lines)
+    (tmp_path / "config.json").write_text(json.dumps({**cfg.to_dict(), "num-clients": 40}))
+    (tmp_path / "summary.json").write_text(json.dumps(
+        {"clients": {f"client-{c}": {"epsilon": 100.0} for c in range(40)}}))
+    report = score_audit_run(tmp_path)
+    assert report["statistic"] == "support-overlap" and report["epsilon-lower-bound"] > 0.5
+    assert set(report["by-statistic"]) == {"dot", "support-overlap"}

@@ -53,8 +53,9 @@ _NOT_COPIED = ("run-name", "output-dir", "resume", "resume-without-checkpoint",
                "audit-canaries", "audit-seed", "record-updates")
 
 
-def canary_statistics(run_dir: Path) -> dict[int, float]:
-    """Canary client -> the sum of its scores over ``audit.jsonl`` (replies seen)."""
+def canary_statistics(run_dir: Path, key: str = "score") -> dict[int, float]:
+    """Canary client -> the sum of its ``key`` values over ``audit.jsonl`` (replies seen):
+    ``score`` = <update, u_i>, ``overlap`` = the support overlap (sparse canaries)."""
     path = run_dir / AUDIT_FILE
     if not path.exists():
         raise UserError(f"{path}: no canary scores (the run had no accepted canary reply)")
@@ -63,7 +64,7 @@ def canary_statistics(run_dir: Path) -> dict[int, float]:
     for number, line in enumerate(lines, 1):
         try:
             rec = json.loads(line)
-            client, score = int(rec["client"]), float(rec["score"])
+            client, score = int(rec["client"]), float(rec[key])
         except (ValueError, KeyError, TypeError) as exc:
             raise UserError(f"{path}: line {number} is damaged ({exc})") from exc
         sums[client] = sums.get(client, 0.0) + score
@@ -94,15 +95,25 @@ def score_audit_run(run_dir: Path, confidence: float = 0.95) -> dict[str, Any]:
     cfg, num_clients = run_config(run_dir)
     if cfg.audit_canaries < 1:
         raise UserError(f"{run_dir}: not an audit run (audit-canaries = 0)")
+    statistics: dict[str, dict[int, float]]
     if cfg.trainer == "dpsgd":   # canary examples, scored offline
         sums, hosts = example_canary_scores(run_dir, cfg, num_clients)
+        statistics = {"loss": sums}
     else:                         # canary clients, scored by the server
-        sums, hosts = canary_statistics(run_dir), {}
-    seen = sorted(c for c in sums if 0 <= c < cfg.audit_canaries)
+        hosts = {}
+        statistics = {"dot": canary_statistics(run_dir)}
+        if cfg.audit_canary_support:   # sparse canaries: the zero pattern too
+            statistics["support-overlap"] = canary_statistics(run_dir, "overlap")
+    seen = sorted(c for c in statistics[next(iter(statistics))]
+                  if 0 <= c < cfg.audit_canaries)
     bits = canary_bits(cfg.audit_seed, cfg.audit_canaries)
-    scores = torch.tensor([sums[c] for c in seen], dtype=torch.float64)
     included = bits[seen] if seen else torch.zeros(0, dtype=torch.bool)
-    result = audit_scores(scores, included, cfg.delta, confidence)
+    # several statistics: each tested at a Bonferroni share of the confidence, best kept
+    level = 1.0 - (1.0 - confidence) / len(statistics)
+    results = {name: audit_scores(torch.tensor([sums[c] for c in seen], dtype=torch.float64),
+                                  included, cfg.delta, level)
+               for name, sums in statistics.items()}
+    statistic, result = max(results.items(), key=lambda kv: kv[1].epsilon_lower)
     summary = read_json_file(run_dir / "summary.json", "run summary")
     clients = summary.get("clients", {})
     # each canary is covered by its client's epsilon (its host's, for canary examples)
@@ -120,7 +131,8 @@ def score_audit_run(run_dir: Path, confidence: float = 0.95) -> dict[str, Any]:
                         f"clients (client level), norm {canary_norm(cfg):g}"),
         "clients": num_clients,
         "rounds": summary.get("rounds-run"),
-        "epsilon-lower-bound": result.epsilon_lower,
+        "epsilon-lower-bound": result.epsilon_lower, "statistic": statistic,
+        "by-statistic": {name: r.epsilon_lower for name, r in results.items()},
         "guesses": result.r, "correct": result.v, "k-plus": result.k_plus,
         "k-minus": result.k_minus,
         "accounted-epsilon-max": accounted,

@@ -82,5 +82,6 @@ def canary_update(cfg: RunConfig, partition_id: int, update: torch.Tensor) -> to
         return update
     if not bool(canary_bits(cfg.audit_seed, cfg.audit_canaries)[partition_id]):
         return update
-    direction = canary_direction(cfg.audit_seed, partition_id, update.numel())
+    direction = canary_direction(cfg.audit_seed, partition_id, update.numel(),
+                                 min(cfg.audit_canary_support, update.numel()))
     return (canary_norm(cfg) * direction).to(update.dtype).to(update.device)

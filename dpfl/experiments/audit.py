@@ -49,6 +49,11 @@ METHODS: dict[str, dict[str, Any]] = {
     "gcfl": {"strategy": "gcfl", **_UPDATE_DP},
     "fedsmp-randk": {"strategy": "fedsmp", **_UPDATE_DP, "fedsmp-mask": "randk"},
     "fedsmp-topk": {"strategy": "fedsmp", **_UPDATE_DP, "fedsmp-mask": "topk"},
+    # sparse canaries (100 coordinates): the auditor also reads the replies' zero pattern
+    "fedsmp-topk-sparse": {"strategy": "fedsmp", **_UPDATE_DP, "fedsmp-mask": "topk",
+                           "audit-canary-support": 100},
+    "fedsmp-randk-sparse": {"strategy": "fedsmp", **_UPDATE_DP, "fedsmp-mask": "randk",
+                            "audit-canary-support": 100},
     "fedasgp-strict": {"strategy": "fedasgp", **_UPDATE_DP, "asgp-variant": "strict"},
     "fedasgp-paper": {"strategy": "fedasgp", **_UPDATE_DP, "asgp-variant": "paper"},
     "fedcompdp": {"strategy": "fedcompdp", **_UPDATE_DP, "server-holdout": 1000},

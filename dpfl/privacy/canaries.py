@@ -58,15 +58,27 @@ def canary_bits(secret_seed: int, m: int) -> torch.Tensor:
     return torch.from_numpy(bits.astype(bool))
 
 
-def canary_direction(secret_seed: int, index: int, dim: int) -> torch.Tensor:
+def canary_direction(secret_seed: int, index: int, dim: int, support: int = 0
+                     ) -> torch.Tensor:
     """Canary ``index``'s direction: a uniformly random unit vector of R^dim (float32; a
     normalised standard Gaussian), deterministic per ``(secret_seed, index, dim)`` and
-    independent across indices (one SeedSequence child per index)."""
+    independent across indices (one SeedSequence child per index). ``support`` = s > 0:
+    a sparse canary instead, a normalised Gaussian on s secret uniformly random
+    coordinates and 0 elsewhere (its support is what a release that reveals positions,
+    e.g. top-k sparsification, gives away)."""
     if index < 0:
         raise ValueError(f"index must be >= 0, got {index}")
     if dim < 1:
         raise ValueError(f"dim must be >= 1, got {dim}")
-    g = _rng(secret_seed, _DOMAIN_DIRECTIONS, index).standard_normal(dim)
+    if not 0 <= support <= dim:
+        raise ValueError(f"support must be in [0, {dim}], got {support}")
+    rng = _rng(secret_seed, _DOMAIN_DIRECTIONS, index)
+    g = rng.standard_normal(dim)
+    if support:
+        keep = rng.choice(dim, size=support, replace=False)
+        sparse = np.zeros(dim)
+        sparse[keep] = g[keep]
+        g = sparse
     norm = float(np.linalg.norm(g))  # > 0 with probability 1
     return torch.from_numpy((g / norm).astype(np.float32))
 
@@ -79,3 +91,14 @@ def canary_score(update: torch.Tensor, direction: torch.Tensor) -> float:
     if u.numel() != d.numel():
         raise ValueError(f"update has {u.numel()} values, direction {d.numel()}")
     return float(torch.dot(u, d))
+
+
+def support_overlap(update: torch.Tensor, direction: torch.Tensor) -> float:
+    """The fraction of the canary's support (its non-zero coordinates) where ``update`` is
+    non-zero: an auditor's statistic for releases whose zero pattern is data-dependent."""
+    u = update.detach().reshape(-1)
+    d = direction.detach().reshape(-1)
+    if u.numel() != d.numel():
+        raise ValueError(f"update has {u.numel()} values, direction {d.numel()}")
+    mask = d != 0
+    return float((u[mask] != 0).double().mean()) if bool(mask.any()) else 0.0

@@ -3,7 +3,8 @@
 
 - Canary scores (client-level audit runs, ``audit-canaries`` > 0): for every accepted reply
   of a canary client, the projection <update, u_i> on its secret canary direction, one line per reply
-  in ``audit.jsonl`` (appended durably; a resumed run appends, and the auditor's statistic
+  in ``audit.jsonl`` (with sparse canaries also the fraction of the canary's support
+  that is non-zero in the reply; appended durably; a resumed run appends, and the auditor's statistic
   sums them: a round trained twice was released twice).
 - Recorded updates (``record-updates`` = k > 0): the last accepted update of clients
   0 .. k-1 with the global model it was computed from, ``updates/client-<i>.pt``; the
@@ -20,7 +21,7 @@ import torch
 
 from dpfl.config import RunConfig
 from dpfl.durable import append_line, atomic_write
-from dpfl.privacy.canaries import canary_direction, canary_score
+from dpfl.privacy.canaries import canary_direction, canary_score, support_overlap
 from dpfl.server.validation import ClientUpdate
 
 AUDIT_FILE = "audit.jsonl"
@@ -46,7 +47,8 @@ class UpdateObserver:
     def _direction(self, partition_id: int, dim: int) -> torch.Tensor:
         key = (partition_id, dim)
         if key not in self._directions:
-            self._directions[key] = canary_direction(self.cfg.audit_seed, partition_id, dim)
+            self._directions[key] = canary_direction(
+                self.cfg.audit_seed, partition_id, dim, min(self.cfg.audit_canary_support, dim))
         return self._directions[key]
 
     def observe(self, server_round: int, accepted: list[ClientUpdate],
@@ -55,10 +57,12 @@ class UpdateObserver:
         round's clients started from)."""
         for u in accepted:
             if self.cfg.trainer != "dpsgd" and 0 <= u.partition_id < self.cfg.audit_canaries:
-                score = canary_score(u.flat, self._direction(u.partition_id, u.flat.numel()))
-                append_line(self.run_dir / AUDIT_FILE, json.dumps(
-                    {"round": server_round, "client": u.partition_id, "score": score,
-                     "norm": float(u.flat.norm())}))
+                direction = self._direction(u.partition_id, u.flat.numel())
+                line = {"round": server_round, "client": u.partition_id,
+                        "score": canary_score(u.flat, direction), "norm": float(u.flat.norm())}
+                if self.cfg.audit_canary_support:
+                    line["overlap"] = support_overlap(u.flat, direction)
+                append_line(self.run_dir / AUDIT_FILE, json.dumps(line))
             if 0 <= u.partition_id < self.cfg.record_updates:
                 path = recorded_update_path(self.run_dir, u.partition_id)
                 path.parent.mkdir(exist_ok=True)
