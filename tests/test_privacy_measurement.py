@@ -201,3 +201,17 @@ def test_sparse_canaries_and_the_support_overlap_statistic(tmp_path):
     report = score_audit_run(tmp_path)
     assert report["statistic"] == "support-overlap" and report["epsilon-lower-bound"] > 0.5
     assert set(report["by-statistic"]) == {"dot", "support-overlap"}
+
+
+@pytest.mark.parametrize("command", ["attack", "audit"])
+def test_bad_run_directory_is_a_one_line_error(tmp_path, capsys, command):
+    from dpfl.cli import main
+
+    assert main([command, str(tmp_path / "missing")]) == 2
+    assert "no such run directory" in capsys.readouterr().err
+    assert main([command, str(tmp_path)]) == 2
+    assert "no config.json" in capsys.readouterr().err
+    (tmp_path / "config.json").write_text("{broken")
+    assert main([command, str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "config.json" in err and "damaged" in err and "\n" not in err
