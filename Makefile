@@ -23,7 +23,7 @@ demo: $(STAMP)
 	$(VENV)/bin/dpfl simulate --clients 4
 
 test: $(STAMP)
-	$(VENV)/bin/python -m pytest -q --durations=25 -n 2 --dist loadgroup
+	$(VENV)/bin/python -m pytest -q --durations=25 -n 2 --dist loadfile
 
 bench: $(STAMP)
 	$(VENV)/bin/python bench/dpsgd_throughput.py

@@ -9,11 +9,11 @@ import sys
 from pathlib import Path
 
 import pytest
+from federation import ROOT, simulate_digits
 
 from dpfl.privacy.canaries import canary_bits
 
 pytestmark = pytest.mark.e2e
-ROOT = Path(__file__).resolve().parents[2]
 CLIENTS = 12
 
 
@@ -23,11 +23,8 @@ def _dpfl(*args: str, timeout: int = 900) -> subprocess.CompletedProcess:
 
 
 def _simulate(tmp_path: Path, name: str, *overrides: str) -> Path:
-    proc = _dpfl("simulate", "--clients", str(CLIENTS), "--output-dir", str(tmp_path),
-                 "dataset=digits", "model=mlp", "batch-size=32", "lr=0.5", "val-fraction=0",
-                 f"min-train-nodes={CLIENTS}", f"run-name={name}", *overrides)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return tmp_path / name
+    return simulate_digits(tmp_path, name, "model=mlp", "lr=0.5", "val-fraction=0",
+                           f"min-train-nodes={CLIENTS}", *overrides, clients=CLIENTS)
 
 
 def test_non_private_run_is_attacked_then_audited(tmp_path):

@@ -26,9 +26,6 @@ import pytest
 
 from requirements import missing_requirements, require
 
-# one federation at a time per machine resource (under pytest-xdist: one worker)
-pytestmark = pytest.mark.xdist_group("docker")
-
 ROOT = Path(__file__).resolve().parents[2]
 NEEDED = ("dockerd", "docker", "docker-compose", "debootstrap", "openssl", "ssh-keygen")
 IMAGE = "dpfl:test"

@@ -1,35 +1,19 @@
 """Every DP method runs from `flwr run` by name (2 clients, 2-3 rounds, real simulation) and
 does what the method does, read back from its run directory: GCFL's conflict counts and the
 projection they cause, DP-SCAFFOLD's server control variate, FedExP's step size against its
-closed form, PEGASUS' selection rule, AADP-FL's Rényi filter stopping a client."""
+closed form, PEGASUS' selection rule, AADP-FL's Rényi filter stopping a client. (FedCompDP,
+DP-FedASGP and Fed-SMP: test_methods_sparse_adaptive.py.)"""
 
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
+from federation import ROOT
+from federation import read_run as _read
+from federation import simulate_digits as _simulate
 
 pytestmark = pytest.mark.e2e
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def _simulate(tmp_path: Path, name: str, *overrides: str, clients: int = 2) -> Path:
-    """`dpfl simulate` on digits; returns the run directory."""
-    proc = subprocess.run(
-        [sys.executable, "-m", "dpfl.cli", "simulate", "--clients", str(clients),
-         "--output-dir", str(tmp_path), "dataset=digits", "batch-size=32", f"run-name={name}",
-         *overrides],
-        cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return tmp_path / name
-
-
-def _read(run: Path) -> tuple[list[dict], dict, dict, dict]:
-    """rounds.jsonl, ledger.json, summary.json, config.json of a run."""
-    rounds = [json.loads(l) for l in (run / "rounds.jsonl").read_text().splitlines()]
-    return (rounds, *(json.loads((run / f).read_text())
-                      for f in ("ledger.json", "summary.json", "config.json")))
 
 
 # Client-level update DP (trainer=update-dp) runs end to end here (DP-FedSAM: local SAM,
@@ -214,113 +198,3 @@ def test_aadp_renyi_filter_stops_a_client(tmp_path):
         assert flt.would_exceed(before, planned), (client, rnd)
         checked += 1
     assert checked, "no refusal came after at least one admitted round"
-
-
-@pytest.mark.parametrize("adpc,cra", [
-    ("private-quantile", ["cra-score=server-val"]),
-    ("noisy-norm", ["cra-score=client-f1", "client-f1-noise=0.3"]),
-    ("raw-norm", ["cra-score=client-f1"]),
-])
-def test_fedcompdp_readings_run_and_state_their_verdict(tmp_path, adpc, cra):
-    """FedCompDP from `dpfl simulate` with each ADPC and CRA reading (3 clients, 2 rounds):
-    every client is charged one Gaussian per round at the run's sigma whatever C_t is; C_t
-    of round 2 follows the reading (noisy-norm: the median noised norm, ~ sigma C sqrt(d) >>
-    C_1); the CRA weights sum to 1; the verdict is none exactly when raw norms or clear F1
-    scores are released."""
-    run = _simulate(tmp_path, "f", "strategy=fedcompdp", "trainer=update-dp", f"adpc={adpc}",
-                    "num-rounds=2", "lr=0.5", "noise-multiplier=0.3", "target-epsilon=1e6",
-                    "server-holdout=100", "llcm-ratio=0.5", *cra, clients=3)
-    rounds, ledger, summary, config = _read(run)
-    formal = adpc != "raw-norm" and ("cra-score=client-f1" not in cra
-                                     or "client-f1-noise=0.3" in cra)
-    assert (summary["guarantee"]["verdict"] == "formal") is formal, summary["guarantee"]
-    assert ledger["mismatches"] == []
-    for info in ledger["clients"].values():
-        assert [(e["mechanism"], e["sigma"]) for e in info["events"]] == [("gaussian", 0.3)] * 2
-    first, second = (r["train"] for r in rounds)
-    assert first["accepted"] == second["accepted"] == 3
-    assert first["clip-norm"] == 1.0
-    if adpc == "noisy-norm":
-        assert second["clip-norm"] > 10.0
-    elif adpc == "raw-norm":  # the median of the norms the clients reported in round 1
-        norms = sorted(c["update-norm"] for c in rounds[0]["clients"].values())
-        assert second["clip-norm"] == pytest.approx(norms[1], rel=1e-6)
-    else:  # exp(-0.2 (b - 0.5)) with the noisy unclipped fraction b
-        assert 0.7 < second["clip-norm"] < 1.4
-    for t in (first, second):
-        weights = [v for k, v in t.items() if k.startswith("cra-weight-")]
-        assert len(weights) == 3 and sum(weights) == pytest.approx(1.0)
-    reported = rounds[0]["clients"]["client-0"]
-    assert ("update-norm" in reported) is (adpc == "raw-norm")
-    assert ("adpc-unclipped" in reported) is (adpc == "private-quantile")
-
-
-@pytest.mark.parametrize("variant", ["strict", "paper"])
-def test_fedasgp_variants_run_and_state_their_verdict(tmp_path, variant):
-    """DP-FedASGP from `dpfl simulate` (3 clients, 2 rounds) in both variants: every client is
-    charged one pure sparse-vector event per round at the round's epsilon (1.0: the strict
-    variant's calibrated noise, the paper variant's nominal claim), planned and reported
-    alike (no mismatch); the eq. 16 weights of the 3 clients sum to 1; a strict client
-    releases at most c coordinates and no loss, a paper client its loss in the clear; the
-    verdict is formal exactly for the strict variant."""
-    import torch
-
-    run = _simulate(tmp_path, "a", "strategy=fedasgp", "trainer=update-dp",
-                    f"asgp-variant={variant}", "asgp-max-coords=50", "num-rounds=2", "lr=0.5",
-                    "target-epsilon=4.0", clients=3)
-    rounds, ledger, summary, _ = _read(run)
-    assert (summary["guarantee"]["verdict"] == "formal") is (variant == "strict"), \
-        summary["guarantee"]
-    assert ledger["mismatches"] == []
-    assert len(ledger["clients"]) == 3
-    for info in ledger["clients"].values():
-        assert [(e["mechanism"], e["relation"]) for e in info["events"]] == \
-            [("sparse-vector", "replace-one")] * 2
-        assert all(e["epsilon"] == pytest.approx(1.0, rel=1e-12) for e in info["events"])
-    checkpoint = torch.load(run / "checkpoint.pt", weights_only=False)
-    dim = sum(v.numel() for v in checkpoint["model"].values())
-    for r in rounds:
-        t = r["train"]
-        assert t["accepted"] == 3 and t["asgp-round-epsilon"] == pytest.approx(1.0)
-        weights = [v for k, v in t.items() if k.startswith("asgp-gamma-client-")]
-        assert len(weights) == 3 and sum(weights) == pytest.approx(1.0)
-        assert t["asgp-gamma-spread"] == pytest.approx(max(weights) - min(weights))
-        if variant == "strict":
-            assert 0 < t["asgp-significant-fraction"] * dim <= 50 + 1e-9
-        else:
-            assert 0.0 <= t["asgp-significant-fraction"] <= 1.0
-    reported = rounds[0]["clients"]["client-0"]
-    assert ("asgp-loss" in reported) is (variant == "paper")
-    assert all(c["epsilon"] == pytest.approx(2.0, rel=1e-9)
-               for c in summary["clients"].values())
-
-
-def test_fedsmp_randk_runs_with_the_public_mask_and_the_shared_plan(tmp_path):
-    """Fed-SMP rand-k from `dpfl simulate` (3 clients, 2 rounds, digits): every client is
-    charged one Gaussian per round at the run's calibrated sigma under replace-one, planned
-    and reported alike (no mismatch); each round's replies keep k = round(0.1 d) coordinates
-    (the kept fraction) and, the mask being public, the server rejected none of them as
-    outside it; the verdict is formal and the clients end within target-epsilon."""
-    import torch
-
-    from dpfl.methods.fedsmp import kept_count
-
-    run = _simulate(tmp_path, "smp", "strategy=fedsmp", "trainer=update-dp", "fedsmp-mask=randk",
-                    "fedsmp-ratio=0.1", "num-rounds=2", "lr=0.5", "target-epsilon=8.0",
-                    clients=3)
-    rounds, ledger, summary, _ = _read(run)
-    assert summary["guarantee"]["verdict"] == "formal", summary["guarantee"]
-    assert ledger["mismatches"] == []
-    sigmas = set()
-    for info in ledger["clients"].values():
-        assert [(e["mechanism"], e["relation"]) for e in info["events"]] == \
-            [("gaussian", "replace-one")] * 2
-        sigmas |= {e["sigma"] for e in info["events"]}
-    assert len(sigmas) == 1 and len(ledger["clients"]) == 3
-    checkpoint = torch.load(run / "checkpoint.pt", weights_only=False)
-    dim = sum(v.numel() for v in checkpoint["model"].values())
-    for r in rounds:
-        t = r["train"]
-        assert t["accepted"] == 3 and t["rejected"] == 0
-        assert t["fedsmp-kept-fraction"] == pytest.approx(kept_count(dim, 0.1) / dim, rel=1e-6)
-    assert all(c["epsilon"] <= 8.0 * (1 + 1e-6) for c in summary["clients"].values())

@@ -16,9 +16,6 @@ import pytest
 
 from requirements import command_works, missing_requirements, require
 
-# one federation at a time per machine resource (under pytest-xdist: one worker)
-pytestmark = pytest.mark.xdist_group("netns")
-
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "deploy" / "netns.sh"
 PREFIX = "dpflt"  # test namespaces: dpflt-*, dpflf-*
