@@ -23,6 +23,9 @@ TRAINERS = ("plain", "dpsgd", "update-dp")
 # prv: Opacus PRV (DP-SGD only)
 ACCOUNTANTS = ("pld", "rdp", "prv")
 OPACUS_MODES = ("ghost", "hooks", "functorch", "ew")
+# who adds the noise (dpfl.privacy.trust): each client (local), a trusted server (central)
+# or every client a share under secure aggregation (distributed)
+TRUSTS = ("local", "central", "distributed")
 
 
 class ConfigError(UserError, ValueError):
@@ -92,6 +95,31 @@ class RunConfig:
     # keep the last received update of clients 0..record-updates-1 (updates/, for the
     # membership-inference attacks on what the server saw)
     record_updates: int = 0
+    # trust model (dpfl.privacy.trust): local = noise on each client (no amplification);
+    # central = clients clip, a trusted server samples clients by Poisson(fraction-train),
+    # adds N(0, sigma^2 C^2) to the sum (amplification accounted, every client charged every
+    # round); distributed = clients clip, quantise and add Skellam noise shares, Flower's
+    # SecAgg+ reveals only the sum
+    trust: str = "local"
+    # central: adapt C by Andrew et al. 2021's private quantile estimate
+    adaptive_clip: bool = False
+    clip_target_quantile: float = 0.5
+    clip_lr: float = 0.2
+    # std of the clipped-count noise (0 = expected clients per round / 20, Andrew et al.)
+    clip_count_stddev: float = 0.0
+    # distributed: the guaranteed minimum of surviving clients per round (0 = every
+    # sampled client must survive); each adds 1/n_min of the noise variance
+    secagg_min_survivors: int = 0
+    # SecAgg+ neighbourhood: shares per client (0 = all sampled clients) and the fraction
+    # of a neighbourhood needed to reconstruct a dropped client's masks
+    secagg_num_shares: int = 0
+    secagg_threshold: float = 0.5
+    # integer units per unit of clip-norm C (quantisation scale s; the rounding adds at
+    # most sqrt(d) to the integer vector's L2 norm C s)
+    secagg_scale: float = 1e5
+    # test-only fault injection: this partition raises at SecAgg+'s masked-vector stage
+    # (-1 = none), i.e. drops out mid-protocol after sharing its keys
+    secagg_drop_partition: int = -1
     # the active method's own parameters (a dpfl.method.MethodParams, or None)
     params: Any = None
 
@@ -219,6 +247,27 @@ def validate(cfg: RunConfig) -> RunConfig:
          cfg.audit_canary_support)
     need(cfg.record_updates >= 0, "record-updates", "must be >= 0 (0 = none)",
          cfg.record_updates)
+    need(cfg.trust in TRUSTS, "trust", f"must be one of {TRUSTS}", cfg.trust)
+    if cfg.trust != "local":
+        need(cfg.trainer == "update-dp", "trainer",
+             f"trust={cfg.trust} is client-level DP: it needs trainer=update-dp", cfg.trainer)
+    need(0.0 < cfg.clip_target_quantile < 1.0, "clip-target-quantile", "must be in (0, 1)",
+         cfg.clip_target_quantile)
+    need(cfg.clip_lr > 0, "clip-lr", "must be > 0", cfg.clip_lr)
+    need(cfg.clip_count_stddev >= 0, "clip-count-stddev", "must be >= 0 (0 = m / 20)",
+         cfg.clip_count_stddev)
+    if cfg.adaptive_clip:
+        need(cfg.trust == "central", "adaptive-clip", "needs trust=central",
+             cfg.adaptive_clip)
+    need(cfg.secagg_min_survivors >= 0, "secagg-min-survivors", "must be >= 0",
+         cfg.secagg_min_survivors)
+    need(cfg.secagg_num_shares == 0 or cfg.secagg_num_shares >= 3, "secagg-num-shares",
+         "must be 0 (all) or >= 3", cfg.secagg_num_shares)
+    need(0.0 < cfg.secagg_threshold <= 1.0, "secagg-threshold", "must be in (0, 1]",
+         cfg.secagg_threshold)
+    need(cfg.secagg_scale >= 1.0, "secagg-scale", "must be >= 1", cfg.secagg_scale)
+    need(cfg.secagg_drop_partition >= -1, "secagg-drop-partition", "must be >= -1",
+         cfg.secagg_drop_partition)
     need(cfg.resume or not cfg.resume_without_checkpoint, "resume-without-checkpoint",
           "needs resume=true", cfg.resume_without_checkpoint)
     need(bool(cfg.output_dir), "output-dir", "must not be empty", cfg.output_dir)

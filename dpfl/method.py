@@ -140,6 +140,11 @@ class Method:
     # further rules on the global keys (raise ConfigError naming the key), e.g. a method
     # that reads the update as plain SGD's sum of gradients needs momentum = 0
     rules: Callable[[RunConfig], None] | None = None
+    # the trust models (dpfl.privacy.trust) under which the method is sound: central and
+    # distributed noise cover only a server that uses the MEAN of the clipped updates
+    # (then post-processes it); a method that reads individual updates (their norms,
+    # directions, losses) or releases anything else stays local
+    trusts: tuple[str, ...] = ("local",)
 
     def build_model(self, cfg: RunConfig, input_shape: tuple[int, int, int],
                     num_classes: int) -> torch.nn.Module:
@@ -153,6 +158,10 @@ class Method:
         need(cfg.trainer in self.trainers, "trainer",
              f"strategy '{self.name}' needs trainer {' or '.join(map(repr, self.trainers))} "
              f"({self.trainer_reason})", cfg.trainer)
+        need(cfg.trust in self.trusts, "trust",
+             f"strategy '{self.name}' runs under trust {' or '.join(map(repr, self.trusts))} "
+             "(central and distributed noise need a server that only uses the mean of the "
+             "clipped updates)", cfg.trust)
         if self.rules is not None:
             self.rules(cfg)
 

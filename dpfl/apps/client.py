@@ -27,6 +27,12 @@ from flwr.app import (
 from flwr.clientapp import ClientApp
 
 from dpfl.client.canary import canary_update, is_canary, with_canary_examples
+from dpfl.client.secure import (
+    UNCLIPPED_KEY,
+    central_release,
+    distributed_share,
+    secure_aggregation_mod,
+)
 from dpfl.client.trainers import train_dpsgd, train_plain
 from dpfl.config import RunConfig
 from dpfl.data import ClientData, client_data
@@ -39,10 +45,16 @@ from dpfl.privacy.ledger import prior_history, server_events_from
 from dpfl.privacy.mechanisms import DpsgdRelease
 from dpfl.privacy.plan import plan_from_record, plan_problem, planned_event
 from dpfl.privacy.randomness import mechanism_generator, public_seed
+from dpfl.privacy.trust import (
+    distributed_noise_multiplier,
+    distributed_planned_event,
+    share_variance,
+)
 from dpfl.tensors import flatten, state_difference, unflatten
 
 log = get_logger("flwr.dpfl.client")
-app = ClientApp()
+# SecAgg+ messages (trust=distributed) go through Flower's own secaggplus_mod
+app = ClientApp(mods=[secure_aggregation_mod])
 
 
 def _threads() -> None:
@@ -100,13 +112,19 @@ def train(msg: Message, context: Context) -> Message:
         return _reply(msg, arrays=ArrayRecord(update), metrics=MetricRecord(metrics),
                       privacy=ConfigRecord({"mechanism": "none"}))
 
+    if cfg.trust == "central":
+        return _central_round(msg, cfg, config, data, model, received, shuffle_seed, device,
+                              base, hooks)
+
     history = PrivacyHistory.load(context.state, adaptive=method.adaptive)
     prior = prior_history(config, pid)
     if prior is not None and history.merge(prior):
         log.warning("client %d adopted privacy events recorded by the server (node state "
                     "was lost, e.g. after a restart)", pid)
         history.save(context.state)
-    planned = method.client.planned_event(cfg, n, server_round)
+    dim = sum(int(v.numel()) for v in received.values())
+    planned = (distributed_planned_event(cfg, server_round, dim)
+               if cfg.trust == "distributed" else method.client.planned_event(cfg, n, server_round))
     if planned is None:
         planned = planned_event(cfg, n, server_round,
                                 method.client.round_sigma(cfg, config, pid, model))
@@ -157,11 +175,21 @@ def train(msg: Message, context: Context) -> Message:
         raw = canary_update(cfg, pid, flatten(state_difference(model.state_dict(), received)))
         if device.type != "cpu":  # the flat update lives on the CPU: so must its noise
             noise_rng = mechanism_generator(cfg.reproducible, cfg.seed, pid, server_round)
-        local = {TRAIN_LOSS: result.train_loss,
-                 **method.client.local_values(cfg, config, model, data)}
-        noisy, event, update_metrics = method.client.release_update(
-            cfg, config, raw, sigma, clip, noise_rng, server_round, local)
-        update = unflatten(noisy, received)
+        if cfg.trust == "distributed":
+            if pid == cfg.secagg_drop_partition:
+                raise RuntimeError(f"secagg-drop-partition={pid}: dropping out of SecAgg+ "
+                                   "after sharing keys (fault injection)")
+            variance = share_variance(distributed_noise_multiplier(cfg, dim), cfg,
+                                      int(config["secagg-n-min"]))
+            share = distributed_share(raw, clip, cfg.secagg_scale, variance, noise_rng)
+            event, update_metrics = planned, {}
+            update = {"share": share}
+        else:
+            local = {TRAIN_LOSS: result.train_loss,
+                     **method.client.local_values(cfg, config, model, data)}
+            noisy, event, update_metrics = method.client.release_update(
+                cfg, config, raw, sigma, clip, noise_rng, server_round, local)
+            update = unflatten(noisy, received)
         # The data set size is private under client-level DP: aggregate with equal weights.
         # (A method that treats sizes as public derives them on the server itself.)
         num_examples = 1
@@ -180,6 +208,25 @@ def train(msg: Message, context: Context) -> Message:
     extras = hooks.finish(model, result)
     return _reply(msg, arrays=ArrayRecord(update), metrics=MetricRecord(metrics), privacy=privacy,
                   **extras)
+
+
+def _central_round(msg: Message, cfg: RunConfig, config, data: ClientData,
+                   model: torch.nn.Module, received, shuffle_seed: int, device, base,
+                   hooks) -> Message:
+    """trust=central: train, clip to the round's C, send the clipped update and the
+    within-C bit to the trusted server (which adds the noise and charges everyone)."""
+    result = train_plain(model, data, cfg, shuffle_seed, device, hooks.post_step,
+                         hooks.pre_step, hooks.step)
+    raw = flatten(state_difference(model.state_dict(), received))
+    clip = float(config.get("central-clip", cfg.clip_norm))
+    clipped, within = central_release(raw, clip)
+    metrics = {**base, "num-examples": 1, UNCLIPPED_KEY: within, "steps": result.steps}
+    if cfg.report_train_loss:
+        metrics["train-loss"] = result.train_loss
+    return _reply(msg, arrays=ArrayRecord(unflatten(clipped, received)),
+                  metrics=MetricRecord(metrics),
+                  privacy=ConfigRecord({"mechanism": "none", "trust": "central", "clip": clip}),
+                  **hooks.finish(model, result))
 
 
 @app.evaluate()

@@ -31,8 +31,14 @@ from dpfl.methods import (
     parse_run_config,
 )
 from dpfl.models.evaluation import device_for
-from dpfl.privacy.budget import PrivacyHistory
+from dpfl.privacy.budget import BUDGET_RTOL, PrivacyHistory
 from dpfl.privacy.ledger import Ledger, ledger_config
+from dpfl.privacy.trust import (
+    check_overflow,
+    distributed_noise_multiplier,
+    min_survivors,
+    share_limit,
+)
 from dpfl.privacy.verdict import Guarantee
 from dpfl.server.evaluation import classification_metrics
 from dpfl.server.exchange import ReplyExchange
@@ -40,6 +46,7 @@ from dpfl.server.observer import UpdateObserver
 from dpfl.server.plots import plot_accuracy, plot_epsilon
 from dpfl.server.report import epsilon_table
 from dpfl.server.rundir import RunDir
+from dpfl.server.secagg import SecAggPlusServer, SecureSum
 from dpfl.server.strategy import DPFLStrategy, RoundRecord
 from dpfl.tensors import flatten
 
@@ -140,7 +147,9 @@ def setup(grid: Grid, cfg: RunConfig) -> Federation:
     torch.manual_seed(cfg.seed)
     model = method_for(cfg).build_model(cfg, ds.input_shape, ds.num_classes)
     strategy.bind_model(model)
+    strategy.guard.dim = int(flatten(model.state_dict()).numel())
     num_nodes = len(strategy.wait_for_nodes(grid, cfg.min_train_nodes))
+    check_trust(strategy, cfg, num_nodes, strategy.guard.dim)
     limits = [("record-updates", cfg.record_updates)]
     if cfg.trainer != "dpsgd":   # canary clients (DP-SGD canaries are examples, any number)
         limits.append(("audit-canaries", cfg.audit_canaries))
@@ -208,6 +217,15 @@ def first_round_affordable(strategy: DPFLStrategy, cfg: RunConfig) -> None:
     here, before any training, instead of after a round of refusals."""
     if not cfg.is_private:
         return
+    if strategy.central is not None:
+        events = strategy.central.events(1)
+        eps = PrivacyHistory(events).epsilon(cfg.delta, cfg.accountant)
+        if eps > cfg.target_epsilon:
+            raise ConfigError(
+                f"run-config key 'target-epsilon': one central round already costs every "
+                f"client epsilon {eps:.4g} > {cfg.target_epsilon:g} (sigma "
+                f"{strategy.central.sigma:.4g}): raise target-epsilon or the noise")
+        return
     for pid in sorted(strategy.guard.partition_sizes):
         event = strategy.guard.planned_event(pid, 1)
         history = PrivacyHistory(adaptive=strategy.guard.adaptive)
@@ -244,8 +262,12 @@ def run_round(fed: Federation, rnd: int) -> RoundRecord:
     messages, record = strategy.start_round(rnd, fed.arrays, fed.grid, fed.resume_config)
     fed.resume_config = {}
     messages = _skip_busy(record, fed.exchange, rnd, messages, fed.strategy.client_name)
-    replies, late = fed.exchange.send_and_receive(messages, rnd, cfg.round_timeout)
-    outcome = strategy.finish_round(rnd, record, replies)
+    if cfg.trust == "distributed":  # SecAgg+: the server sees only the sum
+        late = []
+        outcome = strategy.finish_secure_round(rnd, record, _secure_sum(fed, messages, rnd))
+    else:
+        replies, late = fed.exchange.send_and_receive(messages, rnd, cfg.round_timeout)
+        outcome = strategy.finish_round(rnd, record, replies)
     if fed.observer.active:
         fed.observer.observe(rnd, record.accepted, flatten(fed.arrays.to_torch_state_dict()))
     if outcome.arrays is not None:
@@ -281,6 +303,48 @@ def run_round(fed: Federation, rnd: int) -> RoundRecord:
     return record
 
 
+def central_budget_spent(fed: Federation, rnd: int) -> bool:
+    """trust=central: True when round ``rnd``'s release would take the clients (all
+    charged alike) past ``target-epsilon`` — the server keeps the budget for them."""
+    central = fed.strategy.central
+    if central is None or not fed.ledger.population:
+        return False
+    after = PrivacyHistory(fed.ledger.history(fed.ledger.population[0]).events
+                           + central.events(rnd))
+    return after.epsilon(fed.cfg.delta, fed.cfg.accountant) > fed.cfg.target_epsilon * (
+        1.0 + BUDGET_RTOL)
+
+
+def _secure_sum(fed: Federation, messages, rnd: int) -> SecureSum:
+    """One SecAgg+ round over the round's train instructions (``dpfl.server.secagg``)."""
+    cfg = fed.cfg
+    server = SecAggPlusServer(fed.grid, share_limit(len(messages)), cfg.secagg_num_shares,
+                              cfg.secagg_threshold, min_survivors(cfg, len(messages)),
+                              cfg.round_timeout)
+    return server.run({int(m.metadata.dst_node_id): m.content for m in messages},
+                      group=str(rnd))
+
+
+def check_trust(strategy: DPFLStrategy, cfg: RunConfig, num_nodes: int, dim: int) -> None:
+    """Settings of the trust model that can only be checked against the federation: the
+    SecAgg+ round size, n_min and the integer range of a share (ConfigError naming the
+    key)."""
+    if cfg.trust != "distributed":
+        return
+    sampled = max(int(num_nodes * cfg.fraction_train), min(cfg.min_train_nodes, num_nodes))
+    if sampled < 2:
+        raise ConfigError("run-config key 'fraction-train': SecAgg+ needs at least 2 clients "
+                          f"per round, got {sampled}")
+    if cfg.secagg_min_survivors > sampled:
+        raise ConfigError(f"run-config key 'secagg-min-survivors': {cfg.secagg_min_survivors}"
+                          f" > the {sampled} clients sampled per round")
+    try:
+        check_overflow(cfg, distributed_noise_multiplier(cfg, dim), dim, sampled,
+                       min_survivors(cfg, sampled))
+    except ValueError as exc:
+        raise ConfigError(f"run-config key 'secagg-scale': {exc}") from exc
+
+
 def finish(fed: Federation) -> dict[str, Any]:
     """Charge replies still in flight, write the ledger, summary and plots."""
     cfg, strategy, ledger, rounds = fed.cfg, fed.strategy, fed.ledger, fed.rounds
@@ -312,6 +376,9 @@ def finish(fed: Federation) -> dict[str, Any]:
                                          if c.get("source", "client") == "client"
                                          and c["note"] != "reported = plan"),
         "server-releases": len(ledger.server_charges()),
+        "population-releases": sum(1 for c in ledger.charges
+                                   if c.get("source") == "population"),
+        "trust": cfg.trust,
         "wall-seconds": round(time.time() - fed.t_start, 2),
         "run-dir": str(fed.run_dir.path),
     }
@@ -332,6 +399,10 @@ def run(grid: Grid, cfg: RunConfig) -> dict[str, Any]:
         start_fresh(fed)
     fed.run_dir.write_json("config.json", {**fed.cfg.to_dict(), "num-clients": fed.num_nodes})
     for rnd in range(fed.start, cfg.num_rounds + 1):
+        if central_budget_spent(fed, rnd):
+            log.info("the next central round would take every client past target-epsilon "
+                     "%g: stopping before round %d", cfg.target_epsilon, rnd)
+            break
         record = run_round(fed, rnd)
         if budgets_exhausted(record, len(grid.get_node_ids())):
             log.info("every client refused at its privacy budget: stopping after round %d", rnd)

@@ -15,6 +15,7 @@ the server half of DP-FedAvg is the shared base strategy itself.
 
 from __future__ import annotations
 
+from dpfl.config import TRUSTS as ALL_TRUSTS
 from dpfl.method import Method
 from dpfl.server.strategy import DPFLStrategy
 
@@ -23,4 +24,5 @@ METHOD = Method(
     citation="McMahan et al., Learning Differentially Private Recurrent Language Models, "
              "ICLR 2018; Abadi et al., Deep Learning with Differential Privacy, CCS 2016",
     strategy=DPFLStrategy,
+    trusts=ALL_TRUSTS,
 )

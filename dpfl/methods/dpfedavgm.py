@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from dpfl.config import TRUSTS as ALL_TRUSTS
 from dpfl.config import RunConfig, need
 from dpfl.method import Method, MethodParams
 from dpfl.server.strategy import DPFLStrategy
@@ -74,4 +75,5 @@ METHOD = Method(
     strategy=DPFedAvgMStrategy,
     params=MomentumParams,
     presets="dpfedavgm",
+    trusts=ALL_TRUSTS,
 )

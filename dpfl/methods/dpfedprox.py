@@ -16,6 +16,7 @@ from torch import nn
 
 from dpfl.client.hooks import MethodHooks
 from dpfl.client.trainers import PostStep
+from dpfl.config import TRUSTS as ALL_TRUSTS
 from dpfl.config import need
 from dpfl.method import ClientHalf, Method, MethodParams
 from dpfl.server.strategy import DPFLStrategy
@@ -53,4 +54,5 @@ METHOD = Method(
     strategy=DPFLStrategy,
     client=ProxClient(),
     params=ProxParams,
+    trusts=ALL_TRUSTS,
 )

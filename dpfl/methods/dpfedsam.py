@@ -43,6 +43,7 @@ import torch
 from torch import nn
 
 from dpfl.client.hooks import MethodHooks
+from dpfl.config import TRUSTS as ALL_TRUSTS
 from dpfl.config import RunConfig, need
 from dpfl.method import ClientHalf, Method, MethodParams
 from dpfl.privacy.verdict import MethodPrivacy
@@ -127,4 +128,5 @@ METHOD = Method(
     trainers=("update-dp",),
     trainer_reason="DP-FedSAM is client-level DP: Opacus owns the DP-SGD step",
     privacy=dpfedsam_privacy,
+    trusts=ALL_TRUSTS,
 )

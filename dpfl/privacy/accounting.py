@@ -52,6 +52,7 @@ from functools import lru_cache
 from typing import Callable, Iterable, Sequence
 
 import dp_accounting
+import numpy as np
 from dp_accounting import dp_event
 from dp_accounting.pld import pld_privacy_accountant
 from dp_accounting.rdp import rdp_privacy_accountant
@@ -62,7 +63,10 @@ log = logging.getLogger("flwr.dpfl.accounting")
 SAMPLE_LEVEL = ("dpsgd",)
 GAUSSIAN = ("gaussian", "quantile-count")
 PURE = ("laplace", "sparse-vector")
-MECHANISMS = SAMPLE_LEVEL + GAUSSIAN + PURE
+# integer noise under secure aggregation (dpfl.privacy.skellam): sigma is the
+# Gaussian-equivalent multiplier, epsilon the discreteness surcharge of its RDP
+DISCRETE = ("skellam",)
+MECHANISMS = SAMPLE_LEVEL + GAUSSIAN + PURE + DISCRETE
 PRV_CLIENT_LEVEL = ("accountant 'prv' is Opacus' DP-SGD accountant; use 'pld' or 'rdp' for "
                     "client-level events")
 RELATIONS = ("add-remove", "replace-one")
@@ -143,6 +147,14 @@ def check_event_key(key: EventKey) -> None:
             raise ValueError(f"sigma={sigma} on a pure {mechanism!r} event would be ignored "
                              "(its cost is epsilon); pass sigma=0.0")
         return
+    if mechanism in DISCRETE:
+        if float(rate) < 1.0:
+            raise ValueError(f"rate={rate} < 1 on a {mechanism!r} event: no subsampled "
+                             "analysis of the Skellam mechanism here; pass rate=1.0")
+        if float(epsilon) < 0.0:
+            raise ValueError(f"epsilon={epsilon} < 0 on a {mechanism!r} event (its "
+                             "discreteness surcharge)")
+        return
     if float(epsilon) != 0.0:
         raise ValueError(f"epsilon={epsilon} on a Gaussian {mechanism!r} event would be "
                          "ignored (its cost follows from sigma); pass epsilon=0.0")
@@ -167,8 +179,9 @@ def dp_event_of(key: EventKey) -> dp_event.DpEvent:
     - ``gaussian`` / ``quantile-count``: ``GaussianDpEvent(sigma)`` under add-remove;
       replace-one doubles the sensitivity of the released sum, i.e. ``sigma / 2``; a rate
       below 1 wraps it in ``PoissonSampledDpEvent(rate, .)`` (add-remove only).
-    - ``sparse-vector`` has no dp-accounting event (ValueError): its RDP enters through
-      the pure-DP bound in :func:`rdp_curve`.
+    - ``sparse-vector`` and ``skellam`` have no dp-accounting event (ValueError): their
+      RDP enters through :func:`dpfl.privacy.events.rdp_curve` (the pure-DP bound,
+      :func:`skellam_curve`).
     """
     mechanism, sigma, rate, epsilon, relation = key
     if mechanism not in MECHANISMS:
@@ -184,6 +197,17 @@ def dp_event_of(key: EventKey) -> dp_event.DpEvent:
     if rate >= 1.0:
         return base
     return dp_event.PoissonSampledDpEvent(rate, base)
+
+
+def skellam_curve(orders: np.ndarray, sigma: float, surcharge: float,
+                  relation: str) -> np.ndarray:
+    """RDP of one ``skellam`` event (``dpfl.privacy.skellam``; Agarwal, Kairouz & Liu 2021,
+    Thm 3.5): alpha / (2 sigma_eff^2) + surcharge at integer orders > 1 (sigma_eff =
+    sigma / 2 under replace-one, as for Gaussian events); inf at the other orders, which
+    the theorem does not cover."""
+    sigma_eff = sigma / 2.0 if relation == "replace-one" else sigma
+    integer = (orders == np.round(orders)) & (orders > 1)
+    return np.where(integer, orders / (2.0 * sigma_eff ** 2) + surcharge, np.inf)
 
 
 # ---------------------------------------------------------------------------------------
@@ -583,6 +607,24 @@ def calibrate_noise(target_epsilon: float, delta: float, rounds: int,
         if hi > SIGMA_MAX:
             raise ValueError(f"target epsilon unreachable with sigma <= {SIGMA_MAX:g}")
     return bisect_sigma(eps, lo, hi, target_epsilon, rel_tol)
+
+
+def calibrate_events(keys_for: Callable[[float], Sequence[tuple[EventKey, int]]],
+                     target_epsilon: float, delta: float, accountant: str = "rdp",
+                     rel_tol: float = 1e-4) -> float:
+    """Smallest sigma (to ``rel_tol``) whose composition ``keys_for(sigma)`` — dpfl event
+    keys with their counts, e.g. a central round's noisy sum and clipped count — meets
+    ``target_epsilon`` (the same coarse-to-fine PLD search as :func:`calibrate_noise`)."""
+    _check_delta(delta)
+    check_event_accountant(accountant)
+
+    def items(sigma: float):
+        return tuple((dp_event_of(k), int(n)) for k, n in keys_for(sigma))
+
+    if accountant == "pld":
+        return _calibrate_pld(items, delta, target_epsilon, rel_tol)
+    return _bisect_sigma(lambda s: events_epsilon(items(s), delta, accountant),
+                         target_epsilon, rel_tol)
 
 
 # ---------------------------------------------------------------------------------------

@@ -44,6 +44,7 @@ from dp_accounting import dp_event
 
 from dpfl.privacy.accounting import (
     DPSGD_ACCOUNTANTS,
+    DISCRETE,
     GAUSSIAN,
     MECHANISMS,
     PRV_CLIENT_LEVEL,
@@ -53,6 +54,7 @@ from dpfl.privacy.accounting import (
     dp_event_of,
     dpsgd_history_epsilon_detail,
     events_epsilon_detail,
+    skellam_curve,
 )
 
 __all__ = ["ACCOUNTANTS", "GAUSSIAN", "MECHANISMS", "PRV_CLIENT_LEVEL", "PURE", "SAMPLE_LEVEL",
@@ -169,6 +171,8 @@ def rdp_curve(key: tuple) -> np.ndarray:
     orders = _dp_accounting_orders()
     if mechanism == "sparse-vector":
         return np.minimum(epsilon, orders * epsilon ** 2 / 2.0)
+    if mechanism in DISCRETE:
+        return skellam_curve(orders, sigma, epsilon, relation)
     from dp_accounting.rdp.rdp_privacy_accountant import RdpAccountant
 
     acc = RdpAccountant(orders=list(orders))
@@ -252,6 +256,9 @@ def _signature_epsilon(signature: tuple[tuple[tuple, int], ...], delta: float,
         raise ValueError(PRV_CLIENT_LEVEL)
     if any(e.mechanism == "sparse-vector" for e in events):
         return _sparse_vector_pld(unit, events, delta)
+    if any(e.mechanism in DISCRETE for e in events):  # no pld event: the RDP bound
+        return (_pure_bound(unit, events, rdp_to_epsilon(unit, history_rdp(events), delta),
+                            delta), "rdp (skellam events have no pld event)")
     return events_epsilon_detail([(e.to_dp_event(), e.steps) for e in events], delta, "pld")
 
 

@@ -16,6 +16,11 @@ Gaussian noise on a sum) involve every client they cover: :meth:`Ledger.charge_s
 composes their events into each covered client's epsilon, kept apart from the events the
 client reported (:attr:`Ledger.server`) so that a client's report is still compared with its
 own events only, and marked ``"source": "server"`` in :attr:`Ledger.charges`.
+
+A release that covers the WHOLE population every round (central DP with amplification by
+Poisson client sampling: every client is charged every round, sampled or not) is stored
+once per round (:meth:`Ledger.charge_population_release`, :attr:`Ledger.population_events`)
+instead of once per client, so a 1,000-client ledger stays small.
 """
 
 from __future__ import annotations
@@ -56,13 +61,24 @@ class Ledger:
     mismatches: list[dict[str, Any]] = field(default_factory=list)
     charges: list[dict[str, Any]] = field(default_factory=list)
     server: dict[str, list[PrivacyEvent]] = field(default_factory=dict)
+    # releases charged to every client of :attr:`population`, stored once
+    population: list[str] = field(default_factory=list)
+    population_events: list[PrivacyEvent] = field(default_factory=list)
 
     def history(self, client: str) -> PrivacyHistory:
         """Everything charged to ``client``: its own events, then the server's releases
         covering it (adaptive if its own history is)."""
         own = self.clients.get(client, PrivacyHistory())
         extra = self.server.get(client, [])
+        if self.population_events and client in self._population_set():
+            extra = extra + self.population_events
         return PrivacyHistory(own.events + extra, own.adaptive) if extra else own
+
+    def _population_set(self) -> set[str]:
+        if getattr(self, "_pop_cache", None) is None or len(self._pop_cache) != len(
+                self.population):
+            self._pop_cache = set(self.population)
+        return self._pop_cache
 
     def record(self, client: str, server_round: int, events: Sequence[PrivacyEvent],
                reported_epsilon: float | None = None, note: str = "",
@@ -110,6 +126,28 @@ class Ledger:
             self.charges.append({"client": client, "round": server_round, "note": note,
                                  "source": "server", "events": [e.to_dict() for e in events]})
 
+    def charge_population_release(self, server_round: int, events: Sequence[PrivacyEvent],
+                                  clients: Sequence[str], note: str = "",
+                                  adaptive: bool = False) -> None:
+        """Charge a server release to every client of the population ``clients`` (the same
+        set every time: ValueError otherwise, before anything is charged), stored once.
+        Central DP with Poisson client sampling charges the whole population every round:
+        that is what amplification by sampling means."""
+        events, covered = list(events), list(dict.fromkeys(clients))
+        if self.population and covered != self.population:
+            raise ValueError("a population release must cover the same clients every round "
+                             f"({len(covered)} given, {len(self.population)} recorded)")
+        for client in covered[:1]:
+            history_unit(self.history(client).events + events)
+        self.population = covered
+        for client in covered:
+            own = self.clients.setdefault(client, PrivacyHistory(adaptive=adaptive))
+            own.adaptive = own.adaptive or adaptive
+        self.population_events.extend(events)
+        self.charges.append({"client": "population", "round": server_round, "note": note,
+                             "source": "population", "clients": len(covered),
+                             "events": [e.to_dict() for e in events]})
+
     def recomputed(self, client: str) -> float:
         """Epsilon recomputed from the charged events alone (the client's and the server's)."""
         if client not in self.clients and client not in self.server:
@@ -124,10 +162,20 @@ class Ledger:
     def recomputed_all(self) -> dict[str, float]:
         """Every client's recomputed epsilon, in client order (RDP: one vectorised pass)."""
         names = sorted(self.clients, key=client_order)
+        # clients charged only by population releases share one history: compute it once
+        shared = [n for n in names if self.population_events and not self.clients[n].events
+                  and not self.server.get(n) and n in self._population_set()]
+        out: dict[str, float] = {}
+        if shared:
+            eps = self.history(shared[0]).epsilon(self.delta, self.accountant)
+            out = dict.fromkeys(shared, eps)
+        rest = [n for n in names if n not in out]
         if self.accountant == "rdp":
-            eps = histories_epsilon({n: self.history(n).events for n in names}, self.delta)
-            return {n: eps[n] for n in names}
-        return {n: self.recomputed(n) for n in names}
+            eps = histories_epsilon({n: self.history(n).events for n in rest}, self.delta)
+            out.update({n: eps[n] for n in rest})
+        else:
+            out.update({n: self.recomputed(n) for n in rest})
+        return {n: out[n] for n in names}
 
     def epsilons(self) -> dict[str, float]:
         """Every client's figure: recomputed, or the client's own report when higher."""
@@ -174,6 +222,8 @@ class Ledger:
                             "events": [e.to_dict() for e in h.events],
                             "server-events": [e.to_dict() for e in self.server.get(c, [])]}
                         for c, h in ((c, self.clients[c]) for c in eps)},
+            "population": {"clients": self.population,
+                           "events": [e.to_dict() for e in self.population_events]},
             "mismatches": self.mismatches,
             "charges": self.charges,
         }
@@ -188,6 +238,9 @@ class Ledger:
                 ledger.server[c] = [PrivacyEvent(**e) for e in d["server-events"]]
             if d.get("reported-epsilon") is not None:
                 ledger.reported[c] = float(d["reported-epsilon"])
+        population = data.get("population") or {}
+        ledger.population = [str(c) for c in population.get("clients", [])]
+        ledger.population_events = [PrivacyEvent(**e) for e in population.get("events", [])]
         ledger.mismatches = list(data.get("mismatches", []))
         ledger.charges = list(data.get("charges", []))
         return ledger

@@ -278,10 +278,19 @@ class QuantileClipTracker:
         """One geometric update from the clients' update norms: (new C, the count's event).
         ``expected_clients`` is the public denominator m (TensorFlow Privacy's
         ``expected_num_records``); ValueError without norms (nothing to release)."""
-        m = len(norms) if expected_clients is None else int(expected_clients)
-        if m < 1 or len(norms) == 0:
+        if len(norms) == 0:
             raise ValueError("a clipped count needs at least one client")
-        centred = float((norms <= self.clip).sum()) - 0.5 * len(norms)
+        return self.release_bits(norms <= self.clip, generator, round_, expected_clients)
+
+    def release_bits(self, within: torch.Tensor, generator: torch.Generator, round_: int,
+                     expected_clients: float | None = None) -> tuple[float, PrivacyEvent]:
+        """:meth:`release` from the bits b_i = 1[||u_i|| <= C] themselves (e.g. sent by
+        clients that clipped their own update); with ``expected_clients`` an empty round
+        still releases a noisy count (central DP with Poisson sampling)."""
+        m = len(within) if expected_clients is None else float(expected_clients)
+        if m <= 0:
+            raise ValueError("a clipped count needs at least one client")
+        centred = float(within.double().sum()) - 0.5 * len(within)
         noise = float(torch.randn(1, generator=generator, dtype=torch.float64))
         fraction = (centred + noise * self.count_noise_multiplier) / m + 0.5
         self.history.append(self.clip)

@@ -9,6 +9,7 @@ from dpfl.config import RunConfig
 from dpfl.privacy.plan import UPDATE_DP_RELATION
 from dpfl.privacy.randomness import REPRODUCIBLE_VERDICT
 from dpfl.privacy.randomness import SCOPE as RANDOMNESS_SCOPE
+from dpfl.privacy.trust import CENTRAL_RELATION, DISTRIBUTED_RELATION, trust_scope
 
 
 @dataclass(frozen=True)
@@ -60,7 +61,13 @@ def guarantee_for(cfg: RunConfig, method: MethodPrivacy = MethodPrivacy()) -> Gu
     if cfg.fraction_evaluate > 0:
         clear.append("client evaluation releases validation metrics in the clear "
                      "(set fraction-evaluate=0)")
-    if cfg.trainer == "dpsgd":
+    if cfg.trust == "central":
+        unit, relation, sampling = "client", CENTRAL_RELATION, "poisson"
+        scope = trust_scope(cfg)
+    elif cfg.trust == "distributed":
+        unit, relation, sampling = "client", DISTRIBUTED_RELATION, "none"
+        scope = trust_scope(cfg)
+    elif cfg.trainer == "dpsgd":
         unit, relation, sampling = "sample", "add-remove", "poisson"
         scope = ("every model update a client sends (Opacus DP-SGD: per-sample clipping to "
                  f"{cfg.max_grad_norm}, Poisson sampling, accountant {cfg.accountant}); each "
@@ -76,8 +83,11 @@ def guarantee_for(cfg: RunConfig, method: MethodPrivacy = MethodPrivacy()) -> Gu
     if method.scope:
         scope += "; " + method.scope
     clear.extend(method.clear)
-    scope += ("; the server charges every update it receives (accepted, rejected or late) "
-              "at no less than the planned cost; randomness: "
+    charging = ("every client is charged every round's release, sampled or not"
+                if cfg.trust == "central" else
+                "the server charges every update it receives (accepted, rejected or late) "
+                "at no less than the planned cost")
+    scope += ("; " + charging + "; randomness: "
               + ("seeded from public values (run-config seed, partition, round)"
                  if cfg.reproducible else RANDOMNESS_SCOPE))
     verdict = "formal" if not clear else "none: " + "; ".join(clear)

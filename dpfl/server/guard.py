@@ -33,6 +33,8 @@ from dpfl.privacy.plan import (
     plan_to_record,
     planned_event,
 )
+from dpfl.privacy.trust import distributed_planned_event
+from dpfl.server.secagg import carries_masked_vector
 from dpfl.server.validation import ClientUpdate, Rejection, client_label
 
 log = get_logger("flwr.dpfl.guard")
@@ -83,6 +85,7 @@ class DPGuard:
         self.ledger = None                          # the server's ledger (bind_ledger)
         self.partition_sizes: dict[int, int] = {}   # partition id -> training-set size
         self.node_partition: dict[int, int] = {}    # node id -> partition id, pinned
+        self.dim = 0                                # parameters of the model (bound at setup)
 
     # -- planning --------------------------------------------------------------------
     def bind_partition_sizes(self, sizes: Mapping[int, int]) -> None:
@@ -92,6 +95,8 @@ class DPGuard:
     def planned_event(self, partition_id: int, server_round: int) -> PrivacyEvent:
         """The release the server asks of ``partition_id`` in ``server_round``: the
         method's own plan when it has one, else the shared plan."""
+        if self.cfg.trust == "distributed":
+            return distributed_planned_event(self.cfg, server_round, self.dim)
         own = self.plan_event(partition_id, server_round)
         if own is not None:
             return own
@@ -152,7 +157,8 @@ class DPGuard:
         run is not private. A node's partition id is pinned on its first update: a reply
         claiming another one is charged to the pinned client and rejected."""
         if (not self.cfg.is_private or self.ledger is None or msg.has_error()
-                or "arrays" not in msg.content.array_records):
+                or self.cfg.trust == "central"   # to the trusted server: charged centrally
+                or not ("arrays" in msg.content.array_records or carries_masked_vector(msg))):
             return None
         node = checked.node_id
         claimed = checked.partition_id if checked.partition_id is not None else -1
@@ -205,6 +211,15 @@ class DPGuard:
                                           adaptive=self.adaptive)
         log.info("round %d: server release %s charged to %d clients (%s)", server_round,
                  [e.to_dict() for e in events], len(clients), note)
+
+    def charge_population(self, server_round: int, events: list[PrivacyEvent]) -> None:
+        """Charge a release covering every client (central DP: each round's noisy sum,
+        amplified by Poisson sampling, costs every client, sampled or not)."""
+        if not self.cfg.is_private or self.ledger is None:
+            return
+        clients = [f"client-{p}" for p in sorted(self.partition_sizes)]
+        self.ledger.charge_population_release(server_round, events, clients,
+                                              "central release (every client, every round)")
 
     def _costliest_plan(self, client: str, server_round: int) -> PrivacyEvent:
         history = self.ledger.clients.get(client, PrivacyHistory())

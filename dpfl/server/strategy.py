@@ -37,13 +37,17 @@ from dpfl.config import RunConfig
 from dpfl.logs import get_logger
 from dpfl.privacy.charging import Charge
 from dpfl.privacy.events import PrivacyEvent
+from dpfl.privacy.trust import UNCLIPPED_KEY, min_survivors
 from dpfl.server.aggregation import server_sgd_step, weighted_mean
+from dpfl.server.central import CentralAggregator
 from dpfl.server.guard import DPGuard
+from dpfl.server.secagg import SecureSum, masked_reply
 from dpfl.server.validation import (
     ClientUpdate,
     Rejection,
     Template,
     array_template,
+    claimed_partition,
     client_label,
     validate_train_reply,
 )
@@ -110,12 +114,15 @@ class DPFLStrategy(FedAvg):
         self._pending: RoundRecord | None = None   # for the Flower adapters only
         self.num_nodes = 0
         self.node_client: dict[int, str] = {}   # node id -> client-<partition-id>
+        self.central: CentralAggregator | None = None   # trust=central (bound with sizes)
 
     # -- what the run loop binds -------------------------------------------------------
     def bind_partition_sizes(self, sizes: Mapping[int, int]) -> None:
         """Training-set sizes per partition id (public: derived from the run-config), so
         the server can compute each client's planned privacy release."""
         self.guard.bind_partition_sizes(sizes)
+        if self.cfg.trust == "central" and self.central is None:
+            self.central = CentralAggregator(self.cfg, len(sizes))
 
     @property
     def partition_sizes(self) -> dict[int, int]:
@@ -207,6 +214,8 @@ class DPFLStrategy(FedAvg):
     def select_nodes(self, server_round: int, grid: Grid) -> list[int]:
         """Seeded uniform sample of ``fraction-train`` of the connected nodes."""
         nodes = self.wait_for_nodes(grid, self.min_available_nodes)
+        if self.central is not None:  # Poisson sampling: amplification is accounted
+            return self.central.sample(nodes)
         k = max(int(len(nodes) * self.fraction_train), min(self.min_train_nodes, len(nodes)))
         return sorted(self.rng.sample(nodes, k))
 
@@ -222,7 +231,7 @@ class DPFLStrategy(FedAvg):
         record = RoundRecord(server_round, sampled=list(node_ids))
         log.info("round %d: training on %d nodes", server_round, len(node_ids))
         shared = {**(extra_config or {}), **self.round_config(server_round),
-                  "server-round": server_round}
+                  **self.trust_round_config(len(node_ids)), "server-round": server_round}
         extra = self.extra_records(server_round)  # built once, shared by every message
         messages = []
         for node_id in node_ids:
@@ -233,6 +242,14 @@ class DPFLStrategy(FedAvg):
             messages.append(Message(content=content, message_type=MessageType.TRAIN,
                                     dst_node_id=node_id))
         return messages, record
+
+    def trust_round_config(self, sampled: int) -> dict[str, Any]:
+        """Public per-round keys of the trust model: the central C, SecAgg+'s n_min."""
+        if self.central is not None:
+            return self.central.round_config()
+        if self.cfg.trust == "distributed":
+            return {"secagg-n-min": min_survivors(self.cfg, sampled)}
+        return {}
 
     def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
                         grid: Grid) -> Iterable[Message]:
@@ -267,7 +284,9 @@ class DPFLStrategy(FedAvg):
         if self._global is None:
             raise RuntimeError("finish_round called before start_round")
         dim = sum(int(torch.Size(s).numel()) for _, s, _ in self._template)
-        bound = self.guard.norm_bound(dim, server_round)
+        # central: a clipped update (float32 rounding aside); the server clips again
+        bound = (self.central.clip * (1 + 1e-4) if self.central is not None
+                 else self.guard.norm_bound(dim, server_round))
         extra = self.extra_reply_arrays()
         for msg in replies:
             checked = validate_train_reply(msg, self._template, bound, extra)
@@ -290,6 +309,8 @@ class DPFLStrategy(FedAvg):
                         checked.reason)
             else:
                 record.accepted.append(checked)
+        if self.central is not None:
+            return self._central_outcome(server_round, record, dim)
         if not record.accepted:
             log.warning("round %d: no valid update; the global model is unchanged", server_round)
             return RoundOutcome(None, None, record)
@@ -297,11 +318,50 @@ class DPFLStrategy(FedAvg):
         updates = torch.stack([u.flat for u in record.accepted])
         weights = self.aggregation_weights(record.accepted)
         aggregated = self.aggregate_updates(updates, weights)
+        return self._stepped(aggregated, record)
+
+    def _stepped(self, aggregated: torch.Tensor, record: RoundRecord) -> RoundOutcome:
+        """The server step from the round's aggregate, and the round's outcome."""
         state = self._global.to_torch_state_dict()
         new_flat = self.server_step(flatten(state), aggregated)
         self.after_aggregation(record.accepted)
         return RoundOutcome(ArrayRecord(unflatten(new_flat, state)),
                             MetricRecord(self.round_metrics(record)), record)
+
+    def _central_outcome(self, server_round: int, record: RoundRecord, dim: int
+                         ) -> RoundOutcome:
+        """trust=central: the noisy clipped mean over q N (noise alone when nobody was
+        sampled or accepted), then every client is charged the round."""
+        record.accepted.sort(key=lambda u: u.partition_id)
+        updates = (torch.stack([u.flat for u in record.accepted]) if record.accepted
+                   else torch.zeros((0, dim)))
+        within = [float(u.metrics.get(UNCLIPPED_KEY, 0.0)) for u in record.accepted]
+        aggregated = self.central.aggregate(updates, within)
+        self.guard.charge_population(server_round, self.central.events(server_round))
+        return self._stepped(aggregated, record)
+
+    def finish_secure_round(self, server_round: int, record: RoundRecord,
+                            secure: SecureSum) -> RoundOutcome:
+        """trust=distributed: charge every client whose masked vector arrived, then (if
+        the round was not discarded) the mean = dequantised sum / survivors."""
+        if self._global is None:
+            raise RuntimeError("finish_secure_round called before start_round")
+        for msg in secure.replies:
+            charge = self.guard.charge_reply(msg, masked_reply(msg), server_round)
+            if charge is not None:
+                record.charges.append(charge)
+        if secure.total is None:
+            log.warning("round %d: SecAgg+ round discarded (%s); the global model is "
+                        "unchanged", server_round, secure.reason)
+            return RoundOutcome(None, None, record)
+        mean = secure.total.double() / (self.cfg.secagg_scale * len(secure.survivors))
+        for msg in secure.replies:
+            if msg.metadata.src_node_id in secure.survivors:
+                record.accepted.append(ClientUpdate(
+                    msg.metadata.src_node_id, claimed_partition(msg) or -1,
+                    torch.empty(0), 1, dict(msg.content["metrics"])
+                    if "metrics" in msg.content.metric_records else {}))
+        return self._stepped(mean.to(torch.float32), record)
 
     def aggregate_train(self, server_round: int, replies: Iterable[Message]
                         ) -> tuple[ArrayRecord | None, MetricRecord | None]:
@@ -333,9 +393,12 @@ class DPFLStrategy(FedAvg):
     # -- persistence across restarts -------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """Strategy state to checkpoint (the sampling RNG; methods add theirs)."""
-        return {"rng": self.rng.getstate(), **self.guard.state_dict()}
+        central = self.central.state_dict() if self.central is not None else {}
+        return {"rng": self.rng.getstate(), **self.guard.state_dict(), **central}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if "rng" in state:
             self.rng.setstate(state["rng"])
         self.guard.load_state_dict(state)
+        if self.central is not None:
+            self.central.load_state_dict(state)

@@ -1,0 +1,192 @@
+"""Trust models: who adds the noise, who must be trusted, what each party sees, and what
+one round costs every client (``trust`` run-config key).
+
+- ``local`` (dpfl's default): every client clips and noises its own update; the server sees
+  each noisy update and who sent it. Client-level, replace-one, no amplification.
+- ``central``: clients clip (C fixed, or adapted by Andrew, Thakkar, McMahan & Ramaswamy,
+  "Differentially Private Learning with Adaptive Clipping", NeurIPS 2021) and send the
+  clipped update; a TRUSTED server samples every client independently with probability q
+  (Poisson, secret randomness), adds N(0, sigma^2 C^2) to the sum and divides by the
+  expected count q N (McMahan, Ramage, Talwar & Zhang, ICLR 2018). Only the noisy models
+  leave the server, and they hide whether a client took part: add-remove of a client's
+  whole data, amplified by sampling — one ``PoissonSampledDpEvent(q, Gaussian(sigma))``
+  per round charged to EVERY client, sampled or not (plus the clipped count's
+  ``PoissonSampledDpEvent(q, Gaussian(2 sigma_b))`` when C adapts).
+- ``distributed``: clients clip, scale by s, round at random to integers and add a Skellam
+  share of variance mu / n_min (``dpfl.privacy.skellam``); Flower's SecAgg+ masks every
+  share so the server learns only the sum, which carries Sk(>= mu) whenever at least n_min
+  clients survive (a round with fewer is discarded: nothing is released). The server knows
+  who took part, so there is no amplification and the relation is replace-one; each
+  participant is charged one ``skellam`` event per round it sends a masked vector.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from functools import lru_cache
+from typing import Callable
+
+from dpfl.config import ConfigError, RunConfig
+from dpfl.privacy.accounting import SIGMA_MAX, bisect_sigma, calibrate_events
+from dpfl.privacy.events import PrivacyEvent, history_epsilon
+from dpfl.privacy.skellam import overflow_bound, skellam_event
+
+CENTRAL_RELATION = "add-remove"
+# central + adaptive clipping: the client's bit 1[||Delta|| <= C] in its reply metrics
+UNCLIPPED_KEY = "clip-unclipped"
+DISTRIBUTED_RELATION = "replace-one"
+# the probability that a SecAgg+ share overflows its integer range must stay below this
+# fraction of delta (the run is refused at start otherwise)
+OVERFLOW_SHARE_OF_DELTA = 1e-3
+# SecAgg+ modulus (Flower's default) and the int32 quantised range of its client mod
+SECAGG_MODULUS = 1 << 32
+
+
+def expected_clients(cfg: RunConfig, num_clients: int) -> float:
+    """q N: the fixed denominator of central DP-FedAvg and the count's m."""
+    return cfg.fraction_train * num_clients
+
+
+def count_stddev(cfg: RunConfig, num_clients: int) -> float:
+    """sigma_b of the clipped count: ``clip-count-stddev``, or m / 20 (Andrew et al.)."""
+    return cfg.clip_count_stddev or expected_clients(cfg, num_clients) / 20.0
+
+
+def central_events(round_: int, sigma: float, q: float,
+                   count_std: float | None = None) -> list[PrivacyEvent]:
+    """One central round: the noisy sum (Gaussian sigma, Poisson rate q, add-remove) and,
+    with adaptive clipping, the noisy clipped count (centred bits: sensitivity 1/2, so
+    multiplier 2 sigma_b)."""
+    events = [PrivacyEvent.gaussian(round_, sigma, rate=q, relation=CENTRAL_RELATION)]
+    if count_std is not None:
+        events.append(PrivacyEvent.gaussian(round_, 2.0 * count_std, rate=q,
+                                            relation=CENTRAL_RELATION,
+                                            mechanism="quantile-count"))
+    return events
+
+
+def _calibrate(events_for: Callable[[float], list[PrivacyEvent]], target: float,
+               delta: float, accountant: str, rel_tol: float = 1e-3) -> float:
+    """Smallest sigma (to ``rel_tol``) whose history ``events_for(sigma)`` meets target."""
+    def eps(sigma: float) -> float:
+        return history_epsilon(events_for(sigma), delta, accountant)
+
+    lo, hi = 0.05, 1.0
+    while eps(hi) > target:
+        lo, hi = hi, 2.0 * hi
+        if hi > SIGMA_MAX:
+            raise ValueError(f"target epsilon unreachable with sigma <= {SIGMA_MAX:g}")
+    while eps(lo) <= target and lo > 1e-4:
+        hi, lo = lo, lo / 2.0
+    return bisect_sigma(eps, lo, hi, target, rel_tol)
+
+
+def central_noise_multiplier(cfg: RunConfig, num_clients: int) -> float:
+    """sigma of the central sum: ``noise-multiplier``, or the smallest that keeps every
+    client at ``target-epsilon`` after ``num-rounds`` rounds (count included)."""
+    if cfg.noise_multiplier > 0:
+        return cfg.noise_multiplier
+    std = count_stddev(cfg, num_clients) if cfg.adaptive_clip else None
+    if std is not None:
+        count = dataclasses.replace(central_events(1, 1.0, cfg.fraction_train, std)[1],
+                                    steps=cfg.num_rounds)
+        eps = history_epsilon([count], cfg.delta, cfg.accountant)
+        if eps >= cfg.target_epsilon:
+            raise ConfigError(
+                f"run-config key 'clip-count-stddev': the clipped count alone (std {std:.4g},"
+                f" {cfg.num_rounds} rounds at q = {cfg.fraction_train:g}) costs epsilon "
+                f"{eps:.4g} >= target-epsilon {cfg.target_epsilon:g}: raise it (Andrew et "
+                "al. suggest expected clients per round / 20) or turn adaptive-clip off")
+    return _calibrate_central(cfg.target_epsilon, cfg.delta, cfg.accountant, cfg.num_rounds,
+                              cfg.fraction_train, std)
+
+
+@lru_cache(maxsize=64)
+def _calibrate_central(target: float, delta: float, accountant: str, rounds: int, q: float,
+                       count_std: float | None) -> float:
+    return calibrate_events(lambda s: [(e.key, rounds) for e in central_events(1, s, q,
+                                                                              count_std)],
+                            target, delta, accountant)
+
+
+def distributed_noise_multiplier(cfg: RunConfig, dim: int) -> float:
+    """sigma of the secure sum (Sk(mu), mu = (sigma C s)^2): ``noise-multiplier``, or the
+    smallest that keeps a client taking part in every round at ``target-epsilon``."""
+    if cfg.noise_multiplier > 0:
+        return cfg.noise_multiplier
+    return _calibrate_distributed(cfg.target_epsilon, cfg.delta, cfg.accountant,
+                                  cfg.num_rounds, cfg.clip_norm, cfg.secagg_scale, dim)
+
+
+@lru_cache(maxsize=64)
+def _calibrate_distributed(target: float, delta: float, accountant: str, rounds: int,
+                           clip: float, scale: float, dim: int) -> float:
+    return _calibrate(lambda s: [dataclasses.replace(
+        skellam_event(1, s, clip, scale, dim, DISTRIBUTED_RELATION), steps=rounds)],
+        target, delta, accountant)
+
+
+def distributed_planned_event(cfg: RunConfig, server_round: int, dim: int) -> PrivacyEvent:
+    """What a client of a distributed round is charged (``dpfl.privacy.skellam``)."""
+    return skellam_event(server_round, distributed_noise_multiplier(cfg, dim), cfg.clip_norm,
+                         cfg.secagg_scale, dim, DISTRIBUTED_RELATION)
+
+
+def min_survivors(cfg: RunConfig, sampled: int) -> int:
+    """n_min of a round with ``sampled`` clients (0 in the config: all of them)."""
+    return cfg.secagg_min_survivors or sampled
+
+
+def share_variance(sigma: float, cfg: RunConfig, n_min: int) -> float:
+    """mu_i = (sigma C s)^2 / n_min: each client's Skellam share."""
+    return (sigma * cfg.clip_norm * cfg.secagg_scale) ** 2 / n_min
+
+
+def share_limit(sampled: int) -> int:
+    """c: every share coordinate must lie in [-c, c] so that Flower's quantiser maps it to
+    an int32 exactly (target range 2c, one integer per unit) and the sum of ``sampled``
+    shifted shares (each in [0, 2c]) stays below the 2^32 modulus."""
+    return (SECAGG_MODULUS // (2 * (sampled + 1))) - 1
+
+
+def check_overflow(cfg: RunConfig, sigma: float, dim: int, sampled: int, n_min: int) -> float:
+    """P(some coordinate of a share overflows [-c, c]) (a bound); ValueError when it is
+    not below ``OVERFLOW_SHARE_OF_DELTA`` delta (the guarantee would not hold as stated)."""
+    p = overflow_bound(cfg.clip_norm, cfg.secagg_scale, share_variance(sigma, cfg, n_min),
+                       dim, share_limit(sampled))
+    if p > OVERFLOW_SHARE_OF_DELTA * cfg.delta:
+        raise ValueError(f"a SecAgg+ share of {sampled} clients may overflow its integer "
+                         f"range (probability <= {p:.3g}): lower secagg-scale or the noise")
+    return p
+
+
+def trust_scope(cfg: RunConfig) -> str:
+    """What the trust model assumes and what each party sees (for the guarantee)."""
+    if cfg.trust == "central":
+        clip = ("C adapted each round towards the "
+                f"{cfg.clip_target_quantile:g}-quantile of the update norms from a noisy "
+                "clipped count (Andrew et al. 2021; the count is charged)"
+                if cfg.adaptive_clip else f"C = {cfg.clip_norm:g}")
+        return ("trust=central: the server must be trusted — it sees every clipped update "
+                "and who sent it; clients are sampled by Poisson(q = "
+                f"{cfg.fraction_train:g}) with the server's secret randomness and the server "
+                "adds N(0, sigma^2 C^2) to the sum, divided by q N; " + clip + "; everyone "
+                "else sees only the noisy models, which hide participation: add-remove of a "
+                "client's whole data, amplification by sampling accounted, every client "
+                "charged every round")
+    if cfg.trust == "distributed":
+        return ("trust=distributed: nobody sees an individual update — clients round their "
+                f"clipped update (scale s = {cfg.secagg_scale:g}) and add a Skellam share, "
+                "Flower's SecAgg+ masks it and the server learns only the sum, which "
+                "carries Skellam noise of variance >= (sigma C s)^2 when at least n_min "
+                "clients survive (else the round is discarded and nothing released); "
+                "assumes an honest-but-curious server that does not add fake clients and "
+                "fewer colluding parties than the SecAgg+ threshold; the server knows who "
+                "took part (replace-one, no amplification); SecAgg+ masks are pseudo-random "
+                "from Flower 1.39's numpy generator seeded with 32 bits folded from the "
+                "shared keys, so the hiding is only as strong as a 2^32 search")
+    return ""
+
+
+def overflow_note(p: float) -> str:
+    return f"share overflow probability <= {p:.2g} (added to delta)" if p > 0 else ""
