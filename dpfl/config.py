@@ -107,6 +107,9 @@ class RunConfig:
     clip_lr: float = 0.2
     # std of the clipped-count noise (0 = expected clients per round / 20, Andrew et al.)
     clip_count_stddev: float = 0.0
+    # central: dpfl's mechanism, or Flower's DifferentialPrivacyServerSide*Clipping wrapper
+    # around FedAvg on the same round (fixed-size sampling; a side-by-side reference)
+    central_impl: str = "dpfl"
     # distributed: the guaranteed minimum of surviving clients per round (0 = every
     # sampled client must survive); each adds 1/n_min of the noise variance
     secagg_min_survivors: int = 0
@@ -254,6 +257,8 @@ def validate(cfg: RunConfig) -> RunConfig:
     need(0.0 < cfg.clip_target_quantile < 1.0, "clip-target-quantile", "must be in (0, 1)",
          cfg.clip_target_quantile)
     need(cfg.clip_lr > 0, "clip-lr", "must be > 0", cfg.clip_lr)
+    need(cfg.central_impl in ("dpfl", "flower"), "central-impl", "must be dpfl or flower",
+         cfg.central_impl)
     need(cfg.clip_count_stddev >= 0, "clip-count-stddev", "must be >= 0 (0 = m / 20)",
          cfg.clip_count_stddev)
     if cfg.adaptive_clip:

@@ -77,6 +77,11 @@ def _model(cfg: RunConfig, data: ClientData, arrays: ArrayRecord) -> torch.nn.Mo
     return model
 
 
+def _state_bytes(context: Context) -> int:
+    """Bytes this node keeps between rounds (its privacy history, SecAgg+ keys, ...)."""
+    return int(sum(record.count_bytes() for record in context.state.values()))
+
+
 def _reply(msg: Message, **records) -> Message:
     return Message(RecordDict(records), reply_to=msg)
 
@@ -114,7 +119,7 @@ def train(msg: Message, context: Context) -> Message:
 
     if cfg.trust == "central":
         return _central_round(msg, cfg, config, data, model, received, shuffle_seed, device,
-                              base, hooks)
+                              {**base, "node-state-bytes": _state_bytes(context)}, hooks)
 
     history = PrivacyHistory.load(context.state, adaptive=method.adaptive)
     prior = prior_history(config, pid)
@@ -199,6 +204,7 @@ def train(msg: Message, context: Context) -> Message:
     history.save(context.state)
     eps = history.epsilon(cfg.delta, cfg.accountant)
     metrics = {**base, "num-examples": num_examples, "epsilon": eps, "noise-multiplier": sigma,
+               "node-state-bytes": _state_bytes(context),
                "sample-rate": event.rate, "steps": event.steps, **extra_metrics}
     if cfg.report_train_loss:
         metrics["train-loss"] = result.train_loss
@@ -219,8 +225,11 @@ def _central_round(msg: Message, cfg: RunConfig, config, data: ClientData,
                          hooks.pre_step, hooks.step)
     raw = flatten(state_difference(model.state_dict(), received))
     clip = float(config.get("central-clip", cfg.clip_norm))
-    clipped, within = central_release(raw, clip)
-    metrics = {**base, "num-examples": 1, UNCLIPPED_KEY: within, "steps": result.steps}
+    metrics = {**base, "num-examples": 1, "steps": result.steps}
+    if clip > 0:
+        clipped, metrics[UNCLIPPED_KEY] = central_release(raw, clip)
+    else:  # central-impl=flower: Flower's wrapper clips on the server
+        clipped = raw
     if cfg.report_train_loss:
         metrics["train-loss"] = result.train_loss
     return _reply(msg, arrays=ArrayRecord(unflatten(clipped, received)),

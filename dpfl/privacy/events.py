@@ -43,8 +43,8 @@ import numpy as np
 from dp_accounting import dp_event
 
 from dpfl.privacy.accounting import (
-    DPSGD_ACCOUNTANTS,
     DISCRETE,
+    DPSGD_ACCOUNTANTS,
     GAUSSIAN,
     MECHANISMS,
     PRV_CLIENT_LEVEL,

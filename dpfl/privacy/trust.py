@@ -35,6 +35,8 @@ CENTRAL_RELATION = "add-remove"
 # central + adaptive clipping: the client's bit 1[||Delta|| <= C] in its reply metrics
 UNCLIPPED_KEY = "clip-unclipped"
 DISTRIBUTED_RELATION = "replace-one"
+# Flower's central wrappers sample a fixed number of clients: analysed under replace-one
+FLOWER_RELATION = "replace-one"
 # the probability that a SecAgg+ share overflows its integer range must stay below this
 # fraction of delta (the run is refused at start otherwise)
 OVERFLOW_SHARE_OF_DELTA = 1e-3

@@ -39,7 +39,7 @@ from dpfl.privacy.charging import Charge
 from dpfl.privacy.events import PrivacyEvent
 from dpfl.privacy.trust import UNCLIPPED_KEY, min_survivors
 from dpfl.server.aggregation import server_sgd_step, weighted_mean
-from dpfl.server.central import CentralAggregator
+from dpfl.server.central import CentralAggregator, FlowerCentralAggregator
 from dpfl.server.guard import DPGuard
 from dpfl.server.secagg import SecureSum, masked_reply
 from dpfl.server.validation import (
@@ -114,7 +114,8 @@ class DPFLStrategy(FedAvg):
         self._pending: RoundRecord | None = None   # for the Flower adapters only
         self.num_nodes = 0
         self.node_client: dict[int, str] = {}   # node id -> client-<partition-id>
-        self.central: CentralAggregator | None = None   # trust=central (bound with sizes)
+        # trust=central (bound with the partition sizes)
+        self.central: CentralAggregator | FlowerCentralAggregator | None = None
 
     # -- what the run loop binds -------------------------------------------------------
     def bind_partition_sizes(self, sizes: Mapping[int, int]) -> None:
@@ -122,7 +123,9 @@ class DPFLStrategy(FedAvg):
         the server can compute each client's planned privacy release."""
         self.guard.bind_partition_sizes(sizes)
         if self.cfg.trust == "central" and self.central is None:
-            self.central = CentralAggregator(self.cfg, len(sizes))
+            impl = FlowerCentralAggregator if self.cfg.central_impl == "flower" \
+                else CentralAggregator
+            self.central = impl(self.cfg, len(sizes))
 
     @property
     def partition_sizes(self) -> dict[int, int]:
@@ -285,8 +288,12 @@ class DPFLStrategy(FedAvg):
             raise RuntimeError("finish_round called before start_round")
         dim = sum(int(torch.Size(s).numel()) for _, s, _ in self._template)
         # central: a clipped update (float32 rounding aside); the server clips again
-        bound = (self.central.clip * (1 + 1e-4) if self.central is not None
-                 else self.guard.norm_bound(dim, server_round))
+        if isinstance(self.central, FlowerCentralAggregator):
+            bound = self.cfg.max_update_norm or None   # raw updates: Flower clips them
+        elif self.central is not None:
+            bound = self.central.clip * (1 + 1e-4)
+        else:
+            bound = self.guard.norm_bound(dim, server_round)
         extra = self.extra_reply_arrays()
         for msg in replies:
             checked = validate_train_reply(msg, self._template, bound, extra)
@@ -336,7 +343,11 @@ class DPFLStrategy(FedAvg):
         updates = (torch.stack([u.flat for u in record.accepted]) if record.accepted
                    else torch.zeros((0, dim)))
         within = [float(u.metrics.get(UNCLIPPED_KEY, 0.0)) for u in record.accepted]
-        aggregated = self.central.aggregate(updates, within)
+        if isinstance(self.central, FlowerCentralAggregator):
+            self.central.global_arrays = self._global
+            aggregated = self.central.aggregate(updates, within, server_round)
+        else:
+            aggregated = self.central.aggregate(updates, within)
         self.guard.charge_population(server_round, self.central.events(server_round))
         return self._stepped(aggregated, record)
 

@@ -1,0 +1,133 @@
+"""Cross-device scale: a real `dpfl simulate` (Flower's Ray backend) at 100 / 300 / 1,000
+clients, central DP-FedAvg (trust=central, Poisson q = 0.1) on MNIST.
+
+    python bench/scale.py [--clients 100 300 1000] [--rounds 4] [--trust central] [...]
+
+Prints per federation size: the peak resident memory of the whole simulation (every
+process of the run's tree, read from /proc every 0.5 s), seconds per round (rounds 2..R of
+rounds.jsonl: round 1 includes the actors' start-up), the pure training compute of the same
+round (one client's local training timed here, times the round's sampled clients, divided
+by the actors working in parallel), Flower's round overhead = 1 - compute / round time, and
+the bytes a node keeps between rounds (the clients' ``node-state-bytes``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def _tree_rss(pid: int) -> int:
+    """Resident bytes of ``pid`` and all its descendants (from /proc)."""
+    children: dict[int, list[int]] = {}
+    rss: dict[int, int] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            with open(f"/proc/{entry}/statm") as f:
+                pages = int(f.read().split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        p = int(entry)
+        children.setdefault(int(fields[1]), []).append(p)
+        rss[p] = pages * os.sysconf("SC_PAGE_SIZE")
+    total, stack = 0, [pid]
+    while stack:
+        p = stack.pop()
+        total += rss.get(p, 0)
+        stack.extend(children.get(p, []))
+    return total
+
+
+def run_federation(clients: int, rounds: int, trust: str, out: Path,
+                   extra: list[str]) -> tuple[Path, int]:
+    """One simulation; (run directory, peak RSS bytes of its process tree)."""
+    name = f"scale-{trust}-{clients}"
+    cmd = [sys.executable, "-m", "dpfl.cli", "simulate", "--clients", str(clients),
+           "--output-dir", str(out), f"run-name={name}", "trainer=update-dp",
+           f"trust={trust}", "fraction-train=0.1", f"num-rounds={rounds}",
+           "target-epsilon=8", *extra]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    peak = 0
+    done = threading.Event()
+
+    def watch() -> None:
+        nonlocal peak
+        while not done.is_set():
+            peak = max(peak, _tree_rss(proc.pid))
+            time.sleep(0.5)
+
+    t = threading.Thread(target=watch, daemon=True)
+    t.start()
+    code = proc.wait()
+    done.set()
+    t.join()
+    if code != 0:
+        raise SystemExit(f"the {clients}-client simulation failed (exit {code})")
+    return out / name, peak
+
+
+def client_compute_seconds(clients: int, extra: list[str], repeats: int = 5) -> float:
+    """One client's local training of a round (partition 0 of ``clients``), best of N."""
+    import torch
+
+    from dpfl.client.trainers import train_plain
+    from dpfl.data import client_data
+    from dpfl.methods import method_for, parse_run_config
+
+    overrides = dict(kv.split("=", 1) for kv in extra)
+    cfg = parse_run_config({"trainer": "update-dp", **overrides})
+    data = client_data(cfg, 0, clients)
+    torch.set_num_threads(1)
+    best = float("inf")
+    for _ in range(repeats):
+        model = method_for(cfg).build_model(cfg, tuple(data.x_train.shape[1:]),
+                                            data.num_classes)
+        t0 = time.perf_counter()
+        train_plain(model, data, cfg, 0, torch.device("cpu"))
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--clients", type=int, nargs="+", default=[100, 300, 1000])
+    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--trust", default="central")
+    parser.add_argument("--actors", type=int, default=2, help="Ray actors (one per CPU)")
+    parser.add_argument("extra", nargs="*", help="run-config overrides key=value")
+    args = parser.parse_args()
+    print(f"{'clients':>8} {'peak GiB':>9} {'s/round':>8} {'compute s':>10} "
+          f"{'overhead':>9} {'sampled':>8} {'state B':>8}")
+    with tempfile.TemporaryDirectory() as tmp:
+        for n in args.clients:
+            run, peak = run_federation(n, args.rounds, args.trust, Path(tmp), args.extra)
+            rounds = [json.loads(line) for line in
+                      (run / "rounds.jsonl").read_text().splitlines()]
+            later = rounds[1:] or rounds
+            per_round = statistics.mean(r["seconds"] for r in later)
+            sampled = statistics.mean(len(r["sampled-nodes"]) for r in later)
+            compute = client_compute_seconds(n, args.extra) * sampled / args.actors
+            state = max((c.get("node-state-bytes", 0) for r in rounds
+                         for c in r["clients"].values()), default=0)
+            print(f"{n:>8} {peak / 2 ** 30:>9.2f} {per_round:>8.2f} {compute:>10.2f} "
+                  f"{1 - compute / per_round:>9.0%} {sampled:>8.1f} {state:>8}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
