@@ -15,7 +15,7 @@ from typing import Any
 
 import tomllib
 
-PAPERS = ("gcfl", "pegasus", "aadp", "fedcompdp", "fedasgp", "audit")  # modules dpfl.experiments.<name>, each a REPRODUCTION
+PAPERS = ("gcfl", "pegasus", "aadp", "fedcompdp", "fedasgp", "audit", "trust")  # modules dpfl.experiments.<name>, each a REPRODUCTION
 
 
 def simulate_record(root: Path, clients: int, overrides: dict[str, Any],
@@ -27,6 +27,12 @@ def simulate_record(root: Path, clients: int, overrides: dict[str, Any],
 
     t0 = time.time()
     run_dir = simulate(root, clients, overrides, work, quiet=True)
+    return run_record(run_dir, clients, overrides, time.time() - t0)
+
+
+def run_record(run_dir: Path, clients: int, overrides: dict[str, Any],
+               wall: float) -> dict[str, Any]:
+    """The record :func:`simulate_record` keeps of a finished run directory."""
     summary = json.loads((run_dir / "summary.json").read_text())
     rounds = [json.loads(l) for l in (run_dir / "rounds.jsonl").read_text().splitlines() if l]
     trained = sum(sum(c.get("num-examples", 0) for c in r["clients"].values()
@@ -42,7 +48,7 @@ def simulate_record(root: Path, clients: int, overrides: dict[str, Any],
         "randomness": ("public (reproducible=true)" if str(overrides.get("reproducible", ""))
                        .lower() == "true" else "secret (OS entropy)"),
         "samples-per-second": trained * int(overrides.get("local-epochs", 1)) / max(train_seconds, 1e-9),
-        "wall-seconds": round(time.time() - t0, 1),
+        "wall-seconds": round(wall, 1),
         "accuracy-by-round": [r["central"]["accuracy"] for r in rounds],
         "selected-by-round": [len(r["sampled-nodes"]) for r in rounds],
         "mean-epsilon-by-round": [sum(e.values()) / clients if e else 0.0 for e in eps_rounds],
@@ -185,6 +191,11 @@ class Reproduction:
     run_config: Callable[[dict[str, Any], str, str], dict[str, Any]] = strategy_is_method
     record_name: Callable[[str, str, int], str] = cell_method_seed
     extra: Callable[[dict[str, Any]], dict[str, Any]] = field(default=_no_extra)
+    # SuperNodes of a cell when cells differ in size (None: ``clients`` for every cell)
+    clients_of: Callable[[str], int] | None = None
+
+    def clients_for(self, cell: str) -> int:
+        return self.clients_of(cell) if self.clients_of is not None else self.clients
 
     def overrides(self, root: Path, cell: str, method: str, seed: int) -> dict[str, Any]:
         """The full run-config overrides of one run: preset, method keys, seed, run name."""
@@ -197,7 +208,7 @@ class Reproduction:
         """One simulation; writes and returns its record."""
         overrides = self.overrides(root, cell, method, seed)
         record = {"cell": cell, "method": method, "seed": seed,
-                  **simulate_record(root, self.clients, overrides, work)}
+                  **simulate_record(root, self.clients_for(cell), overrides, work)}
         record.update(self.extra(record))
         write_record(results, overrides["run-name"], record)
         return record
