@@ -11,20 +11,10 @@ import pytest
 import torch
 from dp_accounting import dp_event
 from dp_accounting.pld import pld_privacy_accountant
-from flwr.app import (
-    ArrayRecord,
-    ConfigRecord,
-    Context,
-    Message,
-    MetricRecord,
-    RecordDict,
-)
+from flwr.app import ConfigRecord, RecordDict
 
-from dpfl.client.secure import (
-    central_release,
-    distributed_share,
-    secure_aggregation_mod,
-)
+from dpfl.apps.loopback import LoopbackGrid, share_app
+from dpfl.client.secure import central_release, distributed_share
 from dpfl.config import ConfigError, RunConfig
 from dpfl.methods import parse_run_config
 from dpfl.privacy.events import PrivacyEvent, history_epsilon
@@ -230,43 +220,13 @@ def test_distributed_calibration_meets_the_target():
 
 # -- distributed DP: SecAgg+ in dpfl's use ----------------------------------------------
 
-class InProcessGrid:
-    """Delivers messages to in-process clients that run dpfl's ClientApp mod chain
-    (:func:`secure_aggregation_mod` -> Flower's secaggplus_mod -> an app returning a fixed
-    share): the real key agreement, Shamir sharing and masking, no network."""
-
-    def __init__(self, shares: dict[int, torch.Tensor], drop_at_collect: set[int]) -> None:
-        self.shares = shares
-        self.drop = drop_at_collect
-        self.contexts = {n: Context(run_id=1, node_id=n, node_config={}, state=RecordDict(),
-                                    run_config={}) for n in shares}
-        self.seen: list[int] = []   # nodes whose plain vectors reached the server
-
-    def _app(self, node: int):
-        def app(msg: Message, ctxt: Context) -> Message:
-            if node in self.drop:
-                raise RuntimeError("dropped out")
-            return Message(RecordDict({"arrays": ArrayRecord({"share": self.shares[node]}),
-                                       "metrics": MetricRecord({"partition-id": node})}),
-                           reply_to=msg)
-        return app
-
-    def send_and_receive(self, messages, timeout=None):
-        replies = []
-        for i, msg in enumerate(messages):
-            node = msg.metadata.dst_node_id
-            msg.metadata.__dict__["_message_id"] = f"m{len(self.seen)}-{i}-{node}"
-            msg.metadata.__dict__["_src_node_id"] = 0
-            try:
-                reply = secure_aggregation_mod(msg, self.contexts[node], self._app(node))
-            except Exception:  # noqa: BLE001 - a client that fails is a dropout
-                from flwr.app import Error
-                reply = Message(Error(0, "dropped"), reply_to=msg)
-            reply.metadata.__dict__["_src_node_id"] = node
-            assert "arrays" not in reply.content.array_records if not reply.has_error() else 1
-            replies.append(reply)
-        self.seen.append(len(messages))
-        return replies
+def _grid(shares: dict[int, torch.Tensor], drop: set[int]) -> LoopbackGrid:
+    """Flower's secaggplus_mod on every node; the nodes in ``drop`` fail at the
+    masked-vector stage (after sharing their keys)."""
+    def failing(msg, ctxt):
+        raise RuntimeError("dropped out")
+    return LoopbackGrid({n: failing if n in drop else share_app(s, n)
+                         for n, s in shares.items()})
 
 
 @pytest.fixture(autouse=False)
@@ -289,7 +249,7 @@ def test_secagg_sum_is_exactly_the_plain_sum_of_the_shares(drop):
     limit = share_limit(5)
     shares = {n: torch.randint(-limit, limit + 1, (257,), generator=gen, dtype=torch.int64)
               for n in range(1, 6)}
-    grid = InProcessGrid(shares, drop)
+    grid = _grid(shares, drop)
     server = SecAggPlusServer(grid, limit, 0, 0.5, 3, None, random.Random(0))
     instructions = {n: RecordDict({"config": ConfigRecord({"server-round": 1})})
                     for n in shares}
@@ -302,7 +262,7 @@ def test_secagg_sum_is_exactly_the_plain_sum_of_the_shares(drop):
 @pytest.mark.usefixtures("task_identity")
 def test_secagg_round_below_n_min_is_discarded():
     shares = {n: torch.zeros(8, dtype=torch.int64) for n in range(1, 5)}
-    server = SecAggPlusServer(InProcessGrid(shares, {2}), share_limit(4), 0, 0.5, 4, None,
+    server = SecAggPlusServer(_grid(shares, {2}), share_limit(4), 0, 0.5, 4, None,
                               random.Random(0))
     result = server.run({n: RecordDict({"config": ConfigRecord({})}) for n in shares}, "1")
     assert result.total is None and "n_min" in result.reason
