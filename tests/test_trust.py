@@ -288,3 +288,59 @@ def test_trust_settings_are_checked_at_start():
     cfg = parse_run_config({"trust": "central", "trainer": "update-dp",
                             "strategy": "dpfedavgm"})
     assert cfg.trust == "central"
+
+
+# -- Flower's own central wrapper, as dpfl runs it side by side ---------------------------
+
+def _flower_round(wrapper, norm: float, n: int = 10):
+    import numpy as np
+    from flwr.app import Array, ArrayRecord, Message, MessageType, MetricRecord
+
+    wrapper.current_arrays = ArrayRecord({"w": Array(np.zeros(4, dtype=np.float32))})
+    replies = [Message(RecordDict({"arrays": ArrayRecord({"w": Array(np.full(
+        4, norm / 2, dtype=np.float32))}), "metrics": MetricRecord({"num-examples": 1})}),
+        dst_node_id=0, message_type=MessageType.TRAIN) for _ in range(n)]
+    return wrapper.aggregate_train(1, replies)
+
+
+@pytest.mark.usefixtures("task_identity")
+def test_flowers_adaptive_clipping_moves_c_the_wrong_way_and_dpfls_does_not():
+    """Andrew et al. 2021: C <- C exp(-eta (b - gamma)) with b the fraction of updates
+    WITHIN C. Every update (norm 10) above C = 1: dpfl's tracker raises C to e^0.1; Flower
+    1.39's DifferentialPrivacyServerSideAdaptiveClipping counts the CLIPPED updates as b
+    and lowers it to e^-0.1 (if a Flower upgrade fixes this, revisit results/trust)."""
+    from flwr.serverapp.strategy import (
+        DifferentialPrivacyServerSideAdaptiveClipping,
+        FedAvg,
+    )
+
+    flower = DifferentialPrivacyServerSideAdaptiveClipping(FedAvg(), 0.0, 10, 1.0,
+                                                           clipped_count_stddev=0.0)
+    _flower_round(flower, 10.0)
+    assert flower.clipping_norm == pytest.approx(math.exp(-0.1))
+    ours = QuantileClipTracker(1.0, count_noise_multiplier=1e-12)
+    clip, _ = ours.release(torch.full((10,), 10.0), torch.Generator().manual_seed(0), 1)
+    assert clip == pytest.approx(math.exp(0.1))
+
+
+@pytest.mark.usefixtures("task_identity")
+def test_flower_central_arm_charges_the_effective_noise():
+    """Flower's wrapper clips with C_t but draws its noise with the C_{t+1} it has just
+    computed: dpfl charges sigma_Delta C_{t+1} / C_t, and the noise it measures on the
+    mean matches that (std sigma_Delta C_{t+1} / k)."""
+    from dpfl.server.central import FlowerCentralAggregator
+
+    cfg = _cfg(trust="central", central_impl="flower", adaptive_clip=True, fraction_train=0.5,
+               noise_multiplier=2.0, clip_count_stddev=2.0, clip_norm=1.0)
+    agg = FlowerCentralAggregator(cfg, 20)
+    import numpy as np
+    from flwr.app import Array, ArrayRecord
+    agg.global_arrays = ArrayRecord({"w": Array(np.zeros(20_000, dtype=np.float32))})
+    updates = torch.full((10, 20_000), 1e-4)   # norm 0.014 < C: none clipped
+    mean = agg.aggregate(updates, [1.0] * 10, 1)
+    c_next = agg.clip
+    assert c_next != 1.0
+    sigma_delta = float(agg.wrapper.noise_multiplier)
+    assert agg.events(1)[0].sigma == pytest.approx(sigma_delta * c_next)
+    noise = mean.double() - 1e-4
+    assert noise.std().item() == pytest.approx(sigma_delta * c_next / 10, rel=0.03)
