@@ -2,8 +2,10 @@
 (``dpfl.privacy.trust``) on the same MNIST split — the figure a user needs to choose one —
 plus Flower's own central-DP wrapper on the same round and the non-private reference.
 
-Cells: ``eps2`` / ``eps4`` / ``eps8`` at 100 clients (``conf/trust/mnist100.toml``) and
-``k1000-eps8`` at 1,000 clients (``conf/trust/mnist1000.toml``). Arms:
+Cells: ``eps2`` / ``eps4`` / ``eps8`` at 100 clients (``conf/trust/mnist100.toml``),
+``k1000-eps8`` at 1,000 clients (``conf/trust/mnist1000.toml``) and ``cmp``, dpfl's central
+arm beside Flower's wrapper at one fixed noise multiplier where central DP learns
+(``conf/trust/mnist100-cmp.toml``). Arms:
 
 - ``local``: DP-FedAvg with client-side Gaussian noise (calibrated so a client taking part
   in every round reaches the cell's epsilon; the ledger records what each really spent);
@@ -32,9 +34,9 @@ from dpfl.experiments.common import (
     write_table,
 )
 
-EPSILONS = {"eps2": 2.0, "eps4": 4.0, "eps8": 8.0, "k1000-eps8": 8.0}
+EPSILONS = {"eps2": 2.0, "eps4": 4.0, "eps8": 8.0, "k1000-eps8": 8.0, "cmp": 1e6}
 CELLS = {"eps2": "mnist100.toml", "eps4": "mnist100.toml", "eps8": "mnist100.toml",
-         "k1000-eps8": "mnist1000.toml"}
+         "k1000-eps8": "mnist1000.toml", "cmp": "mnist100-cmp.toml"}
 ARMS: dict[str, dict[str, Any]] = {
     "local": {"strategy": "dpfedavg", "trust": "local"},
     "central": {"strategy": "dpfedavg", "trust": "central", "adaptive-clip": True},
@@ -67,7 +69,8 @@ def _run_config(preset: dict[str, Any], cell: str, arm: str) -> dict[str, Any]:
                             fraction_train=float(preset["fraction-train"]),
                             num_rounds=int(preset["num-rounds"]), target_epsilon=eps,
                             delta=float(preset["delta"]), accountant=preset["accountant"])
-        out["noise-multiplier"] = central_noise_multiplier(central, clients_of(cell))
+        out["noise-multiplier"] = (float(preset.get("noise-multiplier", 0.0))
+                                   or central_noise_multiplier(central, clients_of(cell)))
         out["target-epsilon"] = 1e6
     return out
 
@@ -107,6 +110,7 @@ def build_table(results: Path, command: str) -> str:
 def plot(runs: list[dict[str, Any]], path: Path) -> None:
     """Accuracy against the largest per-client epsilon, one line per trust model; 100
     clients solid, 1,000 clients as larger markers; non-private FedAvg as a line."""
+    runs = [r for r in runs if r["cell"] != "cmp"]   # another setting (q = 0.5, fixed sigma)
     if not runs:
         return
     plt = pyplot()
