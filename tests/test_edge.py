@@ -51,3 +51,21 @@ def test_edge_install_refuses_missing_settings(tmp_path):
     proc = subprocess.run([str(ROOT / "deploy" / "edge" / "install.sh"), "--superlink", "x:1"],
                           capture_output=True, text=True)
     assert proc.returncode == 2 and "missing --ca" in proc.stderr
+
+
+def test_edge_install_refuses_dry_run_with_no_service(tmp_path):
+    (tmp_path / "ca.crt").write_text("-")
+    (tmp_path / "key").write_text("-")
+    proc = subprocess.run(
+        [str(ROOT / "deploy" / "edge" / "install.sh"), "--superlink", "10.0.0.1:9092", "--ca",
+         str(tmp_path / "ca.crt"), "--key", str(tmp_path / "key"), "--partition-id", "0",
+         "--num-partitions", "2", "--dry-run", "--no-service"], capture_output=True, text=True)
+    assert proc.returncode == 2 and "exclude each other" in proc.stderr
+    assert proc.stderr.count("\n") == 1
+
+
+def test_edge_env_puts_the_venv_first_on_path(tmp_path):
+    # flower-supernode starts flower-superexec by name: systemd's default PATH lacks the venv
+    env, _ = _render(tmp_path)
+    path = next(line for line in env.splitlines() if line.startswith("PATH="))
+    assert path.startswith(f"PATH={Path(sys.executable).parents[1]}/bin:")
