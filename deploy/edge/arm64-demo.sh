@@ -13,7 +13,8 @@
 # --rounds N        DP rounds (default 3)
 # --train-subset N  MNIST training examples split over the 2 partitions (default 4000)
 # --threads N       torch threads of each SuperNode (default 2)
-# --torch SPEC      the arm64 torch (default: the host venv's version, e.g. torch==2.14.1)
+# --torch SPEC      the arm64 torch (default: install.sh's, on aarch64 torch<2.11, the last
+#                   CPU-only aarch64 wheels on PyPI; later ones pull the CUDA toolkit, GBs)
 #
 # What it does, all of it visible below:
 #  1. binfmt_misc: mounted if it is not, Debian's qemu-aarch64 handler enabled
@@ -25,8 +26,8 @@
 #     copied to /src/dpfl in it; deploy/edge/install.sh --no-service run in it: a venv in
 #     /opt/dpfl with CPU torch (PyPI's aarch64 wheels are CPU-only) and dpfl[mnist] from the
 #     checkout, /etc/dpfl with the CA, supernode-1's key, supernode.env and the rendered unit
-#     (pip through the host's resolver and CA bundle; versions of the main packages pinned to
-#     the host venv's, so that both sides run the same code);
+#     (pip through the host's resolver and CA bundle; flwr, opacus, numpy, scipy, grpcio,
+#     protobuf and dp-accounting pinned to the host venv's versions);
 #  4. a network namespace (lo only; all federation traffic stays in it) with, from the host
 #     venv, flower-superlink (TLS with a fresh CA from deploy/certs.sh, --enable-supernode-auth,
 #     both keys registered) and an x86_64 flower-supernode (partition 0), and the arm64
@@ -72,7 +73,7 @@ done
   || die 2 "--train-subset '$subset': expected a whole number 100..60000 (MNIST has 60000)"
 [[ $threads =~ ^[1-9][0-9]{0,2}$ ]] || die 2 "--threads '$threads': expected a whole number >= 1"
 [ -z "$torch_spec" ] || [[ $torch_spec =~ ^torch([=\<\>~!]=?[0-9][0-9A-Za-z.+]*)?$ ]] \
-  || die 2 "--torch '$torch_spec': expected torch or torch==<version>"
+  || die 2 "--torch '$torch_spec': expected torch, torch==<version> or torch<<version>"
 if [ -e "$cache" ] && [ ! -d "$cache" ]; then die 2 "--cache '$cache' exists and is not a directory"; fi
 if [ -n "$out" ] && [ -e "$out" ] && [ ! -d "$out" ]; then die 2 "--out '$out' exists and is not a directory"; fi
 
@@ -107,11 +108,6 @@ if ip netns list 2>/dev/null | awk '{print $1}' | grep -qx "$ns"; then
   die 2 "network namespace '$ns' exists (another demo running, or a killed one: 'ip netns delete $ns')"
 fi
 err=$(ip netns list 2>&1 >/dev/null) || die 2 "'ip netns list' fails here (${err:-no message}); this needs Linux network namespaces"
-if [ -z "$torch_spec" ]; then
-  host_torch=$("$venv_bin/python" -c 'import torch; print(torch.__version__.split("+")[0])' 2>/dev/null) \
-    || die 2 "the host venv's python cannot import torch (pass --torch torch==<version>)"
-  torch_spec=torch==$host_torch
-fi
 
 # -- from here on, everything made is undone at exit --------------------------------------------
 rootfs=$cache/rootfs
@@ -170,7 +166,7 @@ cleanup() {
     echo "$me: failed (exit $rc); stopped what it started, unmounted what it mounted (logs in $state)" >&2
   fi
   exec >&- 2>&-
-  wait "$tee_pid" 2>/dev/null || true
+  for _ in $(seq 1 20); do kill -0 "$tee_pid" 2>/dev/null || break; sleep 0.1; done
   [ "$rc" = 0 ] || exit 1
 }
 trap cleanup EXIT
@@ -184,6 +180,19 @@ start_bg() {  # start_bg NAME COMMAND...: in the namespace, own session, PID rec
   pidfiles+=("$state/$name.pid")
 }
 
+step() {  # step NAME LOG COMMAND...: a long step in the background, waited for (so that a
+  # signal stops the script at once: cleanup then stops the step by PID); its status returned
+  local name=$1 out=$2 pid rc=0
+  shift 2
+  "$@" > "$out" 2>&1 &
+  pid=$!
+  echo "$pid" > "$state/$name.pid"
+  pidfiles+=("$state/$name.pid")
+  wait "$pid" || rc=$?
+  rm -f "$state/$name.pid"
+  return "$rc"
+}
+
 wait_port() {  # wait_port PORT: something listens on 127.0.0.1:PORT in the namespace
   for _ in $(seq 1 300); do
     ip netns exec "$ns" bash -c "exec 3<>/dev/tcp/127.0.0.1/$1" 2>/dev/null && return 0
@@ -193,10 +202,10 @@ wait_port() {  # wait_port PORT: something listens on 127.0.0.1:PORT in the name
   return 1
 }
 
-in_chroot() {  # in_chroot COMMAND...: a clean environment (no host PIP_*/PATH), as root
+in_chroot() {  # in_chroot COMMAND...: niced, a clean environment (no host PIP_*/PATH), as root
   env -i HOME=/root LANG=C.UTF-8 PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin \
     PIP_CERT=/etc/dpfl-host-ca.crt PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_DEFAULT_TIMEOUT=180 \
-    PIP_CONSTRAINT=/tmp/dpfl-install/constraints.txt /usr/sbin/chroot "$rootfs" "$@"
+    PIP_CONSTRAINT=/tmp/dpfl-install/constraints.txt nice -n 19 /usr/sbin/chroot "$rootfs" "$@"
 }
 
 echo "\$ $command_line"
@@ -222,14 +231,14 @@ if [ -f "$rootfs/.dpfl-rootfs-complete" ]; then
 else
   rm -rf "$cache/rootfs.tmp"
   echo "debootstrap --arch arm64 --foreign bookworm from $mirror (first stage)"
-  nice -n 19 debootstrap --arch arm64 --foreign --variant=minbase \
-    --include=python3,python3-venv,ca-certificates bookworm "$cache/rootfs.tmp" "$mirror" \
-    > "$cache/debootstrap.log" 2>&1 \
+  step debootstrap "$cache/debootstrap.log" nice -n 19 debootstrap --arch arm64 --foreign \
+    --variant=minbase --include=python3,python3-venv,ca-certificates bookworm \
+    "$cache/rootfs.tmp" "$mirror" \
     || { echo "$me: debootstrap failed: $(tail -1 "$cache/debootstrap.log")" >&2; exit 1; }
   echo "second stage under qemu (slow)"
-  nice -n 19 chroot "$cache/rootfs.tmp" /debootstrap/debootstrap --second-stage \
-    >> "$cache/debootstrap.log" 2>&1 \
-    || { echo "$me: debootstrap --second-stage failed: $(tail -1 "$cache/debootstrap.log")" >&2; exit 1; }
+  step debootstrap2 "$cache/debootstrap2.log" nice -n 19 chroot "$cache/rootfs.tmp" \
+    /debootstrap/debootstrap --second-stage \
+    || { echo "$me: debootstrap --second-stage failed: $(tail -1 "$cache/debootstrap2.log")" >&2; exit 1; }
   rm -rf "$cache/rootfs.tmp"/var/cache/apt/archives/*.deb
   date -u +%Y-%m-%dT%H:%M:%SZ > "$cache/rootfs.tmp/.dpfl-rootfs-complete"
   mv "$cache/rootfs.tmp" "$rootfs"
@@ -253,15 +262,15 @@ echo "checkout copied to /src/dpfl ($(git -C "$repo" rev-parse --short HEAD)$(gi
 "$venv_bin/python" -m pip freeze 2>/dev/null \
   | grep -iE '^(flwr|opacus|numpy|scipy|grpcio|protobuf|dp-accounting)==' \
   > "$rootfs/tmp/dpfl-install/constraints.txt" || true
-echo "pinned to the host venv's versions: $torch_spec $(tr '\n' ' ' < "$rootfs/tmp/dpfl-install/constraints.txt")"
+echo "pinned to the host venv's versions: $(tr '\n' ' ' < "$rootfs/tmp/dpfl-install/constraints.txt")"
 "$repo/deploy/certs.sh" "$state/certs" --nodes 2 > /dev/null
 cp "$state/certs/ca.crt" "$state/certs/keys/supernode-1" "$rootfs/tmp/dpfl-install/"
 install_cmd=(bash /src/dpfl/deploy/edge/install.sh --superlink 127.0.0.1:9092
   --ca /tmp/dpfl-install/ca.crt --key /tmp/dpfl-install/supernode-1 --partition-id 1
-  --num-partitions 2 --threads "$threads" --torch "$torch_spec" --no-service)
+  --num-partitions 2 --threads "$threads" ${torch_spec:+--torch "$torch_spec"} --no-service)
 echo "chroot \$ ${install_cmd[*]}"
 t0=$(date +%s)
-nice -n 19 in_chroot "${install_cmd[@]}" > "$state/install.log" 2>&1 \
+step install "$state/install.log" in_chroot "${install_cmd[@]}" \
   || { echo "$me: install.sh in the chroot failed: $(tail -1 "$state/install.log")" >&2; exit 1; }
 rm -rf "$rootfs/tmp/dpfl-install"
 tail -1 "$state/install.log"
@@ -340,7 +349,12 @@ say "5. flwr run: $rounds DP-SGD rounds, MNIST train-subset $subset over 2 parti
 run_config="num-rounds=$rounds train-subset=$subset output-dir=\"$state/runs\" run-name=\"arm64-demo\""
 echo "\$ flwr run $repo arm64demo --stream --run-config \"$run_config\""
 FLWR_HOME=$state/flwr-home DPFL_OUTPUT_ROOT=$state ip netns exec "$ns" \
-  flwr run "$repo" arm64demo --stream --run-config "$run_config" 2>&1 | tee "$state/flwr-run.log"
+  flwr run "$repo" arm64demo --stream --run-config "$run_config" > "$state/flwr-run.log" 2>&1 &
+echo $! > "$state/flwr-run.pid"
+pidfiles+=("$state/flwr-run.pid")
+tail -n +1 -f --pid="$(cat "$state/flwr-run.pid")" "$state/flwr-run.log" &
+wait "$(cat "$state/flwr-run.pid")" || { echo "$me: flwr run failed: $(tail -1 "$state/flwr-run.log")" >&2; exit 1; }
+sleep 1
 run_dir=$state/runs/arm64-demo
 [ -f "$run_dir/summary.json" ] || { echo "$me: the run wrote no summary.json (see $state/flwr-run.log)" >&2; exit 1; }
 

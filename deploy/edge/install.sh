@@ -7,8 +7,10 @@
 #        [--torch torch==<v>] [--etc /etc/dpfl] [--dry-run | --no-service]
 #
 # What it does, all of it visible below:
-#  1. a venv in PREFIX with CPU torch (on ARM64 PyPI's torch wheels are CPU-only; on x86_64
-#     pass PIP_EXTRA_INDEX_URL for a CPU index, or --torch torch==<v>+cpu from a local file),
+#  1. a venv in PREFIX with CPU torch (on ARM64 the default is torch<2.11: PyPI's aarch64
+#     torch wheels are CPU-only up to 2.10, from 2.11 on they are CUDA builds that pull the
+#     CUDA toolkit, GBs a CPU-only device cannot use; on x86_64 pass PIP_EXTRA_INDEX_URL for
+#     a CPU index, or --torch torch==<v>+cpu from a local file),
 #     and dpfl[mnist] from --wheel or this checkout (no torchvision, no Ray: a SuperNode needs
 #     neither);
 #  2. /etc/dpfl/: the CA certificate and the SuperNode's private key (0600), and
@@ -34,7 +36,7 @@ me=deploy/edge/install.sh
 here=$(cd "$(dirname "$0")" && pwd)
 repo=$(cd "$here/../.." && pwd)
 superlink="" ca="" key="" pid="" nparts="" threads=2 memory_max=1500M cpu_quota=150%
-wheel="" prefix=/opt/dpfl torch_spec=torch dry_run=0 service=1 etc=/etc/dpfl
+wheel="" prefix=/opt/dpfl torch_spec="" dry_run=0 service=1 etc=/etc/dpfl
 while [ $# -gt 0 ]; do
   case "$1" in
     --dry-run|--no-service) ;;
@@ -76,6 +78,12 @@ for v in prefix etc; do
   [[ ${!v} == /* && ${!v} != *[[:space:]\|]* ]] || die 2 "--$v '${!v}': expected an absolute path without spaces or '|'"
 done
 [ -z "$wheel" ] || [ -f "$wheel" ] || die 2 "--wheel '$wheel': no such file"
+if [ -z "$torch_spec" ]; then
+  case "$(uname -m)" in
+    aarch64|arm64) torch_spec="torch<2.11" ;;  # the last CPU-only aarch64 wheels (see above)
+    *) torch_spec=torch ;;
+  esac
+fi
 [ "$dry_run" = 0 ] || [ "$service" = 1 ] || die 2 "--dry-run and --no-service exclude each other (--dry-run installs nothing)"
 if [ "$dry_run" = 0 ]; then
   [ "$(id -u)" = 0 ] || die 2 "needs root: it writes /etc/systemd/system, $etc and $prefix and starts a service; run it with sudo (or --dry-run)"
