@@ -326,7 +326,7 @@ while IFS= read -r line; do
 done < "$rootfs/etc/dpfl/supernode.env"
 mapfile -d '' node_cmd < <(env -i "${node_env[@]}" bash -c "eval \"set -- \$1\"; printf '%s\0' \"\$@\"" _ "$exec_start")
 echo "arm64 SuperNode: the unit's ExecStart in the chroot, environment = /etc/dpfl/supernode.env:"
-echo "  chroot $rootfs ${node_cmd[*]}"
+echo "  chroot $rootfs $(printf "%q " "${node_cmd[@]}")"
 start_bg supernode-arm64 nice -n 19 env -i "${node_env[@]}" /usr/sbin/chroot "$rootfs" \
   /bin/sh -c 'cd /var/lib/dpfl && exec "$@"' sh "${node_cmd[@]}"
 echo "waiting for both SuperNodes to connect (the arm64 one starts under emulation)"
