@@ -51,3 +51,41 @@ def test_edge_install_refuses_missing_settings(tmp_path):
     proc = subprocess.run([str(ROOT / "deploy" / "edge" / "install.sh"), "--superlink", "x:1"],
                           capture_output=True, text=True)
     assert proc.returncode == 2 and "missing --ca" in proc.stderr
+
+
+def test_edge_install_refuses_dry_run_with_no_service(tmp_path):
+    (tmp_path / "ca.crt").write_text("-")
+    (tmp_path / "key").write_text("-")
+    proc = subprocess.run(
+        [str(ROOT / "deploy" / "edge" / "install.sh"), "--superlink", "10.0.0.1:9092", "--ca",
+         str(tmp_path / "ca.crt"), "--key", str(tmp_path / "key"), "--partition-id", "0",
+         "--num-partitions", "2", "--dry-run", "--no-service"], capture_output=True, text=True)
+    assert proc.returncode == 2 and "exclude each other" in proc.stderr
+    assert proc.stderr.count("\n") == 1
+
+
+def test_edge_env_puts_the_venv_first_on_path(tmp_path):
+    # flower-supernode starts flower-superexec by name: systemd's default PATH lacks the venv
+    env, _ = _render(tmp_path)
+    path = next(line for line in env.splitlines() if line.startswith("PATH="))
+    assert path.startswith(f"PATH={Path(sys.executable).parents[1]}/bin:")
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--rounds", "0"], "--rounds '0'"),
+    (["--train-subset", "60001"], "--train-subset '60001'"),
+    (["--threads", "x"], "--threads 'x'"),
+    (["--cache", "relative/dir"], "--cache 'relative/dir'"),
+    (["--torch", "numpy==2"], "--torch 'numpy==2'"),
+    (["--rounds"], "--rounds needs a value"),
+    (["--nodes", "3"], "unknown argument '--nodes'"),
+])
+def test_arm64_demo_refuses_bad_arguments_before_doing_anything(tmp_path, args, message):
+    # the argument checks come first: no root, rootfs, qemu or namespace needed to reach them
+    cache = tmp_path / "cache"
+    proc = subprocess.run([str(ROOT / "deploy" / "edge" / "arm64-demo.sh"), *args],
+                          capture_output=True, text=True, timeout=30,
+                          env={"PATH": "/usr/bin:/bin", "DPFL_ARM64_ROOT": str(cache)})
+    assert proc.returncode == 2, proc.stderr
+    assert message in proc.stderr and proc.stderr.count("\n") == 1
+    assert proc.stdout == "" and not cache.exists()

@@ -3,11 +3,14 @@
 #
 #   sudo deploy/edge/install.sh --superlink HOST:9092 --ca ca.crt --key supernode-3 \
 #        --partition-id 3 --num-partitions 8 [--threads 2] [--memory-max 1500M] \
-#        [--cpu-quota 150%] [--wheel dist/dpfl-0.1.0-py3-none-any.whl] [--prefix /opt/dpfl]
+#        [--cpu-quota 150%] [--wheel dist/dpfl-0.1.0-py3-none-any.whl] [--prefix /opt/dpfl] \
+#        [--torch torch==<v>] [--etc /etc/dpfl] [--dry-run | --no-service]
 #
 # What it does, all of it visible below:
-#  1. a venv in PREFIX with CPU torch (on ARM64 PyPI's torch wheels are CPU-only; on x86_64
-#     pass PIP_EXTRA_INDEX_URL for a CPU index, or --torch torch==<v>+cpu from a local file),
+#  1. a venv in PREFIX with CPU torch (on ARM64 the default is torch<2.11: PyPI's aarch64
+#     torch wheels are CPU-only up to 2.10, from 2.11 on they are CUDA builds that pull the
+#     CUDA toolkit, GBs a CPU-only device cannot use; on x86_64 pass PIP_EXTRA_INDEX_URL for
+#     a CPU index, or --torch torch==<v>+cpu from a local file),
 #     and dpfl[mnist] from --wheel or this checkout (no torchvision, no Ray: a SuperNode needs
 #     neither);
 #  2. /etc/dpfl/: the CA certificate and the SuperNode's private key (0600), and
@@ -20,18 +23,23 @@
 # device does not change it; what the device bounds is threads, memory and CPU share.
 # Register the key's .pub on the SuperLink side first: flwr supernode register KEY.pub <conn>.
 # --dry-run prints the files it would write and installs nothing.
+# --no-service does steps 1 and 2 and writes the rendered unit to ETC/dpfl-supernode.service
+# only (no /etc/systemd/system, no systemctl): for a chroot or container without systemd,
+# whose supervisor then runs the unit's ExecStart with supernode.env as its environment
+# (deploy/edge/arm64-demo.sh does so in an arm64 chroot).
 # Every argument is checked before anything is written (a bad one: one line on stderr naming
-# it, exit 2); without --dry-run also root, python3's venv module and systemctl.
+# it, exit 2); without --dry-run also root, python3's venv module and (without --no-service)
+# systemctl.
 set -euo pipefail
 me=deploy/edge/install.sh
 . "$(dirname "$0")/../lib.sh"  # die, require_engine
 here=$(cd "$(dirname "$0")" && pwd)
 repo=$(cd "$here/../.." && pwd)
 superlink="" ca="" key="" pid="" nparts="" threads=2 memory_max=1500M cpu_quota=150%
-wheel="" prefix=/opt/dpfl torch_spec=torch dry_run=0 etc=/etc/dpfl
+wheel="" prefix=/opt/dpfl torch_spec="" dry_run=0 service=1 etc=/etc/dpfl
 while [ $# -gt 0 ]; do
   case "$1" in
-    --dry-run) ;;
+    --dry-run|--no-service) ;;
     --*) [ $# -ge 2 ] || die 2 "$1 needs a value (see the header of $me)" ;;
   esac
   case "$1" in
@@ -48,6 +56,7 @@ while [ $# -gt 0 ]; do
     --torch) torch_spec=$2; shift 2 ;;
     --etc) etc=$2; shift 2 ;;
     --dry-run) dry_run=1; shift ;;
+    --no-service) service=0; shift ;;
     *) die 2 "unknown argument '$1' (see the header of $me)" ;;
   esac
 done
@@ -69,9 +78,17 @@ for v in prefix etc; do
   [[ ${!v} == /* && ${!v} != *[[:space:]\|]* ]] || die 2 "--$v '${!v}': expected an absolute path without spaces or '|'"
 done
 [ -z "$wheel" ] || [ -f "$wheel" ] || die 2 "--wheel '$wheel': no such file"
+if [ -z "$torch_spec" ]; then
+  case "$(uname -m)" in
+    aarch64|arm64) torch_spec="torch<2.11" ;;  # the last CPU-only aarch64 wheels (see above)
+    *) torch_spec=torch ;;
+  esac
+fi
+[ "$dry_run" = 0 ] || [ "$service" = 1 ] || die 2 "--dry-run and --no-service exclude each other (--dry-run installs nothing)"
 if [ "$dry_run" = 0 ]; then
   [ "$(id -u)" = 0 ] || die 2 "needs root: it writes /etc/systemd/system, $etc and $prefix and starts a service; run it with sudo (or --dry-run)"
-  command -v systemctl > /dev/null || die 2 "'systemctl' not found: this installs a systemd service"
+  [ "$service" = 0 ] || command -v systemctl > /dev/null \
+    || die 2 "'systemctl' not found: this installs a systemd service (--no-service installs the venv and $etc only)"
   python3 -c 'import ensurepip, venv' 2> /dev/null \
     || die 2 "python3 with the venv module is needed (apt-get install python3-venv)"
 fi
@@ -79,6 +96,8 @@ fi
 env_file=$(cat <<ENV
 # dpfl SuperNode settings (read by dpfl-supernode.service)
 DPFL_SUPERLINK=$superlink
+# the SuperNode starts flower-superexec (and that flwr-clientapp) by name: the venv first
+PATH=$prefix/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin
 DPFL_NODE_CONFIG=partition-id=$pid num-partitions=$nparts
 DPFL_NUM_THREADS=$threads
 OMP_NUM_THREADS=$threads
@@ -105,6 +124,11 @@ install -d -m 0755 "$etc" /var/lib/dpfl
 install -m 0644 "$ca" "$etc/ca.crt"
 install -m 0600 "$key" "$etc/supernode.key"
 printf '%s\n' "$env_file" > "$etc/supernode.env"
+if [ "$service" = 0 ]; then
+  printf '%s\n' "$unit" > "$etc/dpfl-supernode.service"
+  echo "dpfl SuperNode installed in $prefix (no service: the unit is $etc/dpfl-supernode.service)"
+  exit 0
+fi
 printf '%s\n' "$unit" > /etc/systemd/system/dpfl-supernode.service
 systemctl daemon-reload
 systemctl enable --now dpfl-supernode.service
