@@ -58,6 +58,18 @@ CASES = [
     ("fedasgp", "eps4", "fedsmp-randk", 2, 100, "eps4__fedsmp-randk__seed2",
      {**_preset("fedasgp", "mnist.toml"), "strategy": "fedsmp", "fedsmp-mask": "randk",
       "target-epsilon": 120.0}),
+    # trust models: the cell's size (100 or 1,000 SuperNodes), the arm's trust keys, n_min
+    # = 80 % of a distributed round, Flower's wrapper at the preset's sigma without a budget
+    ("trust", "eps8", "distributed", 0, 100, "eps8__distributed__seed0",
+     {**_preset("trust", "mnist100.toml"), "strategy": "dpfedavg", "trust": "distributed",
+      "target-epsilon": 8.0, "secagg-min-survivors": 8}),
+    ("trust", "k1000-eps8", "central", 0, 1000, "k1000-eps8__central__seed0",
+     {**_preset("trust", "mnist1000.toml"), "strategy": "dpfedavg", "trust": "central",
+      "adaptive-clip": True, "target-epsilon": 8.0}),
+    ("trust", "cmp", "flower-central", 0, 100, "cmp__flower-central__seed0",
+     {**_preset("trust", "mnist100-cmp.toml"), "strategy": "dpfedavg", "trust": "central",
+      "central-impl": "flower", "adaptive-clip": True, "target-epsilon": 1e6,
+      "noise-multiplier": 0.5}),
 ]
 
 

@@ -143,3 +143,9 @@ REPRODUCTION = Reproduction(
     default_cells=("eps2", "eps4", "eps8"), methods=tuple(ARMS),
     default_methods=tuple(ARMS), build_table=build_table, run_config=_run_config,
     clients_of=clients_of)
+
+
+def run_one(root: Path, cell: str, method: str, seed: int, results: Path,
+            work: Path) -> dict[str, Any]:
+    """One run of the grid (its record)."""
+    return REPRODUCTION.run_one(root, cell, method, seed, results, work)
