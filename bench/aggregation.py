@@ -12,7 +12,11 @@ evaluates a model per client: that is evaluation, not aggregation, and is not ti
 
 Updates are a weak shared direction plus per-client noise (as DP-SGD updates are), so a
 realistic share of pairs has negative cosine (printed). GCFL is timed with 1 reference and
-with M/10 references. ``--chunks`` adds a sweep of the column-block width (1 reference).
+with M/10 references, each as it runs (one read of U, the fused kernel of
+dpfl.server.fused) and on its two-pass BLAS fallback (``2p``: the implementation before the
+kernel, and what runs where no C compiler is found). ``--chunks`` adds a sweep of the
+BLAS path's column-block width (1 reference). All arms of one M are timed interleaved
+(best of ``--repeats`` rounds), so the ratios hold on a loaded machine.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ from __future__ import annotations
 import argparse
 
 import torch
-from timing import best_time
+from timing import best_time, best_times
 
 from dpfl.methods import build_strategy, run_config
 from dpfl.methods.fedasgp import LOSS_KEY, SIGNIFICANT_KEY
@@ -69,6 +73,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--dim", type=int, default=1_200_000)
     parser.add_argument("--ms", type=int, nargs="+", default=[2, 10, 50, 100])
+    parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--chunks", type=int, nargs="*", default=[],
                         help="also time GCFL (1 reference) with these column-block widths")
     args = parser.parse_args()
@@ -76,7 +81,8 @@ def main() -> None:
     shared = torch.randn(args.dim, generator=g)
     print(f"d = {args.dim:,}, float32, {torch.get_num_threads()} threads")
     print(f"{'M':>4} {'neg-cos':>8} {'FedAvg ms':>10} {'GCFL(1) ms':>11} {'ratio':>6} "
-          f"{'GCFL(M/10) ms':>14} {'ratio':>6} {'CRA ms':>8} {'ratio':>6} "
+          f"{'2p ratio':>8} {'GCFL(M/10) ms':>14} {'ratio':>6} {'2p ratio':>8} "
+          f"{'CRA ms':>8} {'ratio':>6} "
           f"{'ASGP-p ms':>10} {'ratio':>6} {'ASGP-s ms':>10} {'ratio':>6} "
           f"{'SMP ms':>8} {'ratio':>6}")
     for m in args.ms:
@@ -85,11 +91,8 @@ def main() -> None:
         un = u / u.norm(dim=1, keepdim=True)
         cos = un @ un.T
         neg = float((cos[~torch.eye(m, dtype=torch.bool)] < 0).float().mean()) if m > 1 else 0.0
-        t_avg = best_time(lambda: weighted_mean(u, w))
         refs1 = [0]
         refs10 = list(range(0, m, 10))[: max(1, m // 10)]
-        t_g1 = best_time(lambda: gcfl_aggregate(u, w, refs1))
-        t_g10 = best_time(lambda: gcfl_aggregate(u, w, refs10))
         w_prev = torch.randn(args.dim, generator=g)
         f1 = torch.rand(m, generator=g)
         state = {"f1": {i: 0.5 for i in range(m)}, "norm": {i: 1.0 for i in range(m)}}
@@ -98,24 +101,34 @@ def main() -> None:
                            torch.full((10,), 1e-9, dtype=torch.float64),
                            torch.arange(10))   # 10 active constraints, the worst case
         norms = torch.linalg.vector_norm(u, dim=1)
-        t_cra = best_time(lambda: cra_aggregate(u, norms, w_prev, f1, state, kept))
         losses = torch.rand(m, generator=g) + 0.5
         accepted = [ClientUpdate(node_id=i + 1, partition_id=i, flat=u[i], num_examples=1,
                                  metrics={LOSS_KEY: float(losses[i]), SIGNIFICANT_KEY: 0.1})
                     for i in range(m)]
         asgp = {v: method_strategy("fedasgp", m, asgp_variant=v) for v in ("paper", "strict")}
-        t_ap = best_time(lambda: method_aggregate(asgp["paper"], accepted, u))
-        t_as = best_time(lambda: method_aggregate(asgp["strict"], accepted, u))
         smp = method_strategy("fedsmp", m)
-        t_smp = best_time(lambda: method_aggregate(smp, accepted, u))
-        print(f"{m:>4} {neg:>8.2f} {1e3 * t_avg:>10.1f} {1e3 * t_g1:>11.1f} {t_g1 / t_avg:>6.2f} "
-              f"{1e3 * t_g10:>14.1f} {t_g10 / t_avg:>6.2f} {1e3 * t_cra:>8.1f} "
-              f"{t_cra / t_avg:>6.2f} {1e3 * t_ap:>10.1f} {t_ap / t_avg:>6.2f} "
-              f"{1e3 * t_as:>10.1f} {t_as / t_avg:>6.2f} {1e3 * t_smp:>8.1f} "
-              f"{t_smp / t_avg:>6.2f}")
+        t = best_times({
+            "avg": lambda: weighted_mean(u, w),
+            "g1": lambda: gcfl_aggregate(u, w, refs1),
+            "g1-2p": lambda: gcfl_aggregate(u, w, refs1, fused=False),
+            "g10": lambda: gcfl_aggregate(u, w, refs10),
+            "g10-2p": lambda: gcfl_aggregate(u, w, refs10, fused=False),
+            "cra": lambda: cra_aggregate(u, norms, w_prev, f1, state, kept),
+            "ap": lambda: method_aggregate(asgp["paper"], accepted, u),
+            "as": lambda: method_aggregate(asgp["strict"], accepted, u),
+            "smp": lambda: method_aggregate(smp, accepted, u),
+        }, args.repeats)
+        t_avg = t["avg"]
+        print(f"{m:>4} {neg:>8.2f} {1e3 * t_avg:>10.1f} {1e3 * t['g1']:>11.1f} "
+              f"{t['g1'] / t_avg:>6.2f} {t['g1-2p'] / t_avg:>8.2f} {1e3 * t['g10']:>14.1f} "
+              f"{t['g10'] / t_avg:>6.2f} {t['g10-2p'] / t_avg:>8.2f} {1e3 * t['cra']:>8.1f} "
+              f"{t['cra'] / t_avg:>6.2f} {1e3 * t['ap']:>10.1f} {t['ap'] / t_avg:>6.2f} "
+              f"{1e3 * t['as']:>10.1f} {t['as'] / t_avg:>6.2f} {1e3 * t['smp']:>8.1f} "
+              f"{t['smp'] / t_avg:>6.2f}")
         for chunk in args.chunks:
-            t = best_time(lambda: gcfl_aggregate(u, w, refs1, chunk=chunk))
-            print(f"{'':>4} chunk {chunk:>8}: GCFL(1) {1e3 * t:.1f} ms, ratio {t / t_avg:.2f}")
+            tc = best_time(lambda: gcfl_aggregate(u, w, refs1, chunk=chunk))
+            print(f"{'':>4} chunk {chunk:>8}: GCFL(1) 2p {1e3 * tc:.1f} ms, "
+                  f"ratio {tc / t_avg:.2f}")
         u = un = accepted = None  # frees the M x d matrices before the next M
 
 

@@ -22,7 +22,7 @@ TRAINERS = ("plain", "dpsgd", "update-dp")
 # pld: dp-accounting PLD (tightest, the default); rdp: Opacus / dp-accounting RDP;
 # prv: Opacus PRV (DP-SGD only)
 ACCOUNTANTS = ("pld", "rdp", "prv")
-OPACUS_MODES = ("ghost", "hooks", "functorch", "ew")
+OPACUS_MODES = ("ghost", "hooks", "functorch", "ew", "bk")
 # who adds the noise (dpfl.privacy.trust): each client (local), a trusted server (central)
 # or every client a share under secure aggregation (distributed)
 TRUSTS = ("local", "central", "distributed")

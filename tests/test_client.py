@@ -5,21 +5,21 @@ import math
 
 import pytest
 import torch
+from flower_helpers import context, message
 from flwr.app import ArrayRecord, ConfigRecord, RecordDict
 from opacus.accountants import RDPAccountant
 from opacus.accountants.utils import get_noise_multiplier
 
 from dpfl.apps.client import train
 from dpfl.client.trainers import train_dpsgd
-from dpfl.privacy.mechanisms import GaussianMechanism, l2_clip
 from dpfl.config import RunConfig
 from dpfl.data import ClientData, client_data
 from dpfl.models import build_model
 from dpfl.privacy.budget import PrivacyHistory
 from dpfl.privacy.events import PrivacyEvent
+from dpfl.privacy.mechanisms import GaussianMechanism, l2_clip
 from dpfl.privacy.plan import gaussian_norm_bound
 from dpfl.tensors import flatten
-from flower_helpers import context, message
 
 DIGITS = {"dataset": "digits", "model": "mlp", "batch-size": 64, "num-rounds": 2,
           "target-epsilon": 2.0, "lr": 0.1}
@@ -31,7 +31,7 @@ def _tiny_data(n=16):
                       torch.empty(0, 1, 8, 8), torch.empty(0, dtype=torch.long), 10)
 
 
-@pytest.mark.parametrize("mode", ["ghost", "hooks"])
+@pytest.mark.parametrize("mode", ["ghost", "hooks", "bk"])
 def test_dpsgd_step_equals_mean_of_clipped_per_sample_gradients(mode):
     """sigma = 0, q = 1 (batch = n), one step at lr 1: the update is exactly
     -(1/n) sum_i clip(g_i, C), computed here with a plain per-sample loop."""

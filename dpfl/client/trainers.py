@@ -6,13 +6,15 @@ The math is in plain functions; the ClientApp (``dpfl.apps.client``) wires them 
 from __future__ import annotations
 
 import warnings
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
+from dpfl.client.bookkeeping import BookKeeper
 from dpfl.config import RunConfig
 from dpfl.data import ClientData
 from dpfl.privacy.plan import steps_per_epoch
@@ -144,6 +146,9 @@ def train_dpsgd(model: nn.Module, data: ClientData, cfg: RunConfig, noise_multip
                 ) -> TrainResult:
     """Sample-level DP-SGD with Opacus: Poisson sampling, per-sample clipping to
     ``max-grad-norm``, Gaussian noise ``noise_multiplier * max-grad-norm``.
+    ``opacus-mode`` picks how the clipped sum is formed: Opacus' ``ghost``, ``hooks``,
+    ``functorch``, ``ew``, or ``bk`` (book-keeping, :mod:`dpfl.client.bookkeeping`: one
+    backward pass; Opacus' ghost-mode optimizer, loader and accountant).
 
     ``sampling_rng`` (CPU) draws the Poisson batches and ``noise_rng`` (on ``device``) the
     noise: both are part of the mechanism and must be secret
@@ -162,6 +167,11 @@ def train_dpsgd(model: nn.Module, data: ClientData, cfg: RunConfig, noise_multip
     """
     from opacus import PrivacyEngine
 
+    # book-keeping clipping (opacus-mode=bk) keeps everything of Opacus' ghost mode but its
+    # two backward passes: same optimizer (noise, scaling), loader and accountant
+    bk = cfg.opacus_mode == "bk"
+    mode = "ghost" if bk else cfg.opacus_mode
+    keeper = BookKeeper(model) if bk else None   # refuses unsupported layers up front
     model.to(device).train()
     engine = PrivacyEngine(accountant="rdp")
     criterion = nn.CrossEntropyLoss()
@@ -173,27 +183,35 @@ def train_dpsgd(model: nn.Module, data: ClientData, cfg: RunConfig, noise_multip
                                 None if public_examples is None else
                                 steps_per_epoch(public_examples, cfg.batch_size)),
             noise_multiplier=noise_multiplier, max_grad_norm=cfg.max_grad_norm,
-            poisson_sampling=True, grad_sample_mode=cfg.opacus_mode, noise_generator=noise_rng,
+            poisson_sampling=True, grad_sample_mode=mode, noise_generator=noise_rng,
         )
-    if cfg.opacus_mode == "ghost":
+    if mode == "ghost":
         dp_model, opt, dp_criterion, loader = made
     else:
         (dp_model, opt, loader), dp_criterion = made, criterion
+    if keeper is not None:
+        dp_model.remove_hooks()  # BK forms the norms and the clipped sum itself
+        per_sample_loss = nn.CrossEntropyLoss(reduction="none")
     sample_rate = float(loader.sample_rate)
     total, count = 0.0, 0
-    with warnings.catch_warnings():
+    with warnings.catch_warnings(), _removed_after(keeper):
         warnings.simplefilter("ignore")  # "Full backward hook is firing..." on torch 2.14
         for _ in range(cfg.local_epochs):
             for x, y in loader:
                 opt.zero_grad(set_to_none=True)
                 if len(y) == 0:  # an empty Poisson batch still is a (noise-only) step
-                    _noise_only_step(opt, model, cfg.opacus_mode)
+                    _noise_only_step(opt, model, mode)
                     if post_step is not None:
                         post_step(model, cfg.lr)
                     continue
                 x, y = x.to(device), y.to(device)
-                loss = dp_criterion(dp_model(x), y)
-                loss.backward()
+                if keeper is not None:
+                    losses = per_sample_loss(keeper.forward(model, x), y)
+                    keeper.clip_and_sum(losses, cfg.max_grad_norm)  # p.grad = clipped sum
+                    loss = losses.detach().mean()
+                else:
+                    loss = dp_criterion(dp_model(x), y)
+                    loss.backward()
                 opt.step()
                 if post_step is not None:
                     post_step(model, cfg.lr)
@@ -201,6 +219,16 @@ def train_dpsgd(model: nn.Module, data: ClientData, cfg: RunConfig, noise_multip
                 count += len(y)
     steps = sum(n for _, _, n in engine.accountant.history)
     return TrainResult(len(data.y_train), total / max(count, 1), steps, sample_rate)
+
+
+@contextmanager
+def _removed_after(keeper: BookKeeper | None) -> Iterator[None]:
+    """Detach book-keeping hooks from the (shared) model however training ends."""
+    try:
+        yield
+    finally:
+        if keeper is not None:
+            keeper.remove()
 
 
 def _noise_only_step(opt: torch.optim.Optimizer, model: nn.Module, mode: str) -> None:

@@ -19,7 +19,9 @@ g_i' = sum_k A[i, k] g_k, so the Gram matrix G = U U^T gives every dot product
 (g_i' . g_j = A[i] G[:, j]). Row i of A only ever gains entries at reference columns, so
 only the M x R block of G against the references is needed (one M x d by d x R product);
 the M x M coefficients are updated in place and one product A U (or, for the weighted mean,
-(w^T A) U) finishes. No Python loop touches d.
+(w^T A) U) finishes. No Python loop touches d. The aggregate reads U once: a fused C
+kernel forms the weighted mean and the cross products from the same column tiles
+(:mod:`dpfl.server.fused`).
 
 Sign: dpfl's updates are trained - received (about -lr x gradient); flipping the sign of
 every vector leaves cosines and projections unchanged, so the correction applies as is.
@@ -38,6 +40,7 @@ import torch
 from dpfl.config import need
 from dpfl.method import Method, MethodParams
 from dpfl.server.aggregation import weighted_mean
+from dpfl.server.fused import mean_and_cross
 from dpfl.server.strategy import DPFLStrategy
 
 
@@ -92,13 +95,21 @@ def gcfl_correct(updates: torch.Tensor, references: Sequence[int]) -> torch.Tens
 
 
 def _mean_and_cross(updates: torch.Tensor, weights: torch.Tensor, refs: Sequence[int],
-                    chunk: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """w^T U and the M x R cross products U U_refs^T in one pass over U: column blocks
-    small enough to stay in the last-level cache are read once from memory and used by
-    both products; the reference rows of a block are gathered from the cached block (no
-    R x d copy). Products run as R x c by c x M (MKL is about 2x faster in that
-    orientation than M x c by c x R here); block partials are summed in float64."""
+                    chunk: int | None = None, fused: bool = True
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """w^T U and the M x R cross products U U_refs^T (float64).
+
+    Fused (float32, contiguous, no ``chunk`` given, a C compiler present): one read of U,
+    :func:`dpfl.server.fused.mean_and_cross`. Otherwise two BLAS products per column block
+    small enough to stay in the last-level cache (the second read is from L3 at best);
+    the reference rows of a block are gathered from the cached block (no R x d copy).
+    Products run as R x c by c x M (MKL is about 2x faster in that orientation than
+    M x c by c x R here); block partials are summed in float64."""
     m, d = updates.shape
+    if fused and chunk is None:
+        out = mean_and_cross(updates, weights, list(refs))
+        if out is not None:
+            return out
     idx = torch.tensor(list(refs), dtype=torch.long)
     if not updates.is_contiguous():
         return weights @ updates, (updates @ updates[idx].T).to(torch.float64)
@@ -116,20 +127,20 @@ def _mean_and_cross(updates: torch.Tensor, weights: torch.Tensor, refs: Sequence
 
 
 def gcfl_aggregate(updates: torch.Tensor, weights: torch.Tensor, references: Sequence[int],
-                   chunk: int | None = None, return_cross: bool = False):
+                   chunk: int | None = None, return_cross: bool = False, fused: bool = True):
     """Sample-count-weighted mean of the corrected updates, sum_i w_i g_i' / sum w.
 
     (w^T A) U = w^T U + beta^T U_refs with beta = w^T A - w^T, which is non-zero only at
     the reference columns: the plain weighted mean, the M x R cross products the
-    coefficients need (both from one blocked pass over U), and R axpy corrections.
-    Measured (bench/aggregation.py, 2-core EPYC, d = 1.2M, M = 100): about 1.7x FedAvg
-    with one reference (memory-bound: the cross products cost a second, partly cached,
-    read of U); with R references the cross products are R x FedAvg's flops, so the cost
-    grows with R (about 3-4x at R = M/10). With ``return_cross`` also returns the cross
-    products (u_k . u_r), e.g. for diagnostics."""
+    coefficients need (both from one read of U, see :func:`_mean_and_cross`), and R axpy
+    corrections. Measured (bench/aggregation.py, 2-core EPYC, d = 1.2M, M = 100, under
+    load): fused, about 1.0-1.3x FedAvg with one reference and 2-4x with R = M/10 (R FMAs
+    per element); the two-pass BLAS fallback (``fused=False``, or no C compiler) about
+    1.8-2.4x and 20-60x. With ``return_cross`` also returns the cross products
+    (u_k . u_r), e.g. for diagnostics."""
     refs = sorted(set(int(r) for r in references))
     w64 = weights.to(torch.float64) / float(weights.sum())
-    mean, cross = _mean_and_cross(updates, w64.to(updates.dtype), refs, chunk)
+    mean, cross = _mean_and_cross(updates, w64.to(updates.dtype), refs, chunk, fused)
     a = gcfl_coefficients(cross, refs)
     beta = (w64 @ a - w64)[refs]
     for r, b in zip(refs, beta.tolist()):
