@@ -133,7 +133,7 @@ def plot(runs: list[dict[str, Any]], path: Path) -> None:
     ax.set_xlabel("largest per-client ε on the ledger (δ = 1e-5)")
     ax.set_ylabel("test accuracy %")
     ax.set_title("MNIST: accuracy vs per-client ε by trust model")
-    ax.legend(fontsize=7, loc="lower right")
+    ax.legend(fontsize=7, loc="center left")
     ax.grid(alpha=0.3)
     save_figure(fig, path)
 
