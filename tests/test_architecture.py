@@ -66,3 +66,23 @@ def test_shared_layers_never_name_a_method():
     found = {(str(f.relative_to(ROOT)), name) for f in files
              for name in METHODS if name in _string_literals(f)}
     assert not found, f"method names in shared layers: {sorted(found)}"
+
+
+def test_the_flower_app_bundle_carries_the_package_and_fits_flowers_limit():
+    """`flwr run` packs the repository with Flower's own FAB builder, and the SuperLink refuses
+    a FAB over 10 MB. Committed run records (results/) once pushed it past that and every
+    federation failed before round 1. The bundle must hold every module of the package, no
+    result file, and stay well under the limit."""
+    import io
+    import zipfile
+
+    from flwr.cli.build import build_fab_from_disk
+    from flwr.common.constant import FAB_MAX_SIZE
+
+    fab = build_fab_from_disk(ROOT)
+    names = set(zipfile.ZipFile(io.BytesIO(fab)).namelist())
+    modules = {p.relative_to(ROOT).as_posix() for p in (ROOT / "dpfl").rglob("*.py")
+               if "__pycache__" not in p.parts}
+    assert modules <= names
+    assert not [n for n in names if n.startswith(("results/", "tests/", "bench/"))]
+    assert len(fab) < FAB_MAX_SIZE / 4
