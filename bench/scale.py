@@ -4,11 +4,14 @@ clients, central DP-FedAvg (trust=central, Poisson q = 0.1) on MNIST.
     python bench/scale.py [--clients 100 300 1000] [--rounds 4] [--trust central] [...]
 
 Prints per federation size: the peak resident memory of the whole simulation (every
-process of the run's tree, read from /proc every 0.5 s), seconds per round (rounds 2..R of
-rounds.jsonl: round 1 includes the actors' start-up), the pure training compute of the same
-round (one client's local training timed here, times the round's sampled clients, divided
-by the actors working in parallel), Flower's round overhead = 1 - compute / round time, and
-the bytes a node keeps between rounds (the clients' ``node-state-bytes``).
+process of the run's tree, read from /proc every 0.5 s); the round's cycle time (between
+the starts of rounds 2..R in rounds.jsonl: round 1 includes the actors' start-up); the pure
+training compute of the round (one client's local training timed here, times the round's
+sampled clients, divided by the actors working in parallel); the exchange phase (the
+instructions out and the replies in: Flower's transport plus that training); Flower's
+overhead = 1 - compute / exchange, the whole round's = 1 - compute / cycle; dpfl's own
+server work per round (validation and aggregation, the durable ledger, central evaluation,
+accounting); and the bytes a node keeps between rounds (the clients' ``node-state-bytes``).
 """
 
 from __future__ import annotations
@@ -112,22 +115,32 @@ def main() -> None:
     parser.add_argument("--actors", type=int, default=2, help="Ray actors (one per CPU)")
     parser.add_argument("extra", nargs="*", help="run-config overrides key=value")
     args = parser.parse_args()
-    print(f"{'clients':>8} {'peak GiB':>9} {'s/round':>8} {'compute s':>10} "
-          f"{'overhead':>9} {'sampled':>8} {'state B':>8}")
+    print(f"{'clients':>8} {'peak GiB':>9} {'cycle s':>8} {'compute s':>10} "
+          f"{'exchange s':>11} {'Flower ovh':>11} {'round ovh':>10} {'server s':>9} "
+          f"{'sampled':>8} {'state B':>8}")
     with tempfile.TemporaryDirectory() as tmp:
         for n in args.clients:
             run, peak = run_federation(n, args.rounds, args.trust, Path(tmp), args.extra)
             rounds = [json.loads(line) for line in
                       (run / "rounds.jsonl").read_text().splitlines()]
             later = rounds[1:] or rounds
-            per_round = statistics.mean(r["seconds"] for r in later)
+            starts = [r["started"] for r in rounds]
+            cycle = (statistics.mean(b - a for a, b in zip(starts[1:], starts[2:]))
+                     if len(starts) > 2 else statistics.mean(r["seconds"] for r in later))
+            exchange = statistics.mean(r["phase-seconds"]["exchange"] for r in later)
+            server = statistics.mean(sum(v for k, v in r["phase-seconds"].items()
+                                         if k not in ("select", "exchange")) for r in later)
             sampled = statistics.mean(len(r["sampled-nodes"]) for r in later)
             compute = client_compute_seconds(n, args.extra) * sampled / args.actors
             state = max((c.get("node-state-bytes", 0) for r in rounds
                          for c in r["clients"].values()), default=0)
-            print(f"{n:>8} {peak / 2 ** 30:>9.2f} {per_round:>8.2f} {compute:>10.2f} "
-                  f"{1 - compute / per_round:>9.0%} {sampled:>8.1f} {state:>8}", flush=True)
-
+            print(f"{n:>8} {peak / 2 ** 30:>9.2f} {cycle:>8.2f} {compute:>10.2f} "
+                  f"{exchange:>11.2f} {1 - compute / exchange:>11.0%} "
+                  f"{1 - compute / cycle:>10.0%} {server:>9.2f} {sampled:>8.1f} {state:>8}",
+                  flush=True)
+            print("          phases (s/round): " + ", ".join(
+                f"{k} {statistics.mean(r['phase-seconds'][k] for r in later):.2f}"
+                for k in later[0]["phase-seconds"]), flush=True)
 
 if __name__ == "__main__":
     main()

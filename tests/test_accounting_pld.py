@@ -280,3 +280,27 @@ def test_gaussians_of_different_sigmas_compose_exactly_into_one():
     # so a little looser: measured 3.3e-8 above exact, 2.5e-8 above the merged value)
     separate = _pld([(dp_event.GaussianDpEvent(s), 1) for s in sigmas])
     assert exact - 1e-12 <= separate and abs(separate - eps) <= 1e-7
+
+
+@pytest.mark.parametrize("relation", [A.NeighborRel.ADD_OR_REMOVE_ONE, A.NeighborRel.REPLACE_ONE])
+def test_kept_sampled_gaussian_grids_give_dp_accountings_numbers_exactly(relation):
+    """A central run composes the same Poisson-sampled Gaussian once more every round;
+    dpfl keeps its PLD grid instead of rebuilding it. The epsilon must be PLDAccountant's
+    to the last bit (same constructions, same order), before and after the grid is kept,
+    and for a history the kept route does not handle (Laplace: the accountant's own)."""
+    sampled = dp_event.PoissonSampledDpEvent(0.2, dp_event.GaussianDpEvent(1.1))
+    histories = [
+        [(sampled, 40), (dp_event.GaussianDpEvent(6.0), 40)],
+        [(sampled, 41), (dp_event.PoissonSampledDpEvent(0.05, dp_event.GaussianDpEvent(1.6)), 9)],
+    ]
+    if relation == A.NeighborRel.ADD_OR_REMOVE_ONE:
+        histories.append([(sampled, 5), (dp_event.LaplaceDpEvent(2.0), 3)])
+    A._sampled_gaussian_pld.cache_clear()
+    for items in histories:
+        acc = PLDAccountant(neighboring_relation=relation, value_discretization_interval=1e-3)
+        for event, count in A._merge_gaussians(items):
+            acc.compose(event, count)
+        expected = acc.get_epsilon(1e-5)
+        assert A._pld_once(items, relation, 1e-5, 1e-3) == expected
+        assert A._pld_once(items, relation, 1e-5, 1e-3) == expected
+    assert A._sampled_gaussian_pld.cache_info().hits >= 2

@@ -43,6 +43,7 @@ from dpfl.privacy.verdict import Guarantee
 from dpfl.server.evaluation import classification_metrics
 from dpfl.server.exchange import ReplyExchange
 from dpfl.server.observer import UpdateObserver
+from dpfl.server.phases import PhaseClock
 from dpfl.server.plots import plot_accuracy, plot_epsilon
 from dpfl.server.report import epsilon_table
 from dpfl.server.rundir import RunDir
@@ -258,32 +259,42 @@ def _checkpoint(fed: Federation, rnd: int) -> dict[str, Any]:
 def run_round(fed: Federation, rnd: int) -> RoundRecord:
     """One round: instructions, replies, aggregation, charges, evaluation, checkpoint."""
     cfg, strategy, ledger = fed.cfg, fed.strategy, fed.ledger
-    t0 = time.time()
+    clock = PhaseClock()
     messages, record = strategy.start_round(rnd, fed.arrays, fed.grid, fed.resume_config)
     fed.resume_config = {}
     messages = _skip_busy(record, fed.exchange, rnd, messages, fed.strategy.client_name)
+    clock.lap("select")
     if cfg.trust == "distributed":  # SecAgg+: the server sees only the sum
         late = []
-        outcome = strategy.finish_secure_round(rnd, record, _secure_sum(fed, messages, rnd))
+        secure = _secure_sum(fed, messages, rnd)
+        clock.lap("exchange")
+        outcome = strategy.finish_secure_round(rnd, record, secure)
     else:
         replies, late = fed.exchange.send_and_receive(messages, rnd, cfg.round_timeout)
+        clock.lap("exchange")
         outcome = strategy.finish_round(rnd, record, replies)
     if fed.observer.active:
         fed.observer.observe(rnd, record.accepted, flatten(fed.arrays.to_torch_state_dict()))
     if outcome.arrays is not None:
         fed.arrays = outcome.arrays
     _charge_late(strategy, record, late)
+    clock.lap("aggregate")
     # every release of the round is charged: on disk before anything else is published
     fed.run_dir.save_ledger(ledger)
+    clock.lap("ledger")
     fed_eval = _federated_evaluation(strategy, fed.grid, rnd, fed.arrays, cfg)
     fed.model.load_state_dict(fed.arrays.to_torch_state_dict())
     central = classification_metrics(fed.model, fed.x_test, fed.y_test, fed.device)
+    clock.lap("evaluate")
+    epsilons = ledger.epsilons() if cfg.is_private else {}
+    clock.lap("accounting")
     line = {
-        "round": rnd, "seconds": round(time.time() - t0, 3), "central": central,
+        "round": rnd, "started": round(clock.start, 3), "seconds": round(clock.total(), 3),
+        "phase-seconds": clock.laps, "central": central,
         "train": dict(outcome.metrics) if outcome.metrics is not None else {},
         "sampled-nodes": record.sampled,
         "clients": record.client_metrics(),
-        "epsilon": ledger.epsilons() if cfg.is_private else {},
+        "epsilon": epsilons,
     }
     if cfg.is_private:
         line["charges"] = record.charge_lines()

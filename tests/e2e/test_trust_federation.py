@@ -34,6 +34,14 @@ def test_central_dp_charges_every_client_every_round_with_amplification(tmp_path
     assert unsampled, "Poisson sampling with q = 0.5 never left a client out in 3 rounds"
     accepted = [c for r in rounds for c in r["clients"].values() if c["status"] == "accepted"]
     assert accepted and all(c["clip-unclipped"] in (0.0, 1.0) for c in accepted)
+    # each round's wall time is split into its phases (bench/scale.py reads them)
+    for r in rounds:
+        phases = r["phase-seconds"]
+        assert list(phases) == ["select", "exchange", "aggregate", "ledger", "evaluate",
+                                "accounting"]
+        assert all(v >= 0 for v in phases.values())
+        assert sum(phases.values()) <= r["seconds"] + 0.01
+    assert [r["started"] for r in rounds] == sorted(r["started"] for r in rounds)
 
 
 def test_distributed_dp_over_secagg_plus_survives_a_dropout(tmp_path):
