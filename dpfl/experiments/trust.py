@@ -3,7 +3,7 @@
 plus Flower's own central-DP wrapper on the same round and the non-private reference.
 
 Cells: ``eps2`` / ``eps4`` / ``eps8`` at 100 clients (``conf/trust/mnist100.toml``),
-``k1000-eps8`` at 1,000 clients (``conf/trust/mnist1000.toml``) and ``cmp``, dpfl's central
+``k1000-eps2`` / ``k1000-eps4`` / ``k1000-eps8`` at 1,000 clients (``conf/trust/mnist1000.toml``) and ``cmp``, dpfl's central
 arm beside Flower's wrapper at one fixed noise multiplier where central DP learns
 (``conf/trust/mnist100-cmp.toml``). Arms:
 
@@ -34,8 +34,10 @@ from dpfl.experiments.common import (
     write_table,
 )
 
-EPSILONS = {"eps2": 2.0, "eps4": 4.0, "eps8": 8.0, "k1000-eps8": 8.0, "cmp": 1e6}
+EPSILONS = {"eps2": 2.0, "eps4": 4.0, "eps8": 8.0, "k1000-eps2": 2.0, "k1000-eps4": 4.0,
+            "k1000-eps8": 8.0, "cmp": 1e6}
 CELLS = {"eps2": "mnist100.toml", "eps4": "mnist100.toml", "eps8": "mnist100.toml",
+         "k1000-eps2": "mnist1000.toml", "k1000-eps4": "mnist1000.toml",
          "k1000-eps8": "mnist1000.toml", "cmp": "mnist100-cmp.toml"}
 ARMS: dict[str, dict[str, Any]] = {
     "local": {"strategy": "dpfedavg", "trust": "local"},
