@@ -67,6 +67,8 @@ class RunConfig:
     fraction_train: float = 1.0
     min_train_nodes: int = 2
     fraction_evaluate: float = 0.0
+    # central evaluation on the server's test set after every k-th round and the last one
+    evaluate_every: int = 1
     server_lr: float = 1.0
     max_update_norm: float = 0.0
     round_timeout: float = 900.0
@@ -241,6 +243,7 @@ def validate(cfg: RunConfig) -> RunConfig:
     need(cfg.max_update_norm >= 0, "max-update-norm", "must be >= 0 (0 = off)",
           cfg.max_update_norm)
     need(cfg.round_timeout > 0, "round-timeout", "must be > 0", cfg.round_timeout)
+    need(cfg.evaluate_every >= 1, "evaluate-every", "must be >= 1", cfg.evaluate_every)
     need(cfg.audit_canaries >= 0, "audit-canaries", "must be >= 0 (0 = no canaries)",
          cfg.audit_canaries)
     need(cfg.audit_seed >= 0, "audit-seed", "must be >= 0", cfg.audit_seed)

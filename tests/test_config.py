@@ -40,6 +40,7 @@ def test_the_fedcompdp_presets_leave_strategy_to_the_reproduction():
     ("dataset", "imagenet", "'dataset'"),
     ("strategy", "nope", "'strategy'"),
     ("num-rounds", 0, "'num-rounds'"),
+    ("evaluate-every", 0, "'evaluate-every'"),
     ("num-rounds", 2.5, "'num-rounds'"),
     ("batch-size", "big", "'batch-size'"),
     ("lr", -0.1, "'lr'"),

@@ -1,6 +1,7 @@
 """dpfl's ServerApp: builds the configured method's strategy, runs the rounds, evaluates
-centrally each round, keeps the privacy ledger, writes the run directory and checkpoints
-every round (``resume=true`` continues a run from its last checkpoint).
+the global model on the server's test set (after every ``evaluate-every``-th round and the
+last), keeps the privacy ledger, writes the run directory and checkpoints every round
+(``resume=true`` continues a run from its last checkpoint).
 
 The run is four steps — :func:`setup`, :func:`resume` (or a fresh start), :func:`run_round`
 per round, :func:`finish` — over one :class:`Federation` that holds the run's state; the
@@ -256,6 +257,16 @@ def _checkpoint(fed: Federation, rnd: int) -> dict[str, Any]:
             "ledger": fed.ledger.to_json()}
 
 
+def _central_metrics(fed: Federation) -> dict[str, float]:
+    """The global model's metrics on the server's test set."""
+    fed.model.load_state_dict(fed.arrays.to_torch_state_dict())
+    return classification_metrics(fed.model, fed.x_test, fed.y_test, fed.device)
+
+
+def _metric(central: dict[str, float] | None, key: str) -> str:
+    return f"{central[key]:.4f}" if central else "-"
+
+
 def run_round(fed: Federation, rnd: int) -> RoundRecord:
     """One round: instructions, replies, aggregation, charges, evaluation, checkpoint."""
     cfg, strategy, ledger = fed.cfg, fed.strategy, fed.ledger
@@ -283,14 +294,14 @@ def run_round(fed: Federation, rnd: int) -> RoundRecord:
     fed.run_dir.save_ledger(ledger)
     clock.lap("ledger")
     fed_eval = _federated_evaluation(strategy, fed.grid, rnd, fed.arrays, cfg)
-    fed.model.load_state_dict(fed.arrays.to_torch_state_dict())
-    central = classification_metrics(fed.model, fed.x_test, fed.y_test, fed.device)
+    central = (_central_metrics(fed) if rnd % cfg.evaluate_every == 0 or rnd == cfg.num_rounds
+               else None)
     clock.lap("evaluate")
     epsilons = ledger.epsilons() if cfg.is_private else {}
     clock.lap("accounting")
     line = {
         "round": rnd, "started": round(clock.start, 3), "seconds": round(clock.total(), 3),
-        "phase-seconds": clock.laps, "central": central,
+        "phase-seconds": clock.laps, **({"central": central} if central else {}),
         "train": dict(outcome.metrics) if outcome.metrics is not None else {},
         "sampled-nodes": record.sampled,
         "clients": record.client_metrics(),
@@ -306,9 +317,9 @@ def run_round(fed: Federation, rnd: int) -> RoundRecord:
     eps = line["epsilon"]
     elapsed = time.time() - fed.t_start
     eta = elapsed / (rnd - fed.start + 1) * (cfg.num_rounds - rnd)
-    log.info("[round %d/%d] accuracy %.4f  macro-F1 %.4f  | %d accepted, %d dropped | "
+    log.info("[round %d/%d] accuracy %s  macro-F1 %s  | %d accepted, %d dropped | "
              "max epsilon %s | %.1f s (ETA %.0f s)", rnd, cfg.num_rounds,
-             central["accuracy"], central["macro-f1"], len(record.accepted),
+             _metric(central, "accuracy"), _metric(central, "macro-f1"), len(record.accepted),
              len(record.rejected), f"{max(eps.values()):.3f}" if eps else "-",
              line["seconds"], eta)
     return record
@@ -369,13 +380,16 @@ def finish(fed: Federation) -> dict[str, Any]:
     if late_at_end:
         log.warning("%d late replies charged after the last round", len(late_at_end))
     fed.run_dir.save_ledger(ledger)
+    # the last round run is always evaluated (evaluate-every skips others; a run the
+    # budget stopped early may have ended on a skipped one)
+    final = (rounds[-1].get("central") or _central_metrics(fed)) if rounds else {}
     summary = {
         "guarantee": fed.guarantee.to_dict(),
         "strategy": cfg.strategy, "trainer": cfg.trainer, "dataset": cfg.dataset,
         "num-clients": fed.num_nodes, "rounds": cfg.num_rounds,
         "rounds-run": rounds[-1]["round"] if rounds else 0,
         "initial": fed.initial,
-        "final": rounds[-1]["central"] if rounds else {},
+        "final": final,
         "epsilon-budget": cfg.target_epsilon if cfg.is_private else None,
         "clients": {c: {"epsilon": e, "recomputed-epsilon": ledger.recomputed(c),
                         "rounds": ledger.rounds(c), "reported-epsilon": ledger.reported.get(c)}

@@ -49,7 +49,9 @@ def run_record(run_dir: Path, clients: int, overrides: dict[str, Any],
                        .lower() == "true" else "secret (OS entropy)"),
         "samples-per-second": trained * int(overrides.get("local-epochs", 1)) / max(train_seconds, 1e-9),
         "wall-seconds": round(wall, 1),
-        "accuracy-by-round": [r["central"]["accuracy"] for r in rounds],
+        # None for a round not evaluated (evaluate-every > 1)
+        "accuracy-by-round": [r["central"]["accuracy"] if "central" in r else None
+                              for r in rounds],
         "selected-by-round": [len(r["sampled-nodes"]) for r in rounds],
         "mean-epsilon-by-round": [sum(e.values()) / clients if e else 0.0 for e in eps_rounds],
         "epsilon-by-round": eps_rounds,

@@ -13,12 +13,16 @@ pytestmark = pytest.mark.e2e
 def test_central_dp_charges_every_client_every_round_with_amplification(tmp_path):
     """6 clients, Poisson sampling q = 0.5, adaptive clipping: round sizes vary, every
     client (sampled or not) carries exactly the amplified central events of every round
-    (dp-accounting's PLD of them recomputed here), C moves, nothing exceeds the budget."""
+    (dp-accounting's PLD of them recomputed here), C moves, nothing exceeds the budget.
+    Central evaluation every 2nd round and on the last; each round's phases recorded."""
     run = simulate_digits(tmp_path, "central", "trainer=update-dp", "trust=central",
                           "fraction-train=0.5", "num-rounds=3", "adaptive-clip=true",
                           "clip-count-stddev=2.0", "target-epsilon=8", "noise-multiplier=1.0",
-                          "clip-norm=0.1", "lr=0.05", clients=6)
+                          "clip-norm=0.1", "lr=0.05", "evaluate-every=2", clients=6)
     rounds, ledger, summary, config = read_run(run)
+    # evaluate-every=2: round 2 and the last round (3) are evaluated centrally, round 1 not
+    assert ["central" in r for r in rounds] == [False, True, True]
+    assert summary["final"] == rounds[-1]["central"]
     assert summary["guarantee"]["verdict"] == "formal"
     assert summary["guarantee"]["relation"] == "add-remove"
     assert summary["guarantee"]["sampling"] == "poisson"
