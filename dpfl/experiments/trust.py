@@ -3,8 +3,10 @@
 plus Flower's own central-DP wrapper on the same round and the non-private reference.
 
 Cells: ``eps2`` / ``eps4`` / ``eps8`` at 100 clients (``conf/trust/mnist100.toml``),
-``k1000-eps2`` / ``k1000-eps4`` / ``k1000-eps8`` at 1,000 clients (``conf/trust/mnist1000.toml``) and ``cmp``, dpfl's central
-arm beside Flower's wrapper at one fixed noise multiplier where central DP learns
+``k1000-eps2`` / ``k1000-eps4`` / ``k1000-eps8`` at 1,000 clients
+(``conf/trust/mnist1000.toml``), ``k1000-dir-eps8`` on a Dirichlet(0.5) split of 1,000
+clients (``conf/trust/mnist1000-dirichlet.toml``) and ``cmp``, dpfl's central arm beside
+Flower's wrapper at one fixed noise multiplier where central DP learns
 (``conf/trust/mnist100-cmp.toml``). Arms:
 
 - ``local``: DP-FedAvg with client-side Gaussian noise (calibrated so a client taking part
@@ -35,10 +37,11 @@ from dpfl.experiments.common import (
 )
 
 EPSILONS = {"eps2": 2.0, "eps4": 4.0, "eps8": 8.0, "k1000-eps2": 2.0, "k1000-eps4": 4.0,
-            "k1000-eps8": 8.0, "cmp": 1e6}
+            "k1000-eps8": 8.0, "k1000-dir-eps8": 8.0, "cmp": 1e6}
 CELLS = {"eps2": "mnist100.toml", "eps4": "mnist100.toml", "eps8": "mnist100.toml",
          "k1000-eps2": "mnist1000.toml", "k1000-eps4": "mnist1000.toml",
-         "k1000-eps8": "mnist1000.toml", "cmp": "mnist100-cmp.toml"}
+         "k1000-eps8": "mnist1000.toml", "k1000-dir-eps8": "mnist1000-dirichlet.toml",
+         "cmp": "mnist100-cmp.toml"}
 ARMS: dict[str, dict[str, Any]] = {
     "local": {"strategy": "dpfedavg", "trust": "local"},
     "central": {"strategy": "dpfedavg", "trust": "central", "adaptive-clip": True},
@@ -53,6 +56,10 @@ COLOURS = {"local": "tab:red", "central": "tab:blue", "distributed": "tab:green"
 
 def clients_of(cell: str) -> int:
     return 1000 if cell.startswith("k1000") else 100
+
+
+def split_of(cell: str) -> str:
+    return "dirichlet" if "-dir-" in cell else "iid"
 
 
 def _run_config(preset: dict[str, Any], cell: str, arm: str) -> dict[str, Any]:
@@ -110,27 +117,33 @@ def build_table(results: Path, command: str) -> str:
 
 
 def plot(runs: list[dict[str, Any]], path: Path) -> None:
-    """Accuracy against the largest per-client epsilon, one line per trust model; 100
-    clients solid, 1,000 clients as larger markers; non-private FedAvg as a line."""
+    """Accuracy against the largest per-client epsilon, one line per trust model and
+    federation size (100 clients solid with dots, 1,000 dashed with stars, the Dirichlet
+    split of 1,000 as diamonds); non-private FedAvg as horizontal lines."""
     runs = [r for r in runs if r["cell"] != "cmp"]   # another setting (q = 0.5, fixed sigma)
     if not runs:
         return
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for arm in ARMS:
-        for size, marker in ((100, "o"), (1000, "*")):
+        for size, split, marker in ((100, "iid", "o"), (1000, "iid", "*"),
+                                    (1000, "dirichlet", "D")):
             pts = sorted((_max_eps(r), 100 * r["accuracy"]) for r in runs
-                         if r["method"] == arm and clients_of(r["cell"]) == size)
+                         if r["method"] == arm and clients_of(r["cell"]) == size
+                         and split_of(r["cell"]) == split)
             if not pts:
                 continue
+            what = f"{size} clients" + (", Dirichlet(0.5)" if split == "dirichlet" else "")
             if arm == "fedavg":
                 for _, acc in pts:
-                    ax.axhline(acc, color=COLOURS[arm], ls="--" if size == 100 else ":",
-                               lw=1, label=f"non-private FedAvg ({size} clients)")
+                    ax.axhline(acc, color=COLOURS[arm], lw=1,
+                               ls={100: "--", 1000: ":"}[size] if split == "iid" else "-.",
+                               label=f"non-private FedAvg ({what})")
                 continue
             xs, ys = zip(*pts)
-            ax.plot(xs, ys, marker=marker, ms=7 if size == 100 else 13, color=COLOURS[arm],
-                    ls="-" if size == 100 else "none", label=f"{arm} ({size} clients)")
+            ax.plot(xs, ys, marker=marker, ms=13 if marker == "*" else 7, color=COLOURS[arm],
+                    ls={100: "-", 1000: "--"}[size] if split == "iid" else "none",
+                    label=f"{arm} ({what})")
     ax.set_xscale("log")
     ax.set_xlabel("largest per-client ε on the ledger (δ = 1e-5)")
     ax.set_ylabel("test accuracy %")
