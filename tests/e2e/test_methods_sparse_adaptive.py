@@ -75,9 +75,17 @@ def test_fedasgp_variants_run_and_state_their_verdict(tmp_path, variant):
     dim = sum(v.numel() for v in checkpoint["model"].values())
     for r in rounds:
         t = r["train"]
-        assert t["accepted"] == 3 and t["asgp-round-epsilon"] == pytest.approx(1.0)
+        # the paper variant's noise (its nominal calibration) can make a client's next local
+        # training diverge; its reply then carries a nan loss, which the guard must reject
+        # with that reason while the round goes on (seen once in CI: client-0, round 2)
+        dropped = [c for c in r["clients"].values() if c["status"] != "accepted"]
+        assert all(c["status"] == "invalid" and "asgp-loss" in c["reason"]
+                   and "finite" in c["reason"] for c in dropped), dropped
+        assert variant == "paper" or not dropped
+        assert t["accepted"] == 3 - len(dropped) >= 2
+        assert t["asgp-round-epsilon"] == pytest.approx(1.0)
         weights = [v for k, v in t.items() if k.startswith("asgp-gamma-client-")]
-        assert len(weights) == 3 and sum(weights) == pytest.approx(1.0)
+        assert len(weights) == t["accepted"] and sum(weights) == pytest.approx(1.0)
         assert t["asgp-gamma-spread"] == pytest.approx(max(weights) - min(weights))
         if variant == "strict":
             assert 0 < t["asgp-significant-fraction"] * dim <= 50 + 1e-9
