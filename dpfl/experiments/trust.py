@@ -145,6 +145,9 @@ def plot(runs: list[dict[str, Any]], path: Path) -> None:
                     ls={100: "-", 1000: "--"}[size] if split == "iid" else "none",
                     label=f"{arm} ({what})")
     ax.set_xscale("log")
+    ticks = sorted({round(_max_eps(r), 1) for r in runs if r["method"] != "fedavg"})
+    ax.set_xticks(ticks, [f"{t:g}" for t in ticks])
+    ax.set_xticks([], minor=True)
     ax.set_xlabel("largest per-client ε on the ledger (δ = 1e-5)")
     ax.set_ylabel("test accuracy %")
     ax.set_title("MNIST: accuracy vs per-client ε by trust model")
