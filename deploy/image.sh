@@ -35,7 +35,7 @@ done
 [[ $tag =~ ^[a-z0-9][a-z0-9._/:-]*(:[A-Za-z0-9_.-]+)?$ ]] \
   || die 2 "--tag '$tag': not an image name (lowercase name[:tag], e.g. dpfl:0.1.0)"
 command -v docker > /dev/null || die 2 "'docker' not found on PATH (apt-get install docker.io)"
-command -v "$python" > /dev/null || die 2 "PYTHON '$python' not found (set PYTHON to a Python 3.10-3.12 with pip)"
+command -v "$python" > /dev/null || die 2 "PYTHON '$python' not found (set PYTHON to a Python 3.11-3.12 with pip)"
 "$python" -m pip --version > /dev/null 2>&1 || die 2 "PYTHON '$python' has no pip (set PYTHON to one that has)"
 require_engine
 docker image inspect "$base" > /dev/null 2>&1 \

@@ -45,9 +45,8 @@ from __future__ import annotations
 import argparse
 import signal
 import sys
-from pathlib import Path
-
 import tomllib
+from pathlib import Path
 
 from dpfl.errors import EXIT_USER_ERROR, UserError, read_json_file
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass, fields
 from typing import Any, Mapping
 
 from dpfl.errors import UserError
+from dpfl.numbers import is_finite_number, is_number
 
 DATASETS = ("mnist", "fashion-mnist", "digits", "cifar10", "cifar100", "svhn")
 PARTITIONINGS = ("iid", "dirichlet", "shards", "size", "gcfl-contiguous", "noniid-fraction",
@@ -152,11 +153,11 @@ def coerce(key: str, value: Any, kind: type) -> Any:
             return value.lower() == "true"
         raise ConfigError(f"run-config key '{key}': expected true/false, got {value!r}")
     if kind is int:
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or int(value) != value:
+        if not is_finite_number(value) or int(value) != value:
             raise ConfigError(f"run-config key '{key}': expected an integer, got {value!r}")
         return int(value)
     if kind is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
+        if not is_number(value):
             raise ConfigError(f"run-config key '{key}': expected a number, got {value!r}")
         return float(value)
     if not isinstance(value, str):

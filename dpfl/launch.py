@@ -20,11 +20,10 @@ import socket
 import subprocess
 import sys
 import time
+import tomllib
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
-
-import tomllib
 
 from dpfl.apps.server import first_round_affordable
 from dpfl.apps.status import STATUS_ENV, read_status

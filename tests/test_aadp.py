@@ -4,8 +4,7 @@ exactly when its condition holds (longitudinal clipping: tests/test_longitudinal
 import pytest
 import torch
 
-from dpfl.methods import run_config
-from dpfl.methods import build_strategy
+from dpfl.methods import build_strategy, run_config
 from dpfl.methods.aadp import (
     NadamState,
     allocate_budgets,
@@ -73,8 +72,8 @@ def test_paper_noise_multiplier_closed_form_and_verdict():
     sigma = 2.5e-4; and the run that uses it is not called DP."""
     import math
 
-    from dpfl.methods import parse_run_config
     from dpfl.methods import guarantee as guarantee_for
+    from dpfl.methods import parse_run_config
     from dpfl.methods.aadp import paper_noise_multiplier
 
     sigma = paper_noise_multiplier(0.5, 1e-2, 10_000, 2.0)

@@ -86,3 +86,31 @@ def test_the_flower_app_bundle_carries_the_package_and_fits_flowers_limit():
     assert modules <= names
     assert not [n for n in names if n.startswith(("results/", "tests/", "bench/"))]
     assert len(fab) < FAB_MAX_SIZE / 4
+
+
+RUFF = Path(sys.executable).parent / "ruff"
+LINTED = ["dpfl", "tests", "bench", "deploy"]
+
+
+def _ruff(root: Path, paths: list[str]) -> subprocess.CompletedProcess:
+    return subprocess.run([str(RUFF), "check", "--no-cache", "--select", "F,I", *paths],
+                          cwd=root, capture_output=True, text=True, timeout=120)
+
+
+def test_no_unused_or_undefined_names_and_sorted_imports():
+    """pyflakes (F: unused imports and variables, undefined names) and isort (I), with the
+    settings in pyproject.toml's [tool.ruff]."""
+    result = _ruff(ROOT, LINTED)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
+
+
+def test_ruff_fails_on_an_undefined_name(tmp_path):
+    """The same check on a copy with one undefined name: it fails and names the file."""
+    shutil.copytree(ROOT / "dpfl", tmp_path / "dpfl", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(ROOT / "pyproject.toml", tmp_path / "pyproject.toml")
+    target = tmp_path / "dpfl" / "tensors.py"
+    assert _ruff(tmp_path, ["dpfl"]).returncode == 0     # the copy itself is clean
+    target.write_text(target.read_text() + "\n\ndef broken():\n    return undefined_name\n")
+    result = _ruff(tmp_path, ["dpfl"])
+    assert result.returncode == 1
+    assert "F821" in result.stdout and "tensors.py" in result.stdout

@@ -15,12 +15,13 @@ from flwr.app.error import Error
 from opacus.accountants import RDPAccountant
 
 from dpfl.config import RunConfig
+from dpfl.methods import build_strategy
 from dpfl.privacy.budget import PrivacyHistory
 from dpfl.privacy.events import PrivacyEvent
 from dpfl.privacy.ledger import Ledger
-from dpfl.methods import build_strategy
 from dpfl.server.strategy import RoundRecord
 from dpfl.server.validation import array_template
+
 from flower_helpers import message
 
 GLOBAL = ArrayRecord({"w": torch.zeros(2, 2), "b": torch.zeros(3)})

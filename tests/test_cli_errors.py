@@ -58,9 +58,9 @@ def test_a_budget_one_round_exceeds_stops_before_training(tmp_path, capsys):
                            "dataset=digits", "model=mlp", "batch-size=32", "accountant=rdp",
                            "noise-multiplier=0.3", "target-epsilon=1.0"],
                   "target-epsilon", "one round already costs client-0")
-    from opacus.accountants import RDPAccountant
-
     import re
+
+    from opacus.accountants import RDPAccountant
 
     acc = RDPAccountant()
     acc.history = [(0.3, 32 / 646, 21)]

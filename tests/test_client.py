@@ -5,7 +5,6 @@ import math
 
 import pytest
 import torch
-from flower_helpers import context, message
 from flwr.app import ArrayRecord, ConfigRecord, RecordDict
 from opacus.accountants import RDPAccountant
 from opacus.accountants.utils import get_noise_multiplier
@@ -20,6 +19,8 @@ from dpfl.privacy.events import PrivacyEvent
 from dpfl.privacy.mechanisms import GaussianMechanism, l2_clip
 from dpfl.privacy.plan import gaussian_norm_bound
 from dpfl.tensors import flatten
+
+from flower_helpers import context, message
 
 DIGITS = {"dataset": "digits", "model": "mlp", "batch-size": 64, "num-rounds": 2,
           "target-epsilon": 2.0, "lr": 0.1}

@@ -1,9 +1,9 @@
 """Run-config: bad values stop the run at start with a message naming the key."""
 
+import tomllib
 from pathlib import Path
 
 import pytest
-import tomllib
 
 from dpfl.config import ConfigError
 from dpfl.methods import parse_run_config

@@ -3,12 +3,13 @@ through the strategy, its parameter check, its guarantee and its resume state.""
 
 import pytest
 import torch
-from flower_helpers import message
 from flwr.app import ArrayRecord, Message, MetricRecord, RecordDict
 
 from dpfl.config import ConfigError
 from dpfl.methods import METHODS, build_strategy, guarantee, run_config
 from dpfl.methods.dpfedavgm import momentum_step
+
+from flower_helpers import message
 
 
 class FakeGrid:

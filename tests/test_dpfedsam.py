@@ -3,13 +3,12 @@ Private Federated Learning", CVPR 2023): the SAM step by hand, its edge cases, t
 registry entry and one real ClientApp train call whose update is checked against SAM."""
 
 import math
+import tomllib
 from functools import partial
 from pathlib import Path
 
 import pytest
-import tomllib
 import torch
-from flower_helpers import context, message
 from flwr.app import ArrayRecord, ConfigRecord, RecordDict
 from torch import nn
 
@@ -31,6 +30,8 @@ from dpfl.privacy.mechanisms import l2_clip
 from dpfl.privacy.randomness import public_seed
 from dpfl.server.strategy import DPFLStrategy
 from dpfl.tensors import flatten, state_difference
+
+from flower_helpers import context, message
 
 PYPROJECT = tomllib.loads((Path(__file__).parent.parent / "pyproject.toml").read_text()
                           )["tool"]["flwr"]["app"]["config"]

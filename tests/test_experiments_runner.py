@@ -5,10 +5,10 @@ defaults and help, and that the committed tables rebuild unchanged from the comm
 import json
 import re
 import shutil
+import tomllib
 from pathlib import Path
 
 import pytest
-import tomllib
 
 from dpfl.experiments import common
 

@@ -9,9 +9,7 @@ import math
 import numpy as np
 import pytest
 import torch
-from flower_helpers import context, message
 from flwr.app import ArrayRecord, ConfigRecord, RecordDict
-from rng_helpers import replay
 
 from dpfl.apps.client import train
 from dpfl.config import ConfigError, RunConfig
@@ -46,6 +44,9 @@ from dpfl.privacy.events import PrivacyEvent, history_epsilon
 from dpfl.privacy.mechanisms import l2_clip, laplace_noise
 from dpfl.privacy.plan import plan_to_record
 from dpfl.server.validation import ClientUpdate
+
+from flower_helpers import context, message
+from rng_helpers import replay
 
 D = 1e-5
 

@@ -8,9 +8,7 @@ import math
 
 import pytest
 import torch
-from flower_helpers import context, message
 from flwr.app import ArrayRecord, ConfigRecord, RecordDict
-from rng_helpers import replay
 from scipy import stats
 
 from dpfl.apps.client import train
@@ -38,6 +36,9 @@ from dpfl.privacy.plan import (
 )
 from dpfl.server.strategy import RoundRecord
 from dpfl.server.validation import ClientUpdate
+
+from flower_helpers import context, message
+from rng_helpers import replay
 
 D = 1e-5
 

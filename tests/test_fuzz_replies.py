@@ -9,7 +9,6 @@ import zlib
 import numpy as np
 import pytest
 import torch
-from flower_helpers import message
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 from flwr.app.error import Error
 
@@ -21,6 +20,8 @@ from dpfl.models import build_model
 from dpfl.privacy.budget import PrivacyHistory
 from dpfl.privacy.events import PrivacyEvent
 from dpfl.server.validation import Rejection
+
+from flower_helpers import message
 
 TRAINER = {"fedavg": "plain", "aadp": "update-dp", "dpfedsam": "update-dp",
            "fedcompdp": "update-dp", "fedasgp": "update-dp", "fedsmp": "update-dp"}

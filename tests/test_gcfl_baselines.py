@@ -11,16 +11,15 @@ import pytest
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, MetricRecord, RecordDict
 
-from dpfl.methods import run_config
-from dpfl.methods.dpscaffold import scaffold_control_update, scaffold_step
-from dpfl.methods.dpfedprox import proximal_step
 from dpfl.config import RunConfig
-from dpfl.methods import build_strategy
+from dpfl.methods import build_strategy, run_config
+from dpfl.methods.dpfedexp import fedexp_step_size
+from dpfl.methods.dpfedprox import proximal_step
+from dpfl.methods.dpscaffold import scaffold_control_update, scaffold_server_control, scaffold_step
+from dpfl.methods.gcfl import gcfl_aggregate, gcfl_correct
 from dpfl.server.aggregation import weighted_mean
 from dpfl.server.strategy import RoundRecord
-from dpfl.methods.dpfedexp import fedexp_step_size
-from dpfl.methods.dpscaffold import scaffold_server_control
-from dpfl.methods.gcfl import gcfl_aggregate, gcfl_correct
+
 from flower_helpers import message
 
 

@@ -5,7 +5,8 @@ import subprocess
 import time
 
 from dpfl.launch import run_config_arg, stop_process_group
-from dpfl.watchdog import alive as _alive, descendants
+from dpfl.watchdog import alive as _alive
+from dpfl.watchdog import descendants
 
 
 def test_stop_process_group_reaches_children_in_their_own_groups():

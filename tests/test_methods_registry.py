@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from dpfl.config import GLOBAL_KEYS, ConfigError, TRAINERS
+from dpfl.config import GLOBAL_KEYS, TRAINERS, ConfigError
 from dpfl.methods import METHODS, build_strategy, guarantee, parse_run_config, run_config
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -7,17 +7,19 @@ import json
 from pathlib import Path
 
 import pytest
-from flwr.app import Context, Message, RecordDict
+import torch
+from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.serverapp import Grid
 from opacus.accountants import RDPAccountant
 
 from dpfl.config import RunConfig
-from dpfl.methods import parse_run_config
+from dpfl.methods import build_strategy, parse_run_config
+from dpfl.methods.pegasus import pegasus_select
 from dpfl.privacy.budget import PrivacyHistory
 from dpfl.privacy.events import PrivacyEvent
 from dpfl.privacy.ledger import Ledger
-from dpfl.methods import build_strategy
-from dpfl.methods.pegasus import pegasus_select
+
+from flower_helpers import message
 
 
 class FakeGrid:
@@ -42,6 +44,18 @@ def test_tie_selects_everyone():
     assert pegasus_select({}) == []
 
 
+def test_clients_out_of_budget_are_left_out():
+    """Node 1 cannot afford a round and stays at 0: the paper's rule alone picks it every
+    round (mean 2.0); left out, nobody of {2, 3} is strictly below the mean -> tie: both."""
+    eps = {1: 0.0, 2: 2.0, 3: 4.0}
+    assert pegasus_select(eps) == [1]
+    assert pegasus_select(eps, {1}) == [2, 3]
+    # the mean stays over all clients: 2 (eps 1.0) is below (0 + 1 + 4) / 3 = 1.67
+    assert pegasus_select({1: 0.0, 2: 1.0, 3: 4.0}, {1}) == [2]
+    # every client refused: all are asked (they all refuse and the run stops)
+    assert pegasus_select(eps, {1, 2, 3}) == [1, 2, 3]
+
+
 def _ledger(eps_by_client):
     ledger = Ledger(1e-5)
     for name, steps in eps_by_client.items():
@@ -61,6 +75,32 @@ def test_strategy_selects_from_the_ledger_and_counts_unseen_clients_as_zero():
     expected = sorted([n for n, c in strategy.node_client.items() if eps[c] < mean] + [13])
     assert strategy.select_nodes(2, grid) == expected
     assert 10 not in expected and 13 in expected
+
+
+def _refusal(node: int, pid: int, reason: str) -> Message:
+    content = {"metrics": MetricRecord({"partition-id": pid, "epsilon": 0.0, "refused": 1}),
+               "status": ConfigRecord({"status": "refused", "reason": reason})}
+    return message(RecordDict(content), src_node_id=node)
+
+
+def test_a_budget_refusal_takes_the_node_out_of_later_selections(server_identity):
+    """Through the strategy: a node that refused at its budget in round 2 is not selected
+    in round 3; one that refused for another reason (a plan mismatch) still is."""
+    strategy = build_strategy(RunConfig(strategy="pegasus", min_train_nodes=2))
+    strategy.bind_ledger(_ledger({"client-1": 100, "client-2": 100}))
+    strategy.node_client = {11: "client-1", 12: "client-2"}
+    grid = FakeGrid([10, 11, 12])   # node 10 (client-0) never trained: eps 0, below the mean
+    arrays = ArrayRecord({"weight": torch.zeros(1, 2)})
+    _, record = strategy.start_round(2, arrays, grid)
+    assert sorted(record.sampled) == [10]
+    outcome = strategy.finish_round(2, record, [_refusal(10, 0, "budget: epsilon would reach "
+                                                         "9.1 > target-epsilon 4")])
+    assert [r.kind for r in outcome.record.rejected] == ["refused"]
+    assert strategy.out_of_budget == {10}
+    assert strategy.select_nodes(3, grid) == [11, 12]   # tie among those that can train
+    strategy.finish_round(3, strategy.start_round(3, arrays, grid)[1],
+                          [_refusal(11, 1, "plan: the server's plan differs")])
+    assert strategy.out_of_budget == {10}
 
 
 class InProcessGrid(Grid):

@@ -16,7 +16,6 @@ import pytest
 import torch
 from dp_accounting import dp_event
 from dp_accounting.rdp.rdp_privacy_accountant import RdpAccountant
-from rundir_helpers import RunWriter
 
 from dpfl.cli import main
 from dpfl.errors import UserError
@@ -29,6 +28,8 @@ from dpfl.privacy.report import (
     privacy_report,
     privacy_report_command,
 )
+
+from rundir_helpers import RunWriter
 
 D = 1e-5
 SIGMA = 1.2

@@ -12,8 +12,9 @@ from flwr.app import ArrayRecord, ConfigRecord, RecordDict
 import dpfl.privacy.randomness as randomness
 from dpfl.apps.client import train
 from dpfl.config import RunConfig
-from dpfl.models import build_model
 from dpfl.methods import guarantee as guarantee_for
+from dpfl.models import build_model
+
 from flower_helpers import context, message
 
 BASE = {"dataset": "digits", "model": "mlp", "batch-size": 64, "num-rounds": 2,

@@ -20,13 +20,14 @@ import torch
 from dp_accounting import dp_event
 from dp_accounting.pld.pld_privacy_accountant import PLDAccountant
 from dp_accounting.rdp.rdp_privacy_accountant import RdpAccountant
-from rundir_helpers import lines_from_ledger, summary_of
 from scipy.stats import norm
 
 from dpfl.privacy.events import PrivacyEvent
 from dpfl.privacy.ledger import Ledger, ledger_config, prior_history
 from dpfl.privacy.mechanisms import GaussianMechanism, QuantileClipTracker
 from dpfl.privacy.report import privacy_report
+
+from rundir_helpers import lines_from_ledger, summary_of
 
 D = 1e-5
 SIGMA_UPDATE = 1.2        # each client's own update noise (replace-one: GaussianDpEvent(0.6))

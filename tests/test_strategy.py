@@ -10,6 +10,7 @@ from dpfl.config import RunConfig
 from dpfl.methods import build_strategy
 from dpfl.server.aggregation import weighted_mean
 from dpfl.server.validation import array_template, validate_train_reply
+
 from flower_helpers import message
 
 GLOBAL = ArrayRecord({"w": torch.zeros(2, 2), "b": torch.zeros(3)})
@@ -57,7 +58,6 @@ def test_norm_bound_and_refusal_and_error():
     refused = message(RecordDict({"metrics": MetricRecord({"partition-id": 1, "epsilon": 3.9}),
                                   "status": ConfigRecord({"status": "refused", "reason": "budget"})}))
     assert validate_train_reply(refused, TEMPLATE).kind == "refused"
-    err = message(RecordDict({}))
     err_msg = Message(Error(code=0, reason="boom"), reply_to=message(RecordDict({})))
     assert validate_train_reply(err_msg, TEMPLATE).kind == "error"
 

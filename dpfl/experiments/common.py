@@ -8,12 +8,11 @@ import json
 import statistics
 import textwrap
 import time
+import tomllib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-
-import tomllib
 
 PAPERS = ("gcfl", "pegasus", "aadp", "fedcompdp", "fedasgp", "audit", "trust")  # modules dpfl.experiments.<name>, each a REPRODUCTION
 

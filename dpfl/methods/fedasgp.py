@@ -96,12 +96,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Sequence
 
 import torch
 
 from dpfl.config import RunConfig, need
 from dpfl.method import TRAIN_LOSS, ClientHalf, Method, MethodParams
+from dpfl.numbers import is_finite_number, is_number
 from dpfl.privacy.events import PrivacyEvent
 from dpfl.privacy.mechanisms import SparseVector, l2_clip, laplace_noise
 from dpfl.privacy.plan import UPDATE_DP_RELATION
@@ -353,8 +354,6 @@ class FedASGPClient(ClientHalf):
 
 # -- server half -------------------------------------------------------------------------------
 
-def _number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 class FedASGPStrategy(DPFLStrategy):
@@ -389,11 +388,11 @@ class FedASGPStrategy(DPFLStrategy):
                     "server")
         if p.asgp_variant == "paper":
             loss = update.metrics.get(LOSS_KEY)
-            if not _number(loss) or not math.isfinite(loss) or loss < 0:
+            if not is_finite_number(loss) or loss < 0:
                 return f"metric '{LOSS_KEY}' (L_i of eq. 16) must be a finite number >= 0, " \
                        f"got {loss!r}"
             frac = update.metrics.get(SIGNIFICANT_KEY)
-            if not _number(frac) or not 0.0 <= frac <= 1.0:
+            if not is_number(frac) or not 0.0 <= frac <= 1.0:
                 return f"metric '{SIGNIFICANT_KEY}' must be a number in [0, 1], got {frac!r}"
             return None
         released = int(torch.count_nonzero(update.flat))

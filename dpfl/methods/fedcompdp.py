@@ -90,6 +90,7 @@ from dpfl.data import ClientData, server_validation
 from dpfl.method import ClientHalf, Method, MethodParams
 from dpfl.models import build_model
 from dpfl.models.evaluation import device_for, evaluate_model, macro_f1
+from dpfl.numbers import is_number
 from dpfl.privacy.events import PrivacyEvent
 from dpfl.privacy.mechanisms import GaussianMechanism, geometric_clip_update
 from dpfl.privacy.plan import UPDATE_DP_RELATION, noise_multiplier_for
@@ -447,7 +448,7 @@ class FedCompDPStrategy(DPFLStrategy):
             needed.append((F1_KEY, -10 * s, 1 + 10 * s))
         for key, low, high in needed:
             value = m.get(key)
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
+            if not is_number(value):
                 return f"metric '{key}' missing or not a number"
             if not (math.isfinite(value) and low <= value <= high):
                 return f"metric '{key}' = {value!r} outside [{low:g}, {high:g}]"

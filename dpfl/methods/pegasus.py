@@ -10,6 +10,15 @@ epsilons equal), every client is selected, so the federation never stalls. A sel
 that would pass its budget refuses (and spends nothing); the round goes on with the others,
 and the run stops once every client refuses.
 
+CHOICE (the paper is silent): a client that refused at its budget is not selected again. Its
+per-round cost is fixed by public parameters and its history only grows, so it would refuse
+every later round; the paper's rule alone would select it forever when its epsilon stays
+below the mean (a client too small to afford even one round stays at 0), and a round that
+selects only such clients trains nobody. The mean is still taken over all clients, as in
+the paper. When every client has refused, all are selected once more, so every node is
+asked, every node refuses, and the run stops. The set lives in memory: after a resume a
+client is asked (and refuses) once again.
+
 Selection happens in ``configure_train`` from the server ledger's values only, which are
 functions of public noise parameters and of earlier selections, not of data: it does not
 weaken the clients' DP-SGD guarantee (verdict ``formal``).
@@ -17,25 +26,36 @@ weaken the clients' DP-SGD guarantee (verdict ``formal``).
 
 from __future__ import annotations
 
-from typing import Mapping
+from typing import AbstractSet, Iterable, Mapping
 
+from flwr.app import Message
 from flwr.serverapp import Grid
 
+from dpfl.config import RunConfig
 from dpfl.method import Method
-from dpfl.server.strategy import DPFLStrategy
+from dpfl.server.strategy import DPFLStrategy, RoundOutcome, RoundRecord
 
 
-def pegasus_select(epsilons: Mapping[int, float]) -> list[int]:
-    """Nodes whose epsilon is strictly below the mean of all; all of them on a tie."""
+def pegasus_select(epsilons: Mapping[int, float],
+                   out_of_budget: AbstractSet[int] = frozenset()) -> list[int]:
+    """Nodes whose epsilon is strictly below the mean of all, leaving out those that
+    refused at their budget; all that can still train on a tie; all when none can."""
     if not epsilons:
         return []
     mean = sum(epsilons.values()) / len(epsilons)
-    below = sorted(n for n, e in epsilons.items() if e < mean)
-    return below if below else sorted(epsilons)
+    can_train = {n: e for n, e in epsilons.items() if n not in out_of_budget}
+    if not can_train:
+        return sorted(epsilons)
+    below = sorted(n for n, e in can_train.items() if e < mean)
+    return below if below else sorted(can_train)
 
 
 class PegasusStrategy(DPFLStrategy):
     """DP-FedAvg aggregation with PEGASUS selection."""
+
+    def __init__(self, cfg: RunConfig, adaptive: bool = False) -> None:
+        super().__init__(cfg, adaptive)
+        self.out_of_budget: set[int] = set()   # nodes that refused at their budget
 
     def select_nodes(self, server_round: int, grid: Grid) -> list[int]:
         nodes = self.wait_for_nodes(grid, self.min_available_nodes)
@@ -43,7 +63,19 @@ class PegasusStrategy(DPFLStrategy):
             return nodes
         eps = {n: self.ledger.epsilon(self.node_client[n]) if n in self.node_client else 0.0
                for n in nodes}
-        return pegasus_select(eps)
+        return pegasus_select(eps, self.out_of_budget)
+
+    def finish_round(self, server_round: int, record: RoundRecord,
+                     replies: Iterable[Message]) -> RoundOutcome:
+        outcome = super().finish_round(server_round, record, replies)
+        self.out_of_budget |= budget_refusals(outcome.record)
+        return outcome
+
+
+def budget_refusals(record: RoundRecord) -> set[int]:
+    """Nodes that refused this round because the round would pass their budget."""
+    return {r.node_id for r in record.rejected
+            if r.kind == "refused" and r.reason.startswith("budget")}
 
 
 METHOD = Method(

@@ -19,6 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
+from dpfl.numbers import is_number
 from dpfl.privacy.budget import PrivacyHistory
 from dpfl.privacy.events import PrivacyEvent
 from dpfl.privacy.plan import plan_problem
@@ -79,7 +80,7 @@ def charge_for(client: str, server_round: int, privacy: Mapping[str, Any] | None
         else:
             problem = plan_problem(events[0], plan)
         clip = privacy.get("clip") if privacy is not None else None
-        if problem is None and (not isinstance(clip, (int, float)) or isinstance(clip, bool)
+        if problem is None and (not is_number(clip)
                                 or abs(float(clip) - planned_clip)
                                 > CLIP_RTOL * max(planned_clip, 1e-300)):
             problem = f"clip {clip!r} differs from the plan {planned_clip:g}"

@@ -42,6 +42,7 @@ from typing import Iterable, Mapping, Sequence
 import numpy as np
 from dp_accounting import dp_event
 
+from dpfl.numbers import is_finite_number
 from dpfl.privacy.accounting import (
     DISCRETE,
     DPSGD_ACCOUNTANTS,
@@ -84,9 +85,8 @@ class PrivacyEvent:
     relation: str = "add-remove"
 
     def __post_init__(self) -> None:
-        import math
 
-        if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+        if not all(is_finite_number(v)
                    for v in (self.sigma, self.rate, self.epsilon, self.steps, self.round)):
             raise ValueError("event parameters must be finite numbers")
         if int(self.steps) != self.steps or int(self.round) != self.round:

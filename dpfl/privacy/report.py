@@ -40,6 +40,7 @@ from rich.console import Console
 from rich.table import Table
 
 from dpfl.errors import UserError, one_line, read_json_file, read_text_file
+from dpfl.numbers import is_number
 from dpfl.privacy.events import PURE, PrivacyEvent
 from dpfl.privacy.ledger import Ledger
 
@@ -166,9 +167,7 @@ class Difference:
 
 def _number(value: Any) -> float | None:
     """A JSON number (or the run directory's "inf"/"-inf" strings) as a float."""
-    if isinstance(value, bool):
-        return None
-    if isinstance(value, (int, float)):
+    if is_number(value):
         return float(value)
     if value in ("inf", "-inf"):
         return float(value)

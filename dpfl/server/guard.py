@@ -23,6 +23,7 @@ from flwr.app import Message
 
 from dpfl.config import RunConfig
 from dpfl.logs import get_logger
+from dpfl.numbers import is_number
 from dpfl.privacy.budget import PrivacyHistory
 from dpfl.privacy.charging import Charge, charge_for
 from dpfl.privacy.events import PrivacyEvent
@@ -178,8 +179,7 @@ class DPGuard:
         privacy = dict(content["privacy"]) if "privacy" in content.config_records else None
         metrics = dict(content["metrics"]) if "metrics" in content.metric_records else {}
         reported = metrics.get("epsilon")
-        reported = (float(reported) if isinstance(reported, (int, float))
-                    and not isinstance(reported, bool) else None)
+        reported = float(reported) if is_number(reported) else None
         history = self.ledger.clients.get(client, PrivacyHistory())
         charge = charge_for(client, sent_round, privacy, plan, self.planned_clip(sent_round),
                             history,

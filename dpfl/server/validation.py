@@ -15,6 +15,9 @@ import numpy as np
 import torch
 from flwr.app import ArrayRecord, Message
 
+from dpfl.numbers import is_finite_number, is_number
+from dpfl.privacy.charging import reported_events
+
 
 @dataclass
 class ClientUpdate:
@@ -54,7 +57,7 @@ def array_template(arrays: ArrayRecord) -> Template:
 
 def _partition_id(metrics: dict[str, Any]) -> int | None:
     value = metrics.get("partition-id")
-    return int(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+    return int(value) if is_finite_number(value) else None
 
 
 def claimed_partition(msg: Message) -> int | None:
@@ -89,13 +92,11 @@ def validate_train_reply(msg: Message, template: Template, norm_bound: float | N
     if not metrics:
         return Rejection(node, pid, "invalid", "reply has no 'metrics' record", metrics)
     n = metrics.get("num-examples")
-    if (isinstance(n, bool) or not isinstance(n, (int, float)) or not math.isfinite(n)
-            or n != int(n) or not 0 < n <= MAX_NUM_EXAMPLES):
+    if (not is_finite_number(n) or n != int(n) or not 0 < n <= MAX_NUM_EXAMPLES):
         return Rejection(node, pid, "invalid", f"num-examples must be an integer in "
                          f"[1, {MAX_NUM_EXAMPLES:.0e}], got {n!r}", metrics)
     eps = metrics.get("epsilon")
-    if eps is not None and (isinstance(eps, bool) or not isinstance(eps, (int, float))
-                            or math.isnan(eps) or eps < 0):
+    if eps is not None and (not is_number(eps) or math.isnan(eps) or eps < 0):
         return Rejection(node, pid, "invalid", f"epsilon must be a number >= 0, got {eps!r}",
                          metrics)
     privacy_problem = _privacy_record_problem(content)
@@ -123,21 +124,16 @@ def validate_train_reply(msg: Message, template: Template, norm_bound: float | N
 
 
 def _privacy_record_problem(content) -> str | None:
-    """Why the reply's ``privacy`` record cannot be charged to the ledger (None if fine)."""
+    """Why the reply's ``privacy`` record cannot be charged to the ledger (None if fine).
+
+    No record and mechanism ``none`` are fine here: whether a private run needs one is
+    the charging rule's decision (:func:`dpfl.privacy.charging.charge_for`)."""
     if "privacy" not in content.config_records:
         return None
-    rec = content["privacy"]
-    if rec.get("mechanism") == "none":
+    record = content["privacy"]
+    if record.get("mechanism") == "none":
         return None
-    try:
-        from dpfl.privacy.budget import PrivacyHistory
-
-        history = PrivacyHistory.from_record(rec)
-    except Exception as exc:  # wrong types, unequal lists, unknown mechanism, bad values
-        return f"privacy record is malformed: {type(exc).__name__}: {exc}"
-    if not history.events:
-        return "privacy record has no events"
-    return None
+    return reported_events(record)[1]
 
 
 def _flat_checked(arrays: ArrayRecord, template: Template, what: str) -> torch.Tensor | str:

@@ -9,9 +9,10 @@ import sys
 from pathlib import Path
 
 import pytest
-from federation import ROOT, simulate_digits
 
 from dpfl.privacy.canaries import canary_bits
+
+from federation import ROOT, simulate_digits
 
 pytestmark = pytest.mark.e2e
 CLIENTS = 12

@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import pytest
+
 from federation import ROOT
 from federation import read_run as _read
 from federation import simulate_digits as _simulate

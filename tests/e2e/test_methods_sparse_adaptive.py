@@ -4,6 +4,7 @@ directory (split from test_methods.py so that two test workers share the e2e loa
 
 
 import pytest
+
 from federation import read_run as _read
 from federation import simulate_digits as _simulate
 

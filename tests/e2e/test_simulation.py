@@ -7,8 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
 import dp_accounting
+import pytest
 from dp_accounting.pld import pld_privacy_accountant
 from opacus.accountants import RDPAccountant
 

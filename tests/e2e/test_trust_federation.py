@@ -2,10 +2,11 @@
 (`dpfl simulate`, Ray backend) on digits."""
 
 import pytest
-from federation import read_run, simulate_digits
 
 from dpfl.privacy.events import PrivacyEvent, history_epsilon
 from dpfl.privacy.trust import central_events
+
+from federation import read_run, simulate_digits
 
 pytestmark = pytest.mark.e2e
 
