@@ -235,3 +235,29 @@ def test_history_state_round_trip():
     assert again.events == h.events
     mine = PrivacyHistory([PrivacyEvent.gaussian(2, 1.0)])
     assert mine.merge(h) and mine.rounds == [1, 2] and len(mine.events) == 2
+
+
+def test_an_adaptive_refusal_quotes_the_filters_epsilon():
+    """The filter decides on the RDP conversion, so the epsilon a refusal quotes is that
+    one — dp-accounting's RdpAccountant on the filter's orders — not the PLD figure, which
+    is lower here (it would read 'epsilon would reach 2.9 > 3' for a refused round)."""
+    sigmas = [6.0, 4.0, 5.0, 1.2]
+    h = PrivacyHistory([PrivacyEvent.gaussian(r, s) for r, s in enumerate(sigmas[:3], 1)],
+                       adaptive=True)
+    nxt = PrivacyEvent.gaussian(4, sigmas[3])
+    acc = RdpAccountant(orders=list(orders_for("client")))
+    for s in sigmas:
+        acc.compose(dp_event.GaussianDpEvent(s))
+    rdp_eps = acc.get_epsilon(D)
+    pld_eps = h.epsilon(D, "pld", extra=nxt)
+    budget = 0.5 * (pld_eps + rdp_eps)          # PLD says it fits, the filter says no
+    assert pld_eps < budget < rdp_eps
+    refuse, quoted = h.would_exceed(nxt, budget, D, "pld")
+    assert refuse and quoted == pytest.approx(rdp_eps, rel=1e-9)
+    # the filter's measure and its decision agree at the boundary
+    f = RenyiFilter(rdp_eps * (1 + 1e-9), D, "client")
+    assert not f.would_exceed(h.events, nxt)
+    assert RenyiFilter(rdp_eps * (1 - 1e-9), D, "client").would_exceed(h.events, nxt)
+    # a non-adaptive history still quotes (and decides on) its own accountant
+    plain = PrivacyHistory(list(h.events))
+    assert plain.would_exceed(nxt, budget, D, "pld") == (False, pytest.approx(pld_eps))

@@ -150,8 +150,10 @@ def train(msg: Message, context: Context) -> Message:
     if problem is not None:
         reason = f"plan: the server's plan differs from this client's ({problem})"
     elif refuse:
-        reason = (f"budget: epsilon would reach {eps_after:.4f} > target-epsilon "
+        measure = "the Rényi filter's epsilon" if spent.adaptive else "epsilon"
+        reason = (f"budget: {measure} would reach {eps_after:.4f} > target-epsilon "
                   f"{cfg.target_epsilon} (spent {spent.epsilon(cfg.delta, cfg.accountant):.4f}"
+                  f" by the {cfg.accountant} accountant"
                   f"{', server releases included' if released else ''})")
     if reason is not None:
         log.warning("client %d refuses round %d: %s", pid, server_round, reason)

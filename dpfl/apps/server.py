@@ -236,7 +236,8 @@ def first_round_affordable(strategy: DPFLStrategy, cfg: RunConfig) -> None:
             raise ConfigError(
                 f"run-config key 'target-epsilon': one round already costs client-{pid} "
                 f"epsilon {eps:.4g} > {cfg.target_epsilon:g} (sigma {event.sigma:.4g}, "
-                f"{cfg.accountant} accountant): raise target-epsilon or the noise "
+                f"{'the Rényi filter' if history.adaptive else cfg.accountant + ' accountant'}"
+                "): raise target-epsilon or the noise "
                 "(noise-multiplier=0 calibrates it)")
 
 

@@ -42,11 +42,14 @@ class PrivacyHistory:
 
     def would_exceed(self, event: PrivacyEvent, budget: float, delta: float,
                      accountant: str = "rdp") -> tuple[bool, float]:
-        """(refuse?, epsilon after the event)."""
-        eps_after = self.epsilon(delta, accountant, extra=event)
+        """(refuse?, epsilon after the event). Adaptive histories are decided by the Rényi
+        filter, and the epsilon returned is then the filter's (its RDP conversion), not
+        ``accountant``'s: the figure the refusal was decided on."""
         if self.adaptive:
-            unit = history_unit(self.events + [event])
-            return RenyiFilter(budget, delta, unit).would_exceed(self.events, event), eps_after
+            history = self.events + [event]
+            flt = RenyiFilter(budget, delta, history_unit(history))
+            return flt.would_exceed(self.events, event), flt.epsilon_of(history)
+        eps_after = self.epsilon(delta, accountant, extra=event)
         return eps_after > budget * (1.0 + BUDGET_RTOL), eps_after
 
     def charge(self, event: PrivacyEvent) -> None:

@@ -71,6 +71,15 @@ class RenyiFilter:
         usable = budget > 0
         return bool(np.any(rdp[usable] <= budget[usable]))
 
+    def epsilon_of(self, events: Sequence[PrivacyEvent]) -> float:
+        """The epsilon the filter measures ``events`` by: min over its orders of the RDP ->
+        (epsilon, delta) conversion above. ``admits`` holds exactly when this is <= the
+        filter's epsilon; it is the figure to quote when the filter refuses (the ledger's
+        PLD epsilon of the same history can be lower)."""
+        offset = budget_curve(0.0, self.delta, orders_for(self.unit))   # B(alpha) - epsilon
+        usable = np.isfinite(offset)
+        return float(np.min(history_rdp(list(events))[usable] - offset[usable]))
+
     def would_exceed(self, events: Sequence[PrivacyEvent], new: PrivacyEvent) -> bool:
         """Would composing ``new`` after ``events`` leave the filter's budget?"""
         history = list(events) + [new]
