@@ -123,18 +123,11 @@ def test_a_model_without_conv_layers_is_an_error_naming_it():
         add_channel_reduction(single, 0.5)
 
 
-# The torchvision ResNet blocks modify a hooked module's output in place (``out +=
-# identity``, ReLU(inplace=True)), which torch forbids under Opacus' full backward hooks
-# (pytorch/pytorch#61519): resnet18-gn fails one DP-SGD step with or without the reduction.
-RESNET_IN_PLACE = pytest.mark.xfail(raises=RuntimeError, strict=True,
-                                    reason="torchvision ResNet's in-place ops vs Opacus "
-                                           "backward hooks (also without the reduction)")
-
-
 @pytest.mark.parametrize("name, shape, mode", [
     ("mnist-cnn", (1, 28, 28), "ghost"), ("mnist-cnn", (1, 28, 28), "hooks"),
     ("alexnet", (1, 8, 8), "ghost"), ("alexnet", (1, 8, 8), "hooks"),
-    pytest.param("resnet18-gn", (1, 8, 8), "hooks", marks=RESNET_IN_PLACE)])
+    # torchvision's blocks are made out-of-place (models.nets.without_in_place_ops)
+    ("resnet18-gn", (1, 8, 8), "hooks"), ("resnet18-gn", (1, 8, 8), "ghost")])
 def test_one_opacus_dp_sgd_step(name, shape, mode):
     torch.manual_seed(0)
     model = build_model(name, shape, 10, channel_reduction=0.5)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 
@@ -102,4 +104,43 @@ def resnet_groupnorm(depth: int, input_shape: tuple[int, int, int], num_classes:
         # Small images: 3x3 stem without the max-pool, as usual for CIFAR-size inputs.
         model.conv1 = nn.Conv2d(input_shape[0], 64, 3, stride=1, padding=1, bias=False)
         model.maxpool = nn.Identity()
+    return without_in_place_ops(model)
+
+
+def without_in_place_ops(model: nn.Module) -> nn.Module:
+    """The same ResNet (same parameters, same function) with its in-place ops made
+    out-of-place, so that Opacus' per-sample hooks can run on it: torch refuses a backward
+    hook on a module whose output is then modified in place (torchvision's blocks do
+    ``out += identity`` and use ``ReLU(inplace=True)``; pytorch/pytorch#61519)."""
+    swap = _out_of_place_blocks()
+    for module in model.modules():
+        if isinstance(module, nn.ReLU):
+            module.inplace = False
+        if type(module) in swap:
+            module.__class__ = swap[type(module)]
     return model
+
+
+@functools.cache
+def _out_of_place_blocks() -> dict[type, type]:
+    """torchvision's BasicBlock and Bottleneck -> subclasses that add the shortcut with
+    ``out + identity`` (built on first use: torchvision is an optional extra, and slow to
+    import)."""
+    from torchvision.models.resnet import BasicBlock, Bottleneck
+
+    def residual(block: nn.Module, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        identity = x if block.downsample is None else block.downsample(x)
+        return block.relu(out + identity)
+
+    class OutOfPlaceBasicBlock(BasicBlock):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            out = self.relu(self.bn1(self.conv1(x)))
+            return residual(self, x, self.bn2(self.conv2(out)))
+
+    class OutOfPlaceBottleneck(Bottleneck):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            out = self.relu(self.bn1(self.conv1(x)))
+            out = self.relu(self.bn2(self.conv2(out)))
+            return residual(self, x, self.bn3(self.conv3(out)))
+
+    return {BasicBlock: OutOfPlaceBasicBlock, Bottleneck: OutOfPlaceBottleneck}
