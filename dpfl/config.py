@@ -64,7 +64,7 @@ class RunConfig:
     target_epsilon: float = 4.0
     delta: float = 1e-5
     accountant: str = "pld"
-    opacus_mode: str = "ghost"
+    opacus_mode: str = "bk"
     fraction_train: float = 1.0
     min_train_nodes: int = 2
     fraction_evaluate: float = 0.0

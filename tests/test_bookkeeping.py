@@ -10,11 +10,11 @@ from opacus import GradSampleModule
 from torch import nn
 
 from dpfl.client import bookkeeping
-from dpfl.client.bookkeeping import BookKeeper, UnsupportedLayer
+from dpfl.client.bookkeeping import BookKeeper, UnsupportedLayer, check_model
 from dpfl.client.trainers import train_dpsgd
 from dpfl.config import RunConfig
 from dpfl.data import ClientData
-from dpfl.models import build_model
+from dpfl.models import MODELS, build_model
 
 
 class SeqNet(nn.Module):
@@ -152,3 +152,16 @@ def test_training_equals_opacus_hooks_noise_batches_and_accounting(sigma):
         assert not torch.equal(p, start[name])
     # hooks are gone from the shared model afterwards
     assert not any(m._forward_hooks for m in got.modules())
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_the_default_mode_takes_every_registered_model(name):
+    """opacus-mode defaults to bk: every model dpfl can build must pass its layer check
+    (with and without the channel-reduction layer on the CNNs)."""
+    if name.startswith("resnet"):
+        pytest.importorskip("torchvision")
+    assert RunConfig().opacus_mode == "bk"
+    shape = (1, 28, 28) if name in ("mlp", "mnist-cnn") else (3, 32, 32)
+    assert check_model(build_model(name, shape, 10))
+    if name not in ("mlp",):
+        assert check_model(build_model(name, shape, 10, channel_reduction=0.5))
