@@ -103,8 +103,8 @@ def build_table(results: Path, command: str) -> str:
         "every round; local and distributed: replace-one, charged for the rounds a client "
         "took part in; Flower's wrapper: replace-one without amplification, at its "
         "effective noise), the final test accuracy and the wall time.", runs)
-    lines += ["| cell | clients | arm | verdict | max ε | mean ε | accuracy % | minutes |",
-              "|---|---|---|---|---|---|---|---|"]
+    lines += ["| cell | clients | arm | seed | verdict | max ε | mean ε | accuracy % | minutes |",
+              "|---|---|---|---|---|---|---|---|---|"]
     table = []
     order = list(EPSILONS)
     for rec in sorted(runs, key=lambda r: (order.index(r["cell"]), list(ARMS).index(r["method"]),
@@ -112,7 +112,7 @@ def build_table(results: Path, command: str) -> str:
         eps = list(rec["epsilon"].values())
         mean = sum(eps) / len(eps) if eps else float("inf")
         lines.append(f"| {rec['cell']} | {clients_of(rec['cell'])} | {rec['method']} | "
-                     f"{rec['verdict'][:40]} | {_max_eps(rec):.3g} | {mean:.3g} | "
+                     f"{rec['seed']} | {rec['verdict'][:40]} | {_max_eps(rec):.3g} | {mean:.3g} | "
                      f"{100 * rec['accuracy']:.2f} | {rec['wall-seconds'] / 60:.1f} |")
         table.append({"cell": rec["cell"], "arm": rec["method"], "seed": rec["seed"],
                       "max-epsilon": _max_eps(rec), "mean-epsilon": mean,
