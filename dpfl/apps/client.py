@@ -40,7 +40,7 @@ from dpfl.logs import get_logger
 from dpfl.method import TRAIN_LOSS
 from dpfl.methods import method_for, parse_run_config
 from dpfl.models.evaluation import device_for, evaluate_model
-from dpfl.privacy.budget import PrivacyHistory
+from dpfl.privacy.budget import BUDGET_REFUSAL, PrivacyHistory
 from dpfl.privacy.ledger import prior_history, server_events_from
 from dpfl.privacy.mechanisms import DpsgdRelease
 from dpfl.privacy.plan import plan_from_record, plan_problem, planned_event
@@ -151,7 +151,7 @@ def train(msg: Message, context: Context) -> Message:
         reason = f"plan: the server's plan differs from this client's ({problem})"
     elif refuse:
         measure = "the Rényi filter's epsilon" if spent.adaptive else "epsilon"
-        reason = (f"budget: {measure} would reach {eps_after:.4f} > target-epsilon "
+        reason = (f"{BUDGET_REFUSAL}: {measure} would reach {eps_after:.4f} > target-epsilon "
                   f"{cfg.target_epsilon} (spent {spent.epsilon(cfg.delta, cfg.accountant):.4f}"
                   f" by the {cfg.accountant} accountant"
                   f"{', server releases included' if released else ''})")

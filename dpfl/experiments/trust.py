@@ -173,8 +173,8 @@ def plot(runs: list[dict[str, Any]], path: Path) -> None:
 REPRODUCTION = Reproduction(
     name="trust", presets="trust", clients=100, cells=CELLS,
     default_cells=("eps2", "eps4", "eps8"), methods=tuple(ARMS),
-    default_methods=tuple(a for a in ARMS if a != "central-fixed"), build_table=build_table, run_config=_run_config,
-    clients_of=clients_of)
+    default_methods=tuple(a for a in ARMS if a != "central-fixed"), build_table=build_table,
+    run_config=_run_config, clients_of=clients_of)
 
 
 def run_one(root: Path, cell: str, method: str, seed: int, results: Path,

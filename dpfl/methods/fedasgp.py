@@ -354,8 +354,6 @@ class FedASGPClient(ClientHalf):
 
 # -- server half -------------------------------------------------------------------------------
 
-
-
 class FedASGPStrategy(DPFLStrategy):
     """Eq. 16's weights around the shared base; the method's own plan and norm bound."""
 

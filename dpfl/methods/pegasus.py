@@ -33,6 +33,7 @@ from flwr.serverapp import Grid
 
 from dpfl.config import RunConfig
 from dpfl.method import Method
+from dpfl.privacy.budget import BUDGET_REFUSAL
 from dpfl.server.strategy import DPFLStrategy, RoundOutcome, RoundRecord
 
 
@@ -75,7 +76,7 @@ class PegasusStrategy(DPFLStrategy):
 def budget_refusals(record: RoundRecord) -> set[int]:
     """Nodes that refused this round because the round would pass their budget."""
     return {r.node_id for r in record.rejected
-            if r.kind == "refused" and r.reason.startswith("budget")}
+            if r.kind == "refused" and r.reason.startswith(BUDGET_REFUSAL)}
 
 
 METHOD = Method(

@@ -23,6 +23,9 @@ STATE_KEY = "dpfl.privacy"
 # Relative slack when comparing with the budget: calibration meets the target only to the
 # accountant's own tolerance, and float noise must not turn a planned round into a refusal.
 BUDGET_RTOL = 1e-6
+# the first word of a client's refusal reason when the round would pass its budget (a
+# refusal that will recur: the server may stop asking that client)
+BUDGET_REFUSAL = "budget"
 _FIELDS = ("round", "mechanism", "sigma", "rate", "steps", "epsilon", "relation")
 
 
@@ -46,9 +49,8 @@ class PrivacyHistory:
         filter, and the epsilon returned is then the filter's (its RDP conversion), not
         ``accountant``'s: the figure the refusal was decided on."""
         if self.adaptive:
-            history = self.events + [event]
-            flt = RenyiFilter(budget, delta, history_unit(history))
-            return flt.would_exceed(self.events, event), flt.epsilon_of(history)
+            unit = history_unit(self.events + [event])
+            return RenyiFilter(budget, delta, unit).decide(self.events, event)
         eps_after = self.epsilon(delta, accountant, extra=event)
         return eps_after > budget * (1.0 + BUDGET_RTOL), eps_after
 

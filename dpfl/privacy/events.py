@@ -85,7 +85,6 @@ class PrivacyEvent:
     relation: str = "add-remove"
 
     def __post_init__(self) -> None:
-
         if not all(is_finite_number(v)
                    for v in (self.sigma, self.rate, self.epsilon, self.steps, self.round)):
             raise ValueError("event parameters must be finite numbers")

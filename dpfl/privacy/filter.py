@@ -71,18 +71,24 @@ class RenyiFilter:
         usable = budget > 0
         return bool(np.any(rdp[usable] <= budget[usable]))
 
-    def epsilon_of(self, events: Sequence[PrivacyEvent]) -> float:
-        """The epsilon the filter measures ``events`` by: min over its orders of the RDP ->
+    def _epsilon_of_rdp(self, rdp: np.ndarray) -> float:
+        """The epsilon the filter measures an RDP curve by: min over its orders of the RDP ->
         (epsilon, delta) conversion above. ``admits`` holds exactly when this is <= the
         filter's epsilon; it is the figure to quote when the filter refuses (the ledger's
         PLD epsilon of the same history can be lower)."""
         offset = budget_curve(0.0, self.delta, orders_for(self.unit))   # B(alpha) - epsilon
         usable = np.isfinite(offset)
-        return float(np.min(history_rdp(list(events))[usable] - offset[usable]))
+        return float(np.min(rdp[usable] - offset[usable]))
 
     def would_exceed(self, events: Sequence[PrivacyEvent], new: PrivacyEvent) -> bool:
         """Would composing ``new`` after ``events`` leave the filter's budget?"""
+        return self.decide(events, new)[0]
+
+    def decide(self, events: Sequence[PrivacyEvent], new: PrivacyEvent) -> tuple[bool, float]:
+        """(:meth:`would_exceed`, the filter's epsilon of the history with ``new``) from one
+        RDP computation of that history."""
         history = list(events) + [new]
         if history_unit(history) != self.unit:
             raise ValueError(f"this filter accounts {self.unit}-level events")
-        return not self.admits(history_rdp(history))
+        rdp = history_rdp(history)
+        return not self.admits(rdp), self._epsilon_of_rdp(rdp)
