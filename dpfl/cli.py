@@ -194,12 +194,20 @@ def argv_is_cli() -> bool:
     return len(sys.argv) > 1 and sys.argv[1] == "reproduce"
 
 
+def _on_sigterm(signum: int, frame: object) -> None:
+    launch = sys.modules.get("dpfl.launch")
+    if launch is not None and launch.stop_active(signum):
+        return   # the federation is being stopped; the main thread unwinds and exits
+    sys.exit(128 + signum)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="dpfl", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("simulate", help="run a simulated federation")
-    p.add_argument("--clients", type=int, default=4)
+    p.add_argument("--clients", type=int, default=None,
+                   help="simulated SuperNodes (default 4; a resume: the run's)")
     p.add_argument("--output-dir", default="runs")
     p.add_argument("--cpus-per-client", type=float, default=1.0)
     p.add_argument("overrides", nargs="*", help="run-config key=value overrides")
@@ -265,10 +273,11 @@ def main(argv: list[str] | None = None) -> int:
         args.flwr_args = extra
     elif extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
-    # A SIGTERM (e.g. `kill PID` of a background run) unwinds normally, so the SuperLink
-    # and everything it started are stopped by the launcher's cleanup (and on SIGKILL by
-    # the watchdog the launcher put above them, dpfl.watchdog).
-    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    # A SIGTERM (e.g. `kill PID` of a background run) ends the command within a bounded
+    # time with exit 128 + 15: a running federation is signalled and unwinds (the launcher
+    # stops the SuperLink and everything it started, dpfl.launch.stop_active; on SIGKILL
+    # the watchdog above them does, dpfl.watchdog); with nothing running, at once.
+    signal.signal(signal.SIGTERM, _on_sigterm)
     try:
         return int(args.func(args))
     except UserError as exc:

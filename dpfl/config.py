@@ -10,6 +10,7 @@ at start instead of failing mid-way.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, fields
 from typing import Any, Mapping
 
@@ -29,8 +30,54 @@ OPACUS_MODES = ("ghost", "hooks", "functorch", "ew", "bk")
 TRUSTS = ("local", "central", "distributed")
 
 
+# Upper ends of the sensible ranges (a value above them is a typo or an attack on the
+# record, e.g. a clip norm of 1e308 makes every norm bound meaningless). target-epsilon
+# stays finite but may be huge: reproductions switch the budget off with 1e15.
+MAX_EPSILON = 1e15
+MAX_NORM = 1e6
+MAX_ROUNDS = 1_000_000
+MAX_RUN_NAME = 100   # characters (and at most 255 bytes in UTF-8: one folder name)
+
+
 class ConfigError(UserError, ValueError):
     """An invalid run-config value; the message names the key."""
+
+
+def parse_node_partitions(text: str) -> dict[int, int]:
+    """``"<node-id>:<partition-id>,..."`` as {node id: partition id}: ValueError when a
+    pair is malformed or a node or a partition appears twice."""
+    out: dict[int, int] = {}
+    for pair in filter(None, (p.strip() for p in text.replace(" ", ",").split(","))):
+        node, sep, pid = pair.partition(":")
+        if not sep or not node.strip().lstrip("-").isdigit() or not pid.strip().isdigit():
+            raise ValueError(f"expected <node-id>:<partition-id>, got {pair!r}")
+        node_id, partition = int(node), int(pid)
+        if node_id in out:
+            raise ValueError(f"node {node_id} appears twice")
+        if partition in out.values():
+            raise ValueError(f"partition {partition} is bound to two nodes")
+        out[node_id] = partition
+    return out
+
+
+def run_name_problem(name: str) -> str | None:
+    """Why ``name`` is not one plain folder name (None when it is): no path separator,
+    not ``.``/``..``, no blank or control character, valid UTF-8, not hidden, not too long."""
+    if not name or not name.strip():
+        return "must not be blank"
+    try:
+        encoded = name.encode("utf-8")
+    except UnicodeEncodeError:
+        return "must be valid UTF-8"
+    if len(name) > MAX_RUN_NAME or len(encoded) > 255:
+        return f"must be at most {MAX_RUN_NAME} characters"
+    if "/" in name or "\\" in name or name in (".", ".."):
+        return "must be one folder name (no '/', '\\', '.' or '..')"
+    if name.startswith((".", "-")):
+        return "must not start with '.' or '-'"
+    if any(ch.isspace() or not ch.isprintable() for ch in name):
+        return "must not contain blanks or control characters"
+    return None
 
 
 @dataclass(frozen=True)
@@ -126,6 +173,13 @@ class RunConfig:
     # test-only fault injection: this partition raises at SecAgg+'s masked-vector stage
     # (-1 = none), i.e. drops out mid-protocol after sharing its keys
     secagg_drop_partition: int = -1
+    # the operator's binding of SuperNodes to partitions, "<node-id>:<partition-id>,..."
+    # (deploy/netns.sh and `dpfl deploy` write it from the keys they register); when set,
+    # a reply is charged to the partition of the node that sent it, whatever it claims,
+    # and a node outside the map is refused. Empty: a node is pinned to the partition it
+    # first claims and no two nodes may hold one partition (simulation: the engine's
+    # node_config is the claim)
+    node_partitions: str = ""
     # the active method's own parameters (a dpfl.method.MethodParams, or None)
     params: Any = None
 
@@ -159,6 +213,9 @@ def coerce(key: str, value: Any, kind: type) -> Any:
     if kind is float:
         if not is_number(value):
             raise ConfigError(f"run-config key '{key}': expected a number, got {value!r}")
+        if not math.isfinite(value):   # no setting means "infinite": inf/nan are typos
+            raise ConfigError(f"run-config key '{key}': expected a finite number, got "
+                              f"{value!r}")
         return float(value)
     if not isinstance(value, str):
         raise ConfigError(f"run-config key '{key}': expected a string, got {value!r}")
@@ -224,16 +281,20 @@ def validate(cfg: RunConfig) -> RunConfig:
     need(0.0 <= cfg.val_fraction < 1.0, "val-fraction", "must be in [0, 1)", cfg.val_fraction)
     need(cfg.server_holdout >= 0, "server-holdout", "must be >= 0", cfg.server_holdout)
     need(cfg.train_subset >= 0, "train-subset", "must be >= 0 (0 = all)", cfg.train_subset)
-    need(cfg.num_rounds >= 1, "num-rounds", "must be >= 1", cfg.num_rounds)
+    need(1 <= cfg.num_rounds <= MAX_ROUNDS, "num-rounds", f"must be in [1, {MAX_ROUNDS}]",
+         cfg.num_rounds)
     need(cfg.local_epochs >= 1, "local-epochs", "must be >= 1", cfg.local_epochs)
     need(cfg.batch_size >= 1, "batch-size", "must be >= 1", cfg.batch_size)
     need(cfg.lr > 0, "lr", "must be > 0", cfg.lr)
     need(0.0 <= cfg.momentum < 1.0, "momentum", "must be in [0, 1)", cfg.momentum)
-    need(cfg.max_grad_norm > 0, "max-grad-norm", "must be > 0", cfg.max_grad_norm)
-    need(cfg.clip_norm > 0, "clip-norm", "must be > 0", cfg.clip_norm)
+    need(0 < cfg.max_grad_norm <= MAX_NORM, "max-grad-norm", f"must be in (0, {MAX_NORM:g}]",
+         cfg.max_grad_norm)
+    need(0 < cfg.clip_norm <= MAX_NORM, "clip-norm", f"must be in (0, {MAX_NORM:g}]",
+         cfg.clip_norm)
     need(cfg.noise_multiplier >= 0, "noise-multiplier",
           "must be >= 0 (0 = calibrate to target-epsilon)", cfg.noise_multiplier)
-    need(cfg.target_epsilon > 0, "target-epsilon", "must be > 0", cfg.target_epsilon)
+    need(0 < cfg.target_epsilon <= MAX_EPSILON, "target-epsilon",
+         f"must be in (0, {MAX_EPSILON:g}]", cfg.target_epsilon)
     need(0.0 < cfg.delta < 1.0, "delta", "must be in (0, 1)", cfg.delta)
     need(0.0 < cfg.fraction_train <= 1.0, "fraction-train", "must be in (0, 1]",
           cfg.fraction_train)
@@ -280,4 +341,11 @@ def validate(cfg: RunConfig) -> RunConfig:
     need(cfg.resume or not cfg.resume_without_checkpoint, "resume-without-checkpoint",
           "needs resume=true", cfg.resume_without_checkpoint)
     need(bool(cfg.output_dir), "output-dir", "must not be empty", cfg.output_dir)
+    try:
+        parse_node_partitions(cfg.node_partitions)
+    except ValueError as exc:
+        raise ConfigError(f"run-config key 'node-partitions': {exc}") from None
+    if cfg.run_name:
+        why = run_name_problem(cfg.run_name)
+        need(why is None, "run-name", str(why), cfg.run_name)
     return cfg

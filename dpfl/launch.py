@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import secrets
 import shutil
@@ -31,10 +32,41 @@ from dpfl.config import RunConfig
 from dpfl.data import check_dataset, splits_for
 from dpfl.errors import UserError
 from dpfl.methods import DEFAULT_METHOD, build_strategy, configured, parse_run_config
-from dpfl.server.rundir import check_run_dir, run_dir_path, unique_run_name
+from dpfl.runlock import LAUNCHER_LOCK, WRITER_LOCK, RunLock, check_unlocked
+from dpfl.server.rundir import RunDir, check_run_dir, run_dir_path, unique_run_name
+from dpfl.server.runidentity import NUM_CLIENTS, resume_overrides
 from dpfl.watchdog import alive, descendants, die_with_parent
 
 CONNECTION = "dpfl-sim"
+DEFAULT_CLIENTS = 4
+# After a SIGTERM the launcher stops its federation and exits within this many seconds; if
+# anything blocks it longer, SIGALRM's default action ends the launcher and the watchdog
+# above the SuperLink (dpfl.watchdog) stops the tree.
+TERM_DEADLINE = 30
+_active: dict[int, str] = {}    # pid -> what it is: processes a SIGTERM must stop
+_terminated: list[int] = []     # signals received
+
+
+def stop_active(signum: int) -> bool:
+    """A SIGTERM handler's work, safe at any instant (no locks, no waits): signal every
+    process this launcher is running (``flwr run``, the SuperLink's watchdog), arm the
+    deadline, and let the main thread unwind when they are gone. False when nothing runs
+    (the caller then exits at once)."""
+    _terminated.append(signum)
+    if not _active:
+        return False
+    for pid in list(_active):
+        try:
+            os.kill(pid, signal.SIGTERM)
+        except (ProcessLookupError, PermissionError):
+            pass
+    signal.alarm(TERM_DEADLINE)
+    return True
+
+
+def _check_terminated() -> None:
+    if _terminated:
+        raise SystemExit(128 + _terminated[0])
 
 
 def free_port() -> int:
@@ -144,12 +176,15 @@ def simulation_superlink(flwr_home: Path, env: dict[str, str]) -> Iterator[str]:
     watched = [sys.executable, "-m", "dpfl.watchdog", "--parent", str(os.getpid()), "--", *cmd]
     proc = subprocess.Popen(watched, env=env, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL, start_new_session=True)
+    _active[proc.pid] = "superlink watchdog"
     (flwr_home / "federation.pid").write_text(str(proc.pid))  # the watchdog: the tree's root
     try:
+        _check_terminated()
         _wait_http(http_port, proc)
         yield f"127.0.0.1:{http_port}"
     finally:
         stop_process_group(proc)
+        _active.pop(proc.pid, None)
 
 
 def run_config_arg(overrides: dict[str, object]) -> str:
@@ -169,7 +204,17 @@ class RunFailed(RuntimeError):
     """The federation did not finish (the ServerApp crashed, was killed, or Flower failed)."""
 
 
-def preflight(cfg: RunConfig, num_clients: int, run_dir: Path) -> None:
+def check_cpus_per_client(num_cpus: float) -> None:
+    """``--cpus-per-client``: a finite number in (0, the machine's CPUs] (Ray would wait
+    forever for a client it cannot place, and refuses 0 or less in a traceback)."""
+    available = os.cpu_count() or 1
+    if not (math.isfinite(num_cpus) and 0 < num_cpus <= available):
+        raise UserError(f"--cpus-per-client must be in (0, {available}] (the CPUs of this "
+                        f"machine), got {num_cpus:g}")
+
+
+def preflight(cfg: RunConfig, num_clients: int, run_dir: Path, num_cpus: float = 1.0
+              ) -> None:
     """Settings that cannot work stop here, before any process starts (one-line
     :class:`UserError` each): no clients, more ``min-train-nodes`` than clients (the server
     would wait for nodes that never come), a new run on an existing run directory, a resume
@@ -177,6 +222,7 @@ def preflight(cfg: RunConfig, num_clients: int, run_dir: Path) -> None:
     that one round at an explicit ``noise-multiplier`` already exceeds."""
     if num_clients < 1:
         raise UserError(f"--clients must be at least 1, got {num_clients}")
+    check_cpus_per_client(num_cpus)
     if cfg.min_train_nodes > num_clients:
         raise UserError(f"run-config key 'min-train-nodes': {cfg.min_train_nodes} nodes "
                         f"needed but --clients is {num_clients}: the server would wait for "
@@ -215,12 +261,18 @@ def _outcome(status_file: Path, run_dir: Path, returncode: int, log_file: Path) 
     return run_dir
 
 
-def simulate(app_dir: Path, num_clients: int, overrides: dict[str, object],
+def simulate(app_dir: Path, num_clients: int | None, overrides: dict[str, object],
              output_root: Path, flwr_home: Path | None = None, num_cpus: float = 1.0,
              timeout: float | None = None, quiet: bool = False) -> Path:
     """Run one simulated federation; return its run directory, whose ``summary.json`` this
     run wrote. Raises :class:`UserError` for settings that cannot work (before anything
-    starts) or that the ServerApp refused, :class:`RunFailed` when it did not finish."""
+    starts) or that the ServerApp refused, :class:`RunFailed` when it did not finish.
+
+    ``num_clients`` None: the resumed run's, else :data:`DEFAULT_CLIENTS`. A resume loads
+    the run's saved config (``config.json``) and applies only the overrides a resume may
+    change (:func:`dpfl.server.runidentity.resume_overrides`). The launcher holds the run
+    folder's launcher lock for its whole life (a second launch or a resume of a live run is
+    refused naming the holder's PID)."""
     output_root = output_root.resolve()
     overrides = dict(overrides)
     overrides.setdefault("run-name", unique_run_name(str(overrides.get("strategy") or
@@ -229,7 +281,42 @@ def simulate(app_dir: Path, num_clients: int, overrides: dict[str, object],
     defaults = tomllib.loads((app_dir / "pyproject.toml").read_text())["tool"]["flwr"]["app"]
     cfg = parse_run_config({**defaults["config"], **overrides})
     run_dir = run_dir_path(cfg, output_root)  # where the ServerApp will put it
-    preflight(cfg, num_clients, run_dir)
+    check_run_dir(run_dir, cfg.resume)
+    saved = RunDir(run_dir).saved_config() if cfg.resume else None
+    if saved is not None:
+        explicit = dict(overrides)
+        if num_clients is not None:
+            explicit[NUM_CLIENTS] = num_clients
+        overrides = resume_overrides(saved, explicit, str(run_dir))
+        num_clients = int(saved[NUM_CLIENTS]) if NUM_CLIENTS in saved else num_clients
+        cfg = parse_run_config({**defaults["config"], **overrides})
+    num_clients = DEFAULT_CLIENTS if num_clients is None else num_clients
+    created = not run_dir.exists()
+    lock = RunLock(run_dir, LAUNCHER_LOCK, "dpfl simulate")
+    try:
+        lock.acquire()
+        check_unlocked(run_dir, WRITER_LOCK)
+        preflight(cfg, num_clients, run_dir, num_cpus)
+    except BaseException:
+        lock.release()
+        if created:   # leave no empty run folder behind a refused launch
+            (run_dir / LAUNCHER_LOCK).unlink(missing_ok=True)
+            (run_dir / WRITER_LOCK).unlink(missing_ok=True)
+            try:
+                run_dir.rmdir()
+            except OSError:
+                pass
+        raise
+    try:
+        return _launch(app_dir, cfg, num_clients, overrides, output_root, run_dir, flwr_home,
+                       num_cpus, timeout, quiet)
+    finally:
+        lock.release()
+
+
+def _launch(app_dir: Path, cfg: RunConfig, num_clients: int, overrides: dict[str, object],
+            output_root: Path, run_dir: Path, flwr_home: Path | None, num_cpus: float,
+            timeout: float | None, quiet: bool) -> Path:
     flwr_home = (flwr_home or run_dir / ".flwr").resolve()
     env = flower_env(flwr_home, output_root)
     status_file = flwr_home / f"status-{secrets.token_hex(8)}.json"
@@ -241,9 +328,20 @@ def simulate(app_dir: Path, num_clients: int, overrides: dict[str, object],
                "--federation-config",
                f"num-supernodes={num_clients} client-resources-num-cpus={_num(num_cpus)}"]
         out = subprocess.DEVNULL if quiet else None
-        proc = subprocess.run(cmd, env=env, timeout=timeout, stdout=out, cwd=str(app_dir),
-                              preexec_fn=die_with_parent, check=False)
-    return _outcome(status_file, run_dir, proc.returncode, flwr_home / "superlink.log")
+        proc = subprocess.Popen(cmd, env=env, stdout=out, cwd=str(app_dir),
+                                preexec_fn=die_with_parent)
+        _active[proc.pid] = "flwr run"
+        try:
+            _check_terminated()
+            returncode = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+            raise
+        finally:
+            _active.pop(proc.pid, None)
+    _check_terminated()
+    return _outcome(status_file, run_dir, returncode, flwr_home / "superlink.log")
 
 
 def _num(value: float) -> int | float:

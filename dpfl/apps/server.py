@@ -10,6 +10,7 @@ strategy is talked to through ``start_round`` / ``finish_round`` and their retur
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -47,7 +48,8 @@ from dpfl.server.observer import UpdateObserver
 from dpfl.server.phases import PhaseClock
 from dpfl.server.plots import plot_accuracy, plot_epsilon
 from dpfl.server.report import epsilon_table
-from dpfl.server.rundir import RunDir
+from dpfl.server.rundir import CONFIG_FILE, RunDir
+from dpfl.server.runidentity import NUM_CLIENTS, check_resume
 from dpfl.server.secagg import SecAggPlusServer, SecureSum
 from dpfl.server.strategy import DPFLStrategy, RoundRecord
 from dpfl.tensors import flatten
@@ -142,7 +144,19 @@ def setup(grid: Grid, cfg: RunConfig) -> Federation:
     the run directory and a fresh ledger."""
     t_start = time.time()
     cfg = configured(cfg)
-    run_dir = RunDir.open(cfg)
+    run_dir = RunDir.open(cfg)   # locked: one writer per run folder
+    try:
+        return _set_up(grid, cfg, run_dir, t_start)
+    except BaseException:
+        run_dir.close()
+        raise
+
+
+def _set_up(grid: Grid, cfg: RunConfig, run_dir: RunDir, t_start: float) -> Federation:
+    # a resume continues the run's identity, fixed at its start (dpfl.server.runidentity)
+    saved = run_dir.saved_config() if cfg.resume else None
+    if saved is not None:
+        check_resume(saved, cfg.to_dict(), str(run_dir.path))
     strategy = build_strategy(cfg)
     ds = load_dataset(cfg.dataset, cfg.data_dir, cfg.download)
     x_test, y_test = test_tensors(cfg.dataset, cfg.data_dir, cfg.download)
@@ -151,6 +165,8 @@ def setup(grid: Grid, cfg: RunConfig) -> Federation:
     strategy.bind_model(model)
     strategy.guard.dim = int(flatten(model.state_dict()).numel())
     num_nodes = len(strategy.wait_for_nodes(grid, cfg.min_train_nodes))
+    if saved is not None:
+        check_resume(saved, {NUM_CLIENTS: num_nodes}, str(run_dir.path))
     check_trust(strategy, cfg, num_nodes, strategy.guard.dim)
     limits = [("record-updates", cfg.record_updates)]
     if cfg.trainer != "dpsgd":   # canary clients (DP-SGD canaries are examples, any number)
@@ -170,13 +186,15 @@ def setup(grid: Grid, cfg: RunConfig) -> Federation:
     splits = list(splits_for(cfg, num_nodes))
     # public sizes: the server plans each client's release (and a method may allocate by them)
     strategy.bind_partition_sizes({i: len(s.train) for i, s in enumerate(splits)})
+    check_operator_map(strategy, num_nodes, grid)
     if not cfg.resume:
         first_round_affordable(strategy, cfg)
     run_dir.create()
     counts = label_counts(ds.y_train, splits, ds.num_classes)
     plot_label_counts(counts, run_dir.file("labels.png"),
                       f"{cfg.dataset}, {cfg.partitioning}, {num_nodes} clients")
-    ledger = Ledger(cfg.delta, cfg.accountant)
+    ledger = Ledger(cfg.delta, cfg.accountant,
+                    budget=cfg.target_epsilon if cfg.is_private else None)
     strategy.bind_ledger(ledger)
     return Federation(grid, cfg, run_dir, claim, strategy, model, x_test, y_test,
                       device_for(), num_nodes, ArrayRecord(model.state_dict()), ledger,
@@ -184,18 +202,40 @@ def setup(grid: Grid, cfg: RunConfig) -> Federation:
                       UpdateObserver(cfg, run_dir.path))
 
 
+def check_operator_map(strategy: DPFLStrategy, num_nodes: int, grid: Grid) -> None:
+    """``node-partitions`` must name partitions of this federation; a connected node it
+    does not name will be refused (a warning now, a rejection per reply later)."""
+    mapping = strategy.guard.operator_map
+    if not mapping:
+        return
+    unknown = sorted(set(mapping.values()) - set(strategy.partition_sizes))
+    if unknown:
+        raise ConfigError(f"run-config key 'node-partitions': partition(s) {unknown} are not "
+                          f"among the {num_nodes} partitions of this federation")
+    strangers = sorted(set(grid.get_node_ids()) - set(mapping))
+    if strangers:
+        log.warning("node(s) %s are connected but not in node-partitions: their replies "
+                    "will be refused", ", ".join(map(str, strangers)))
+
+
 def resume(fed: Federation) -> bool:
     """Continue the run directory's run when ``resume=true`` and it recorded anything
     (:meth:`RunDir.resume_point`: the checkpoint's model and strategy state, the privacy
     history of ``ledger.json``; refusals are one-line errors); True when resumed."""
-    point = fed.run_dir.resume_point(fed.cfg.resume_without_checkpoint) if fed.cfg.resume \
-        else None
+    point = fed.run_dir.resume_point(
+        fed.cfg.resume_without_checkpoint,
+        population=[f"client-{p}" for p in sorted(fed.strategy.partition_sizes)],
+        adaptive=fed.strategy.guard.adaptive) if fed.cfg.resume else None
     if point is None:
         return False
+    if fed.run_dir.saved_config() is None:
+        raise UserError(f"{fed.run_dir.file(CONFIG_FILE)} is missing: cannot check that this "
+                        "resume has the run's settings; restore it (refusing to resume)")
     if point.model is not None:
         fed.arrays = ArrayRecord(point.model)
         fed.strategy.load_state_dict(point.strategy)
     fed.ledger = point.ledger
+    fed.ledger.budget = fed.cfg.target_epsilon if fed.cfg.is_private else None
     fed.strategy.bind_ledger(fed.ledger)
     fed.start = point.round + 1
     fed.rounds = point.rounds
@@ -205,6 +245,10 @@ def resume(fed: Federation) -> bool:
     fed.resume_config = ledger_config(fed.ledger)
     log.info("resuming %s after round %d (%d charges on the ledger)", fed.run_dir.path,
              point.round, len(fed.ledger.charges))
+    fed.run_dir.record_resume({"resumed-after-round": point.round, "time": time.time(),
+                               "num-rounds": fed.cfg.num_rounds,
+                               "fresh-model": point.model is None,
+                               "pid": os.getpid()})
     return True
 
 
@@ -242,8 +286,10 @@ def first_round_affordable(strategy: DPFLStrategy, cfg: RunConfig) -> None:
 
 
 def start_fresh(fed: Federation) -> None:
-    """Round 0: an empty ledger and rounds file, the initial model's accuracy and a
-    round-0 checkpoint (so that from the first charge on, a resume has a model)."""
+    """Round 0: the run's identity (``config.json``, written once), an empty ledger and
+    rounds file, the initial model's accuracy and a round-0 checkpoint (so that from the
+    first charge on, a resume has a model)."""
+    fed.run_dir.write_json(CONFIG_FILE, {**fed.cfg.to_dict(), NUM_CLIENTS: fed.num_nodes})
     fed.run_dir.save_ledger(fed.ledger)
     fed.run_dir.file("rounds.jsonl").write_text("")
     fed.initial = classification_metrics(_with_weights(fed.model, fed.arrays), fed.x_test,
@@ -272,6 +318,7 @@ def run_round(fed: Federation, rnd: int) -> RoundRecord:
     """One round: instructions, replies, aggregation, charges, evaluation, checkpoint."""
     cfg, strategy, ledger = fed.cfg, fed.strategy, fed.ledger
     clock = PhaseClock()
+    charged_before = len(ledger.charges)
     messages, record = strategy.start_round(rnd, fed.arrays, fed.grid, fed.resume_config)
     fed.resume_config = {}
     messages = _skip_busy(record, fed.exchange, rnd, messages, fed.strategy.client_name)
@@ -310,6 +357,8 @@ def run_round(fed: Federation, rnd: int) -> RoundRecord:
     }
     if cfg.is_private:
         line["charges"] = record.charge_lines()
+        # the round's ledger entries verbatim: a resume restores any the ledger lacks
+        line["ledger-charges"] = ledger.charges[charged_before:]
         line["ledger-mismatches"] = ledger.mismatches_in(rnd)
     if fed_eval is not None:
         line["federated-evaluation"] = fed_eval
@@ -397,6 +446,7 @@ def finish(fed: Federation) -> dict[str, Any]:
                     for c, e in ledger.epsilons().items()},
         "late-replies-after-last-round": len(late_at_end),
         "ledger-mismatches": len(ledger.mismatches),
+        "over-budget": ledger.over_budget(),
         "mismatches": ledger.mismatches,
         "charges-not-matching-plan": sum(1 for c in ledger.charges
                                          if c.get("source", "client") == "client"
@@ -405,6 +455,7 @@ def finish(fed: Federation) -> dict[str, Any]:
         "population-releases": sum(1 for c in ledger.charges
                                    if c.get("source") == "population"),
         "trust": cfg.trust,
+        "resumes": fed.run_dir.resumes(),
         "wall-seconds": round(time.time() - fed.t_start, 2),
         "run-dir": str(fed.run_dir.path),
     }
@@ -421,9 +472,16 @@ def finish(fed: Federation) -> dict[str, Any]:
 def run(grid: Grid, cfg: RunConfig) -> dict[str, Any]:
     """The whole federation: returns the summary written to ``summary.json``."""
     fed = setup(grid, cfg)
+    try:
+        return _run_rounds(fed)
+    finally:
+        fed.run_dir.close()
+
+
+def _run_rounds(fed: Federation) -> dict[str, Any]:
+    cfg, grid = fed.cfg, fed.grid
     if not resume(fed):
         start_fresh(fed)
-    fed.run_dir.write_json("config.json", {**fed.cfg.to_dict(), "num-clients": fed.num_nodes})
     for rnd in range(fed.start, cfg.num_rounds + 1):
         if central_budget_spent(fed, rnd):
             log.info("the next central round would take every client past target-epsilon "

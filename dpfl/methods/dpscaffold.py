@@ -107,6 +107,17 @@ class DPScaffoldStrategy(DPFLStrategy):
         return {"control-delta": [(n, tuple(t.shape), np.dtype("float32"))
                                   for n, t in self._control_template.items()]}
 
+    def update_norm_bound(self, dim: int, server_round: int) -> float | None:
+        """DP-SGD's bound plus the drift of the corrections -lr (c - c_i): over T steps at
+        most lr T (||c|| + ||c_i||), where c_i (option II) is the mean of the client's last
+        DP steps, so lr T ||c_i|| is within DP-SGD's bound B again: 2 B + lr T ||c||."""
+        if self.cfg.trainer != "dpsgd" or not self.partition_sizes:
+            return None
+        steps = max(int(self.planned_event(p, server_round).steps)
+                    for p in self.partition_sizes)
+        return (2.0 * self.guard.dpsgd_bound(dim, server_round)
+                + self.cfg.lr * steps * float(self.control.norm()))
+
     def aggregation_weights(self, accepted: list[ClientUpdate]) -> torch.Tensor:
         """Uniform mean (SCAFFOLD's server step)."""
         return torch.ones(len(accepted))

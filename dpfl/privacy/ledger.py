@@ -34,7 +34,7 @@ from typing import Any, Mapping, Sequence
 
 from dpfl.durable import atomic_write_text
 from dpfl.errors import UserError, one_line, read_json_file
-from dpfl.privacy.budget import _FIELDS, PrivacyHistory
+from dpfl.privacy.budget import _FIELDS, BUDGET_RTOL, PrivacyHistory
 from dpfl.privacy.events import (
     ACCOUNTANTS,
     PrivacyEvent,
@@ -64,6 +64,8 @@ class Ledger:
     # releases charged to every client of :attr:`population`, stored once
     population: list[str] = field(default_factory=list)
     population_events: list[PrivacyEvent] = field(default_factory=list)
+    # every client's epsilon budget (target-epsilon of a private run; None: no budget)
+    budget: float | None = None
 
     def history(self, client: str) -> PrivacyHistory:
         """Everything charged to ``client``: its own events, then the server's releases
@@ -181,6 +183,16 @@ class Ledger:
         """Every client's figure: recomputed, or the client's own report when higher."""
         return {n: max(e, self.reported.get(n, 0.0)) for n, e in self.recomputed_all().items()}
 
+    def over_budget(self, figures: Mapping[str, float] | None = None) -> dict[str, float]:
+        """Clients whose epsilon figure exceeds :attr:`budget` (beyond the budget check's
+        tolerance), with that figure; empty without a budget. No honest run has one: a
+        client refuses a round it cannot afford, so an entry means a misbehaving node, a
+        forged identity or a bug — ``dpfl privacy-report`` exits non-zero on it."""
+        if self.budget is None:
+            return {}
+        figures = self.epsilons() if figures is None else figures
+        return {c: e for c, e in figures.items() if e > self.budget * (1.0 + BUDGET_RTOL)}
+
     def server_charges(self) -> list[dict[str, Any]]:
         """The server's own releases in :attr:`charges` (one entry per covered client)."""
         return [c for c in self.charges if c.get("source") == "server"]
@@ -213,10 +225,13 @@ class Ledger:
     def to_json(self) -> dict[str, Any]:
         recomputed = self.recomputed_all()
         eps = {c: max(e, self.reported.get(c, 0.0)) for c, e in recomputed.items()}
+        over = self.over_budget(eps)
         return {
-            "delta": self.delta, "accountant": self.accountant,
+            "delta": self.delta, "accountant": self.accountant, "budget": self.budget,
+            "over-budget": sorted(over, key=client_order),
             "clients": {c: {"unit": self.history(c).unit, "adaptive": h.adaptive,
                             "epsilon": eps[c], "recomputed-epsilon": recomputed[c],
+                            "over-budget": c in over,
                             "reported-epsilon": self.reported.get(c),
                             "rounds": self.rounds(c),
                             "events": [e.to_dict() for e in h.events],
@@ -231,6 +246,8 @@ class Ledger:
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> "Ledger":
         ledger = cls(float(data["delta"]), str(data["accountant"]))
+        if data.get("budget") is not None:
+            ledger.budget = float(data["budget"])
         for c, d in data.get("clients", {}).items():
             ledger.clients[c] = PrivacyHistory([PrivacyEvent(**e) for e in d["events"]],
                                                bool(d.get("adaptive", False)))
@@ -298,10 +315,55 @@ class Ledger:
         """The latest round anything was charged for (0 when nothing was)."""
         return max((int(c["round"]) for c in self.charges), default=0)
 
+    def restore(self, charges: Sequence[Mapping[str, Any]], origin: str,
+                population: Sequence[str] = (), adaptive: bool = False) -> list[str]:
+        """Add every charge of ``charges`` (entries of another record of this run: the
+        checkpoint's ledger copy, or ``rounds.jsonl``'s) that this ledger lacks, counted as
+        a multiset (the same charge twice is two releases); return the clients that got
+        charges back. A ledger is never behind the run's own records: the largest history
+        per client wins. ``population``: the clients a population release covers when
+        this ledger has none recorded yet."""
+        have: dict[str, int] = {}
+        for c in self.charges:
+            have[charge_key(c)] = have.get(charge_key(c), 0) + 1
+        touched: list[str] = []
+        for c in charges:
+            key = charge_key(c)
+            if have.get(key, 0) > 0:
+                have[key] -= 1
+                continue
+            events = [PrivacyEvent(**e) for e in c["events"]]
+            source = c.get("source", "client")
+            client = str(c["client"])
+            if source == "population":
+                if not self.population:
+                    self.population = list(population)
+                for name in self.population:
+                    self.clients.setdefault(name, PrivacyHistory(adaptive=adaptive))
+                self.population_events.extend(events)
+            else:
+                history = self.clients.setdefault(client, PrivacyHistory(adaptive=adaptive))
+                history_unit(self.history(client).events + events)
+                if source == "server":
+                    self.server.setdefault(client, []).extend(events)
+                else:
+                    for e in events:
+                        history.charge(e)
+            self.charges.append({**c, "restored-from": origin})
+            touched.append(client)
+        return touched
+
     def covers(self, other: "Ledger") -> bool:
         """True when this ledger holds every charge of ``other`` (ledgers only grow)."""
         return len(self.charges) >= len(other.charges) and \
             self.charges[:len(other.charges)] == other.charges
+
+
+def charge_key(charge: Mapping[str, Any]) -> str:
+    """What identifies one charge across a run's records (not where it was restored from)."""
+    return json.dumps({"client": charge["client"], "round": int(charge["round"]),
+                       "source": charge.get("source", "client"), "events": charge["events"]},
+                      sort_keys=True)
 
 
 def client_order(name: str) -> tuple[int, str]:

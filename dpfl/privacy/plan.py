@@ -91,6 +91,34 @@ def gaussian_norm_bound(clip_norm: float, noise_multiplier: float, dim: int,
     return clip_norm + noise_multiplier * clip_norm * (math.sqrt(dim) + tail)
 
 
+# Per-step probability that an honest client's Poisson batch is larger than the bound uses.
+BATCH_TAIL = 1e-12
+
+
+def dpsgd_norm_bound(cfg: RunConfig, num_examples: int, noise_multiplier: float, steps: int,
+                     dim: int, tail: float = 10.0) -> float:
+    """A bound on the L2 norm of an honest DP-SGD client's round update (trained minus
+    received model) that it exceeds with negligible probability; the server rejects
+    updates above it.
+
+    Each of the ``steps`` Opacus steps moves the weights by lr g_t with
+    g_t = (sum of |B_t| per-sample gradients clipped to C + N(0, sigma^2 C^2 I_d)) / E[B],
+    E[B] = floor(n q) (Opacus' expected batch size, q = 1 / ceil(n / B)), so
+    ||g_t|| <= (|B_t| C + sigma C (sqrt(d) + tail)) / E[B], where |B_t| ~ Binomial(n, q)
+    is bounded by its (1 - 1e-12) quantile and the Gaussian norm by sqrt(d) + tail
+    (exceeded w.p. < exp(-tail^2 / 2)). Momentum mu scales the sum by at most 1 / (1 - mu).
+    Audit canary examples (at most ``audit-canaries`` per client) count towards n."""
+    from scipy.stats import binom
+
+    n = num_examples + cfg.audit_canaries
+    q = dpsgd_sample_rate(num_examples, cfg.batch_size)
+    expected = max(1, int(n * q))
+    batch_max = float(binom.isf(BATCH_TAIL, n, q)) + 1.0
+    clip = cfg.max_grad_norm
+    per_step = (batch_max * clip + noise_multiplier * clip * (math.sqrt(dim) + tail)) / expected
+    return cfg.lr * steps * per_step / (1.0 - cfg.momentum)
+
+
 _PLAN_FIELDS = ("mechanism", "sigma", "rate", "steps", "epsilon", "relation")
 
 

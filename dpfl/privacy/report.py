@@ -47,6 +47,7 @@ from dpfl.privacy.ledger import Ledger
 # Exit code of ``dpfl privacy-report`` when the records disagree (1 is a bug with its
 # traceback, 2 a user error: a missing or damaged file, a bad argument).
 EXIT_INCONSISTENT = 3
+EXIT_OVER_BUDGET = 4
 # Relative tolerance when comparing epsilons across files (JSON keeps floats exactly; this
 # allows for another dp-accounting build recomputing the same history).
 EPSILON_RTOL = 1e-6
@@ -316,6 +317,7 @@ class PrivacyReport:
     text: str
     differences: list[Difference] = field(default_factory=list)
     finished: bool = True       # the run has a summary.json
+    over_budget: dict[str, float] = field(default_factory=dict)   # client -> epsilon
 
     @property
     def consistent(self) -> bool:
@@ -323,8 +325,11 @@ class PrivacyReport:
 
     @property
     def exit_code(self) -> int:
-        """0, or :data:`EXIT_INCONSISTENT` when the records disagree."""
-        return 0 if self.consistent else EXIT_INCONSISTENT
+        """0; :data:`EXIT_INCONSISTENT` when the records disagree; else
+        :data:`EXIT_OVER_BUDGET` when some client's epsilon exceeds its budget."""
+        if not self.consistent:
+            return EXIT_INCONSISTENT
+        return EXIT_OVER_BUDGET if self.over_budget else 0
 
 
 def _sampling_of(events: list[PrivacyEvent]) -> str:
@@ -347,6 +352,9 @@ def build_privacy_report(run_dir: Path, plot: PlotEpsilon | None = None) -> Priv
     recomputed = _recomputed(ledger, ledger_path)
     differences = check_ledger(ledger, summary, rounds, config, stored, recomputed)
     eps = {c: max(e, ledger.reported.get(c, 0.0)) for c, e in recomputed.items()}
+    if ledger.budget is None and config is not None and config.get("trainer") != "plain":
+        ledger.budget = _number(config.get("target-epsilon"))   # ledgers of older runs
+    over = ledger.over_budget(eps)
 
     g = summary["guarantee"] if summary is not None else None
     recorded = g["verdict"] if g is not None else "unknown (no summary.json)"
@@ -399,6 +407,9 @@ def build_privacy_report(run_dir: Path, plot: PlotEpsilon | None = None) -> Priv
                   f"{len(releases)} server release(s) composed into the clients' epsilon",
                   soft_wrap=True)
     console.print(table)
+    for client, value in over.items():
+        console.print(f"OVER BUDGET {client}: epsilon {value:.6g} > budget {ledger.budget:g}",
+                      soft_wrap=True)
     for m in ledger.mismatches:
         console.print(f"MISMATCH {m['client']} round {m['round']}: reported "
                       f"{m['reported']:.6g}, recomputed {m['recomputed']:.6g}")
@@ -414,7 +425,7 @@ def build_privacy_report(run_dir: Path, plot: PlotEpsilon | None = None) -> Priv
         path = plot(series, run_dir / "privacy-report.png", budget,
                     f"epsilon by round: {run_dir.name}")
         console.print(f"plot: {path}")
-    return PrivacyReport(buf.getvalue(), differences, summary is not None)
+    return PrivacyReport(buf.getvalue(), differences, summary is not None, over)
 
 
 def privacy_report(run_dir: Path, plot: PlotEpsilon | None = None) -> str:

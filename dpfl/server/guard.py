@@ -9,19 +9,27 @@ compose around an inner strategy: whatever a method aggregates, the guard
 - bounds every update's L2 norm by what the mechanism promises (client-level update DP:
   C + sigma_max C (sqrt(d) + 10), exceeded by an honest update w.p. < exp(-50); a method
   with another noise gives its own bound);
-- gives client-level DP updates equal aggregation weights (dataset sizes stay private);
+- bounds every DP-SGD update by what its plan allows (:func:`dpsgd_norm_bound`);
+- gives client-level DP updates equal aggregation weights (dataset sizes stay private) and
+  sample-level ones the server's public partition sizes, never a client's claim;
 - charges the ledger for every received update — accepted, rejected or late — at no less
-  than the plan (``dpfl.privacy.charging``), pinning each node to its first partition id.
+  than the plan (``dpfl.privacy.charging``), to the partition the deployment binds the
+  sending node to (``node-partitions``, the operator's map), or else to the partition the
+  node first claimed, never held by two nodes;
+- refuses a replayed update (bytes identical to one the same client sent before: honest
+  DP updates carry fresh noise and never repeat).
 """
 
 from __future__ import annotations
 
+import hashlib
+import math
 from typing import Any, Callable, Mapping
 
 import torch
 from flwr.app import Message
 
-from dpfl.config import RunConfig
+from dpfl.config import RunConfig, parse_node_partitions
 from dpfl.logs import get_logger
 from dpfl.numbers import is_number
 from dpfl.privacy.budget import PrivacyHistory
@@ -29,6 +37,7 @@ from dpfl.privacy.charging import Charge, charge_for
 from dpfl.privacy.events import PrivacyEvent
 from dpfl.privacy.ledger import server_events_config
 from dpfl.privacy.plan import (
+    dpsgd_norm_bound,
     gaussian_norm_bound,
     noise_multiplier_for,
     plan_to_record,
@@ -85,8 +94,11 @@ class DPGuard:
         self.adaptive = adaptive
         self.ledger = None                          # the server's ledger (bind_ledger)
         self.partition_sizes: dict[int, int] = {}   # partition id -> training-set size
-        self.node_partition: dict[int, int] = {}    # node id -> partition id, pinned
+        # node id -> partition id: the operator's map (fixed), else pinned on first claim
+        self.operator_map = parse_node_partitions(cfg.node_partitions)
+        self.node_partition: dict[int, int] = dict(self.operator_map)
         self.dim = 0                                # parameters of the model (bound at setup)
+        self.seen_updates: dict[str, dict[bytes, int]] = {}   # client -> digest -> round
 
     # -- planning --------------------------------------------------------------------
     def bind_partition_sizes(self, sizes: Mapping[int, int]) -> None:
@@ -133,6 +145,9 @@ class DPGuard:
         own = self.method_bound(dim, server_round)
         if own is not None:
             return min(own, user) if user else own
+        if self.cfg.trainer == "dpsgd":
+            bound = self.dpsgd_bound(dim, server_round)
+            return min(bound, user) if user else bound
         if self.cfg.trainer != "update-dp":
             return user
         pids = sorted(self.partition_sizes) or [None]
@@ -143,9 +158,40 @@ class DPGuard:
         bound = gaussian_norm_bound(self.planned_clip(server_round), sigma, dim)
         return min(bound, user) if user else bound
 
+    def dpsgd_bound(self, dim: int, server_round: int) -> float:
+        """The largest update norm an honest DP-SGD client of any partition can send this
+        round (:func:`dpfl.privacy.plan.dpsgd_norm_bound` at its planned sigma, steps and
+        public size; the loosest over partitions)."""
+        pids = sorted(self.partition_sizes)
+        if not pids:
+            return math.inf
+        bounds = []
+        for pid in pids:
+            event = self.planned_event(pid, server_round)
+            bounds.append(dpsgd_norm_bound(self.cfg, self.partition_sizes[pid], event.sigma,
+                                           int(event.steps), dim))
+        return max(bounds)
+
     def weights(self, weights: torch.Tensor) -> torch.Tensor:
         """Client-level update DP: equal weights (sizes are private); else the method's."""
         return torch.ones_like(weights) if self.cfg.trainer == "update-dp" else weights
+
+    def public_examples(self, partition_id: int, claimed: int) -> int:
+        """The aggregation weight of a partition's update: its public size when the server
+        knows it (a client's larger claim would let its reply dominate the mean)."""
+        return self.partition_sizes.get(partition_id, claimed)
+
+    def replayed(self, update: torch.Tensor, client: str, server_round: int) -> str | None:
+        """Why ``update`` is a replay (bytes identical to an update ``client`` sent before),
+        or None after remembering it. Kept in memory for the run (a 32-byte digest per
+        update)."""
+        digest = hashlib.sha256(update.numpy().tobytes()).digest()
+        seen = self.seen_updates.setdefault(client, {})
+        if digest in seen:
+            return (f"a replay: identical to {client}'s update of round {seen[digest]} (an "
+                    "honest DP update carries fresh noise)")
+        seen[digest] = server_round
+        return None
 
     # -- charging --------------------------------------------------------------------
     def bind_ledger(self, ledger) -> None:
@@ -163,18 +209,12 @@ class DPGuard:
             return None
         node = checked.node_id
         claimed = checked.partition_id if checked.partition_id is not None else -1
-        pinned = self.node_partition.get(node)
-        pid = pinned if pinned is not None else claimed
-        identity_problem = None
-        if pinned is not None and claimed != pinned:
-            identity_problem = f"partition-id {claimed} differs from this node's {pinned}"
-        if pid in self.partition_sizes:
+        pid, identity_problem = self.partition_of(node, claimed)
+        if pid is not None:
             client, plan = f"client-{pid}", self.planned_event(pid, sent_round)
-            self.node_partition.setdefault(node, pid)
         else:  # unknown sender: charge the node at the costliest plan of any partition
             client = f"node-{node}"
             plan = self._costliest_plan(client, sent_round)
-            identity_problem = identity_problem or f"unknown partition-id {claimed}"
         content = msg.content
         privacy = dict(content["privacy"]) if "privacy" in content.config_records else None
         metrics = dict(content["metrics"]) if "metrics" in content.metric_records else {}
@@ -199,6 +239,32 @@ class DPGuard:
                         [e.to_dict() for e in charge.events],
                         "" if known else f" (ledger key {client})", charge.note)
         return charge
+
+    def partition_of(self, node: int, claimed: int) -> tuple[int | None, str | None]:
+        """The partition a reply of ``node`` is charged to, and why the reply is not
+        acceptable as it stands (None: fine).
+
+        - The operator's map (``node-partitions``) decides: a node outside it is unknown,
+          a claim other than its partition is refused (charged to the mapped partition).
+        - Without one, a node is pinned to the first partition it claims, if no other node
+          holds it; a later different claim is refused (charged to the pinned partition);
+          a claim of a partition another node holds is refused and charged to this node.
+        """
+        pinned = self.node_partition.get(node)
+        if pinned is not None:
+            if claimed != pinned:
+                return pinned, (f"partition-id {claimed} differs from this node's {pinned}"
+                                + (" (node-partitions)" if self.operator_map else ""))
+            return pinned, None
+        if self.operator_map:
+            return None, f"node {node} is not in node-partitions (claims partition {claimed})"
+        if claimed not in self.partition_sizes:
+            return None, f"unknown partition-id {claimed}"
+        holder = next((n for n, p in self.node_partition.items() if p == claimed), None)
+        if holder is not None:
+            return None, f"partition-id {claimed} already belongs to node {holder}"
+        self.node_partition[node] = claimed
+        return claimed, None
 
     def charge_server_release(self, server_round: int, events: list[PrivacyEvent],
                               partition_ids: list[int], note: str) -> None:
@@ -234,5 +300,8 @@ class DPGuard:
         return {"node-partition": dict(self.node_partition)}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Pins of the checkpoint; the operator's map (this launch's) always wins."""
         self.node_partition.update({int(k): int(v) for k, v in
                                     state.get("node-partition", {}).items()})
+        if self.operator_map:
+            self.node_partition = dict(self.operator_map)

@@ -24,13 +24,18 @@ import torch
 
 from dpfl.config import RunConfig
 from dpfl.durable import append_line, atomic_write, atomic_write_text, read_lines
-from dpfl.errors import UserError
+from dpfl.errors import UserError, read_json_file
 from dpfl.logs import get_logger
 from dpfl.privacy.ledger import Ledger
+from dpfl.runlock import LOCK_FILES, WRITER_LOCK, RunLock
 
 log = get_logger("flwr.dpfl.rundir")
-# Files a launcher may create in a run directory before the server opens it.
-LAUNCHER_FILES = {".flwr"}
+# Files a launcher may create in a run directory before the server opens it, and the locks.
+LAUNCHER_FILES = {".flwr"} | LOCK_FILES
+# The run's identity, written once when it starts (never rewritten), and what every resume
+# appends about itself.
+CONFIG_FILE = "config.json"
+RESUMES_FILE = "resumes.jsonl"
 
 
 def _jsonable(value: Any) -> Any:
@@ -66,8 +71,14 @@ def resolve_output_dir(cfg: RunConfig, root: Path | None = None) -> Path:
 
 def run_dir_path(cfg: RunConfig, root: Path | None = None) -> Path:
     """Where the run of ``cfg`` lives: the output directory / ``run-name`` (a fresh unique
-    name when none is set)."""
-    return resolve_output_dir(cfg, root) / (cfg.run_name or default_run_name(cfg))
+    name when none is set), always inside the output directory (``run-name`` is one plain
+    folder name, :func:`dpfl.config.run_name_problem`; a symlink leading out is refused)."""
+    out = resolve_output_dir(cfg, root)
+    path = out / (cfg.run_name or default_run_name(cfg))
+    if path.resolve().parent != out.resolve():
+        raise UserError(f"run-config key 'run-name': {path} resolves to {path.resolve()}, "
+                        f"outside output-dir {out}")
+    return path
 
 
 def existing_run_files(path: Path) -> list[str]:
@@ -112,14 +123,55 @@ class RunDir:
     """Files of one run."""
 
     path: Path
+    lock: RunLock | None = None
 
     @classmethod
     def open(cls, cfg: RunConfig) -> "RunDir":
-        """The run directory of ``cfg``, checked but not created (:meth:`create`): a new
-        run never reuses one; ``resume=true`` needs one."""
+        """The run directory of ``cfg``, locked for this process (one writer per run
+        folder: a second one is refused naming the holder's PID) and checked: a new run
+        never reuses one; ``resume=true`` needs one."""
         path = run_dir_path(cfg)
-        check_run_dir(path, cfg.resume)
-        return cls(path)
+        check_run_dir(path, cfg.resume)   # before creating anything
+        lock = RunLock(path, WRITER_LOCK, "dpfl ServerApp").acquire()
+        try:
+            check_run_dir(path, cfg.resume)   # again, now that nobody else can write
+        except BaseException:
+            lock.release()
+            raise
+        return cls(path, lock)
+
+    def close(self) -> None:
+        """Release the run folder's lock (process exit releases it too)."""
+        if self.lock is not None:
+            self.lock.release()
+
+    def saved_config(self) -> dict[str, Any] | None:
+        """The run's identity (``config.json`` as written at its start); None when the
+        run never got that far."""
+        path = self.file(CONFIG_FILE)
+        if not path.exists():
+            return None
+        data = read_json_file(path, "run config")
+        if not isinstance(data, dict):
+            raise UserError(f"{path}: not a dpfl run config (a JSON object expected)")
+        return data
+
+    def record_resume(self, entry: dict[str, Any]) -> None:
+        """Append what a resume did (``resumes.jsonl``); config.json stays as it was."""
+        append_line(self.file(RESUMES_FILE), json.dumps(_jsonable(entry)))
+
+    def resumes(self) -> list[dict[str, Any]]:
+        path = self.file(RESUMES_FILE)
+        if not path.exists():
+            return []
+        lines, _ = read_lines(path)
+        out = []
+        for line in lines:
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError:
+                log.warning("%s: skipping a damaged line", path)
+        return out
 
     def create(self) -> "RunDir":
         self.path.mkdir(parents=True, exist_ok=True)
@@ -183,7 +235,8 @@ class RunDir:
             return None, f"{path.name} is not a dpfl checkpoint"
         return state, ""
 
-    def resume_point(self, without_checkpoint: bool = False) -> ResumePoint | None:
+    def resume_point(self, without_checkpoint: bool = False, population: list[str] | None = None,
+                     adaptive: bool = False) -> ResumePoint | None:
         """Where to resume this directory's run, from what is on disk.
 
         - nothing recorded yet (no checkpoint, no rounds, no charge): None, start afresh;
@@ -194,6 +247,12 @@ class RunDir:
           (``resume-without-checkpoint=true``): then a fresh model continues after the
           ledger's last round with every recorded spend kept charged;
         - a damaged ledger, or a checkpoint without its ledger file: refused.
+
+        In every case the ledger is reconciled first with the run's other records — the
+        checkpoint's copy and every round's charges in ``rounds.jsonl`` — so that each
+        client keeps the largest history any of them holds (:meth:`Ledger.restore`); a
+        ledger that was behind is a warning and is repaired on disk, never a silent loss.
+        ``population``/``adaptive``: how to restore a client the ledger file never had.
         """
         ledger_path = self.file("ledger.json")
         checkpoint, why = self.load_checkpoint()
@@ -207,12 +266,8 @@ class RunDir:
         ledger = Ledger.load(ledger_path)  # UserError when damaged: never an empty history
         if checkpoint is None and not ledger.charges and not rounds:
             return None  # killed while starting: nothing released, nothing to keep
+        self._reconcile(ledger, checkpoint, rounds, population or [], adaptive)
         if checkpoint is not None:
-            saved = Ledger.from_json(checkpoint["ledger"])
-            if not ledger.covers(saved):
-                log.warning("%s holds fewer charges than the checkpoint's copy: using the "
-                            "checkpoint's (%d charges)", ledger_path, len(saved.charges))
-                ledger = saved
             done = int(checkpoint["round"])
             return ResumePoint(done, ledger, self.truncate_rounds(done, rounds),
                                checkpoint["model"],
@@ -228,3 +283,34 @@ class RunDir:
         log.warning("%s: %s; resuming after round %d with a FRESH model, every recorded "
                     "spend kept charged", self.path, why, done)
         return ResumePoint(done, ledger, self.truncate_rounds(done, rounds), None, {}, {})
+
+    def _reconcile(self, ledger: Ledger, checkpoint: dict[str, Any] | None,
+                   rounds: list[dict[str, Any]], population: list[str],
+                   adaptive: bool) -> None:
+        """Bring ``ledger`` (read from ``ledger.json``) up to the checkpoint's copy and to
+        ``rounds.jsonl``'s charges; save it when anything was missing."""
+        sources: list[tuple[str, list[dict[str, Any]]]] = []
+        if checkpoint is not None:
+            sources.append(("checkpoint.pt", Ledger.from_json(checkpoint["ledger"]).charges))
+        from_rounds = []
+        for line in rounds:   # "charges" in rounds written before "ledger-charges" existed
+            from_rounds.extend(line.get("ledger-charges", line.get("charges", [])))
+        sources.append(("rounds.jsonl", from_rounds))
+        repaired = False
+        for origin, charges in sources:
+            try:
+                touched = ledger.restore(charges, origin, population, adaptive)
+            except (KeyError, TypeError, ValueError) as exc:
+                raise UserError(f"{self.path / origin}: its privacy charges cannot be read "
+                                f"({exc}); refusing to resume on a ledger that may be behind"
+                                ) from exc
+            if touched:
+                repaired = True
+                names = sorted(set(touched))
+                log.warning("ledger.json was behind %s: restored %d charges of %s",
+                            origin, len(touched),
+                            ", ".join(names[:6]) + (", ..." if len(names) > 6 else ""))
+                self.record_resume({"repair": origin, "restored-charges": len(touched),
+                                    "clients": names, "time": time.time()})
+        if repaired:
+            self.save_ledger(ledger)

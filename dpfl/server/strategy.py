@@ -300,9 +300,13 @@ class DPFLStrategy(FedAvg):
             charge = self.guard.charge_reply(msg, checked, server_round)
             if charge is not None:
                 record.charges.append(charge)
+                if charge.client.startswith("client-"):   # the partition charged, not claimed
+                    checked.partition_id = int(charge.client.removeprefix("client-"))
                 if charge.problem is not None and isinstance(checked, ClientUpdate):
                     checked = Rejection(checked.node_id, checked.partition_id, "invalid",
                                         charge.problem, checked.metrics)
+            if isinstance(checked, ClientUpdate):
+                checked = self._trusted(checked, server_round)
             if isinstance(checked, ClientUpdate) and (why := self.reply_problem(checked)):
                 checked = Rejection(checked.node_id, checked.partition_id, "invalid", why,
                                     checked.metrics)
@@ -326,6 +330,22 @@ class DPFLStrategy(FedAvg):
         weights = self.aggregation_weights(record.accepted)
         aggregated = self.aggregate_updates(updates, weights)
         return self._stepped(aggregated, record)
+
+    def _trusted(self, update: ClientUpdate, server_round: int) -> ClientUpdate | Rejection:
+        """What the server does not take on a client's word: a replayed update is refused;
+        the aggregation weight is the partition's public size, not the claimed count."""
+        if self.cfg.is_private:
+            why = self.guard.replayed(update.flat, f"client-{update.partition_id}",
+                                      server_round)
+            if why is not None:
+                return Rejection(update.node_id, update.partition_id, "invalid", why,
+                                 update.metrics)
+        public = self.guard.public_examples(update.partition_id, update.num_examples)
+        if public != update.num_examples:
+            log.info("round %d: client-%d claims %d examples; weighted by its public size %d",
+                     server_round, update.partition_id, update.num_examples, public)
+            update.num_examples = public
+        return update
 
     def _stepped(self, aggregated: torch.Tensor, record: RoundRecord) -> RoundOutcome:
         """The server step from the round's aggregate, and the round's outcome."""

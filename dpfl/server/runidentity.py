@@ -1,0 +1,75 @@
+"""A run's identity is fixed at its start: what a resume may change, and what it may not.
+
+``config.json`` is written once, when a run starts (every run-config key, the method's
+own keys and ``num-clients``). A resume continues THAT run: every key that shapes the
+guarantee, the data split or the model must be what the run started with. Only the keys
+of :data:`RESUME_MAY_CHANGE` — how long to go on, how long to wait, how often to evaluate,
+where the folder is — may differ; any other difference is refused in one line naming the
+key (:func:`resume_difference`). ``dpfl simulate resume=true`` loads the saved config
+itself (:func:`resume_overrides`), so a plain resume needs no repeated overrides; a raw
+``flwr run`` resume must pass the run's keys (it is refused, naming the first one, if not).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Mapping
+
+from dpfl.config import ConfigError
+
+# Keys a resume may set to other values than the run started with (none of them changes
+# the mechanism, the data split, the model or the accounting).
+RESUME_MAY_CHANGE = frozenset({
+    "num-rounds", "round-timeout", "evaluate-every", "resume", "resume-without-checkpoint",
+    "output-dir", "run-name", "report-train-loss",
+    # the operator may re-bind a replaced SuperNode; the ledger is keyed by partition
+    "node-partitions",
+})
+NUM_CLIENTS = "num-clients"
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, bool) or isinstance(b, bool):
+        return a is b
+    if isinstance(a, (int, float)) and isinstance(b, (int, float)):
+        return a == b or (isinstance(a, float) and isinstance(b, float)
+                          and math.isclose(a, b, rel_tol=1e-12, abs_tol=0.0))
+    return a == b
+
+
+def resume_difference(saved: Mapping[str, Any], current: Mapping[str, Any]
+                      ) -> tuple[str, Any, Any] | None:
+    """The first key whose ``current`` value differs from the run's ``saved`` one and may
+    not change on resume: ``(key, saved value, current value)``; None when there is none.
+    A key absent from ``saved`` (a key newer than the run) is compared with ``None``."""
+    for key in sorted(set(saved) | set(current)):
+        if key in RESUME_MAY_CHANGE or key not in current:
+            continue
+        if not _same(saved.get(key), current[key]):
+            return key, saved.get(key), current[key]
+    return None
+
+
+def check_resume(saved: Mapping[str, Any], current: Mapping[str, Any], where: str) -> None:
+    """:class:`ConfigError` naming the first key a resume may not change (see module)."""
+    diff = resume_difference(saved, current)
+    if diff is None:
+        return
+    key, was, now = diff
+    if key == NUM_CLIENTS:
+        raise ConfigError(f"resume of {where}: the run has {was} clients, this federation "
+                          f"{now}: a resume keeps the run's clients and data split")
+    raise ConfigError(f"run-config key '{key}': {now!r} differs from {was!r} of the run in "
+                      f"{where}: a resume keeps the run's settings (it may change only "
+                      f"{', '.join(sorted(RESUME_MAY_CHANGE - {'resume', 'run-name'}))})")
+
+
+def resume_overrides(saved: Mapping[str, Any], explicit: Mapping[str, Any], where: str
+                     ) -> dict[str, Any]:
+    """The run-config of a resume launched with ``explicit`` overrides: the run's saved
+    config, with the explicit values of keys a resume may change; an explicit value of any
+    other key must equal the saved one (:class:`ConfigError` naming it)."""
+    check_resume(saved, explicit, where)
+    out = {k: v for k, v in saved.items() if k != NUM_CLIENTS}
+    out.update(explicit)
+    return out
