@@ -37,7 +37,8 @@
       rounds.jsonl; writes RUN_DIR/privacy-report.png (epsilon by round).
 
 Exit codes: 0 done; 1 the run or command failed; 2 a user error (one line names the key,
-argument or file); 3 privacy-report found the run's records inconsistent.
+argument or file); 3 privacy-report found the run's records inconsistent; 4 privacy-report
+found a client over its epsilon budget; 143 stopped by SIGTERM.
 """
 
 from __future__ import annotations

@@ -281,6 +281,8 @@ def simulate(app_dir: Path, num_clients: int | None, overrides: dict[str, object
     defaults = tomllib.loads((app_dir / "pyproject.toml").read_text())["tool"]["flwr"]["app"]
     cfg = parse_run_config({**defaults["config"], **overrides})
     run_dir = run_dir_path(cfg, output_root)  # where the ServerApp will put it
+    for name in (LAUNCHER_LOCK, WRITER_LOCK):   # a live run first: name its process
+        check_unlocked(run_dir, name)
     check_run_dir(run_dir, cfg.resume)
     saved = RunDir(run_dir).saved_config() if cfg.resume else None
     if saved is not None:

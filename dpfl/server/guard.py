@@ -99,6 +99,7 @@ class DPGuard:
         self.node_partition: dict[int, int] = dict(self.operator_map)
         self.dim = 0                                # parameters of the model (bound at setup)
         self.seen_updates: dict[str, dict[bytes, int]] = {}   # client -> digest -> round
+        self.connected: set[int] | None = None   # nodes of the current round (None: unknown)
 
     # -- planning --------------------------------------------------------------------
     def bind_partition_sizes(self, sizes: Mapping[int, int]) -> None:
@@ -246,9 +247,13 @@ class DPGuard:
 
         - The operator's map (``node-partitions``) decides: a node outside it is unknown,
           a claim other than its partition is refused (charged to the mapped partition).
-        - Without one, a node is pinned to the first partition it claims, if no other node
-          holds it; a later different claim is refused (charged to the pinned partition);
-          a claim of a partition another node holds is refused and charged to this node.
+        - Without one, a node is pinned to the first partition it claims, if no other
+          connected node holds it; a later different claim is refused (charged to the pinned
+          partition); a claim of a partition another connected node holds is refused and
+          charged to this node. A holder that is gone (a restarted simulation or an
+          unauthenticated SuperNode that re-registered: new node ids) leaves the partition
+          to the next node that claims it: without an operator's map, identity is only as
+          good as the first claim of a connected node (see README, "The privacy record").
         """
         pinned = self.node_partition.get(node)
         if pinned is not None:
@@ -261,8 +266,12 @@ class DPGuard:
         if claimed not in self.partition_sizes:
             return None, f"unknown partition-id {claimed}"
         holder = next((n for n, p in self.node_partition.items() if p == claimed), None)
-        if holder is not None:
+        if holder is not None and (self.connected is None or holder in self.connected):
             return None, f"partition-id {claimed} already belongs to node {holder}"
+        if holder is not None:
+            log.info("partition %d: node %d is gone; node %d now holds it", claimed, holder,
+                     node)
+            del self.node_partition[holder]
         self.node_partition[node] = claimed
         return claimed, None
 

@@ -70,6 +70,6 @@ def resume_overrides(saved: Mapping[str, Any], explicit: Mapping[str, Any], wher
     config, with the explicit values of keys a resume may change; an explicit value of any
     other key must equal the saved one (:class:`ConfigError` naming it)."""
     check_resume(saved, explicit, where)
-    out = {k: v for k, v in saved.items() if k != NUM_CLIENTS}
-    out.update(explicit)
+    out = {**saved, **explicit}
+    out.pop(NUM_CLIENTS, None)   # the federation's size, not a run-config key
     return out

@@ -229,7 +229,9 @@ class DPFLStrategy(FedAvg):
         into every ConfigRecord of this round only (e.g. the ledger after a resume)."""
         self._global = arrays
         self._template = array_template(arrays)
-        self.num_nodes = len(list(grid.get_node_ids()))
+        connected = list(grid.get_node_ids())
+        self.num_nodes = len(connected)
+        self.guard.connected = set(connected)
         node_ids = self.select_nodes(server_round, grid)
         record = RoundRecord(server_round, sampled=list(node_ids))
         log.info("round %d: training on %d nodes", server_round, len(node_ids))

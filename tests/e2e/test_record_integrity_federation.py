@@ -1,0 +1,141 @@
+"""The privacy record of real `dpfl simulate` federations under careless use: a resume with
+other settings, a resume from an older ledger without its checkpoint, two launches on one
+run folder, a resume of a live run, and SIGTERM (issue cases 1, 2, 3 and 7).
+
+One client-level DP run (2 clients, digits, explicit sigma so that more rounds stay
+affordable) is resumed several times; the concurrency test runs its own federation and
+stops it with SIGTERM."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from dpfl.privacy.budget import PrivacyHistory
+from dpfl.privacy.events import PrivacyEvent
+from dpfl.privacy.ledger import Ledger
+
+from federation import ROOT, read_run
+
+BASE = ["dataset=digits", "batch-size=32", "model=mlp", "trainer=update-dp", "clip-norm=0.5",
+        "noise-multiplier=2.0", "target-epsilon=50", "lr=0.1"]
+
+
+def _dpfl(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "dpfl.cli", *args], cwd=ROOT,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def _simulate(out: Path, *args: str, clients: int | None = 2) -> subprocess.CompletedProcess:
+    extra = ["--clients", str(clients)] if clients is not None else []
+    return _dpfl("simulate", *extra, "--output-dir", str(out), *args)
+
+
+def _rounds_per_client(run: Path) -> dict[str, list[int]]:
+    ledger = Ledger.load(run / "ledger.json")
+    return {c: sorted(e.round for e in h.events) for c, h in ledger.clients.items()}
+
+
+def test_resume_keeps_the_runs_identity_and_never_falls_behind_its_records(tmp_path):
+    run = tmp_path / "r"
+    first = _simulate(tmp_path, "run-name=r", "num-rounds=2", *BASE)
+    assert first.returncode == 0, first.stderr[-3000:]
+    config_bytes = (run / "config.json").read_bytes()
+    summary_bytes = (run / "summary.json").read_bytes()
+    after_two = (run / "ledger.json").read_text()
+
+    # case 1: another delta, budget, sigma or client count is refused before anything runs
+    for change, clients in ((["delta=0.01"], None), (["target-epsilon=500"], None),
+                            (["noise-multiplier=0.3"], None), ([], 4),
+                            (["trainer=dpsgd"], None)):
+        proc = _simulate(tmp_path, "run-name=r", "resume=true", *change, clients=clients)
+        assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+        assert proc.stderr.count("\n") == 1 and "resume" in proc.stderr, proc.stderr
+    assert (run / "config.json").read_bytes() == config_bytes
+    assert (run / "summary.json").read_bytes() == summary_bytes
+
+    # a plain resume (no overrides but num-rounds) continues THE run: update-dp, 2 clients
+    plain = _simulate(tmp_path, "run-name=r", "resume=true", "num-rounds=3", clients=None)
+    assert plain.returncode == 0, plain.stdout[-3000:] + plain.stderr[-3000:]
+    rounds, ledger, summary, config = read_run(run)
+    assert (run / "config.json").read_bytes() == config_bytes     # never rewritten
+    assert config["trainer"] == "update-dp" and config["num-clients"] == 2
+    assert summary["trainer"] == "update-dp" and summary["guarantee"]["unit"] == "client"
+    assert rounds[-1]["round"] == 3 and rounds[-1]["train"]["accepted"] == 2
+    assert [r["resumed-after-round"] for r in summary["resumes"]] == [2]
+    assert _rounds_per_client(run) == {"client-0": [1, 2, 3], "client-1": [1, 2, 3]}
+    three = {c: Ledger.load(run / "ledger.json").recomputed(c) for c in ("client-0",
+                                                                          "client-1")}
+
+    # case 2: an older valid ledger put back, the checkpoint deleted
+    (run / "ledger.json").write_text(after_two)
+    (run / "checkpoint.pt").unlink()
+    again = _simulate(tmp_path, "run-name=r", "resume=true", "resume-without-checkpoint=true",
+                      "num-rounds=4", clients=None)
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    assert "ledger.json was behind rounds.jsonl" in again.stdout + again.stderr
+    assert _rounds_per_client(run) == {"client-0": [1, 2, 3, 4], "client-1": [1, 2, 3, 4]}
+    ledger = Ledger.load(run / "ledger.json")
+    four = PrivacyHistory([PrivacyEvent.gaussian(r, 2.0, relation="replace-one")
+                           for r in (1, 2, 3, 4)]).epsilon(ledger.delta, ledger.accountant)
+    for c, eps in three.items():
+        assert ledger.recomputed(c) > eps
+        assert abs(ledger.recomputed(c) - four) <= 1e-9 * four
+    report = _dpfl("privacy-report", str(run))
+    assert report.returncode == 0, report.stdout[-3000:]
+
+
+def _descendants_alive(pid_file: Path) -> list[int]:
+    from dpfl.watchdog import alive, descendants
+
+    root = int(pid_file.read_text())
+    return [p for p in [root, *descendants(root)] if alive(p)]
+
+
+def test_one_writer_per_run_folder_and_sigterm_ends_the_run(tmp_path):
+    run = tmp_path / "c"
+    cmd = [sys.executable, "-m", "dpfl.cli", "simulate", "--clients", "2", "--output-dir",
+           str(tmp_path), "run-name=c", "num-rounds=30", *BASE]
+    live = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 300
+        while not (run / "rounds.jsonl").exists() or not (run / "rounds.jsonl").read_text():
+            assert live.poll() is None, live.stderr.read()[-3000:]
+            assert time.monotonic() < deadline, "the first round never finished"
+            time.sleep(1)
+        # case 3: a second launch, and a resume of the live run, are refused naming its PID
+        for extra in ([], ["resume=true"]):
+            proc = _simulate(tmp_path, "run-name=c", "num-rounds=2", *BASE, *extra)
+            assert proc.returncode == 2, proc.stderr[-2000:]
+            assert f"in use by process {live.pid}" in proc.stderr, proc.stderr
+        assert sorted(p.name for p in run.iterdir() if p.name.startswith("rounds")) == [
+            "rounds.jsonl"]
+        # case 7: SIGTERM ends the run within a bounded time, with its tree stopped
+        pid_file = run / ".flwr" / "federation.pid"
+        assert _descendants_alive(pid_file)
+        t0 = time.monotonic()
+        live.send_signal(signal.SIGTERM)
+        code = live.wait(timeout=90)
+        assert code == 128 + signal.SIGTERM, live.stderr.read()[-3000:]
+        assert time.monotonic() - t0 < 60
+        deadline = time.monotonic() + 30
+        while _descendants_alive(pid_file) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert _descendants_alive(pid_file) == []
+    finally:
+        if live.poll() is None:
+            live.kill()
+            live.wait()
+    # the killed run's lock is free: its resume is no longer refused as live
+    lines = [json.loads(x) for x in (run / "rounds.jsonl").read_text().splitlines()]
+    assert [x["round"] for x in lines] == list(range(1, len(lines) + 1))
+    resumed = _simulate(tmp_path, "run-name=c", "resume=true",
+                        f"num-rounds={lines[-1]['round'] + 1}", clients=None)
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    assert os.path.exists(run / "summary.json")
