@@ -2,20 +2,24 @@
 # Run the docker-compose federation (docker-compose.yml) end to end.
 #
 #   deploy/compose.sh up   STATE_DIR [--project dpfl] [--image dpfl:0.1.0] [--insecure]
-#                                    [--control-port 9093] [--fleet-port 9092]
+#                                    [--fleet-port 9092]
 #   deploy/compose.sh run  STATE_DIR [flwr run options...]   # e.g. --run-config "num-rounds=2"
 #   deploy/compose.sh logs STATE_DIR [docker-compose logs options...]
 #   deploy/compose.sh down STATE_DIR
 #
 # up: certificates and SuperNode keys (deploy/certs.sh, SANs DNS:superlink and 127.0.0.1),
 #     the SuperLink container, registration of each SuperNode's public key through the
-#     Control API (`flwr supernode register`), then the ServerApp SuperExec and the SuperNodes.
+#     Control API (`flwr supernode register` in the `operator` container), then the ServerApp
+#     SuperExec and the SuperNodes. Only the Fleet API is published (127.0.0.1:--fleet-port):
+#     the Control API listens on 127.0.0.1:9093 inside the SuperLink's network namespace,
+#     shared by the ServerApp SuperExec and the one-off operator containers only.
 #     --insecure (prints a warning) adds deploy/compose.insecure.yml: no TLS, no auth.
-# run: `flwr run` of this repository's app against the SuperLink's published Control API;
-#     the run directory lands in STATE_DIR/runs/ (mounted into the ServerApp SuperExec).
+# run: `flwr run` of this repository's app (mounted read-only at /app) from a one-off
+#     `operator` container in the SuperLink's network namespace; the run directory lands in
+#     STATE_DIR/runs/ (mounted into the ServerApp SuperExec).
 # down: `docker-compose down -v` (containers, network, the SuperLink's state volume).
 # The image must exist (deploy/image.sh); DOCKER_HOST is honoured.
-# Arguments, tools (docker-compose, docker, flwr), the engine and the image are checked before
+# Arguments, tools (docker-compose, docker), the engine and the image are checked before
 # anything is written: a problem is one line on stderr naming it, exit 2. If `up` fails
 # after that, it takes down the containers it had started.
 set -euo pipefail
@@ -43,12 +47,18 @@ compose() {  # docker-compose with this federation's project, files and environm
     -p "$(cat "$state/project")" "${files[@]}" "$@"
 }
 
-wait_port() {  # wait_port PORT: until the published port accepts connections (60 s)
-  for _ in $(seq 1 300); do
-    (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null && return 0
-    sleep 0.2
+operator() {  # operator FLWR_ARGS...: `flwr` in a one-off container on the SuperLink's loopback
+  local tty=()
+  [ -t 0 ] && [ -t 1 ] || tty=(-T)
+  compose run --rm "${tty[@]}" operator "$@"
+}
+
+wait_superlink() {  # until the SuperLink's HTTP API (Control + Runtime) is up (60 s)
+  for _ in $(seq 1 120); do
+    [[ $(compose logs --no-color superlink 2>/dev/null) == *"Application startup complete"* ]] && return 0
+    sleep 0.5
   done
-  echo "nothing listens on 127.0.0.1:$1" >&2
+  echo "the SuperLink's Control API did not start (see: $me logs $state)" >&2
   return 1
 }
 
@@ -61,7 +71,6 @@ require_tools() {  # require_tools TOOL...: each on PATH (the venv's bin/ first)
     case "$tool" in
       docker-compose) hint="apt-get install docker-compose" ;;
       docker) hint="apt-get install docker.io" ;;
-      flwr) hint="not in $venv_bin either: make the venv (make install) or set DPFL_VENV_BIN to the bin/ of one with dpfl" ;;
       *) hint="apt-get install openssl openssh-client, or --insecure" ;;
     esac
     die 2 "'$tool' not found on PATH ($hint)"
@@ -95,32 +104,30 @@ on_up_exit() {  # EXIT trap of `up`: a failure after the checks takes down what 
 
 case "$cmd" in
 up)
-  project=dpfl image=dpfl:0.1.0 insecure=0 control=9093 fleet=9092
+  project=dpfl image=dpfl:0.1.0 insecure=0 fleet=9092
   while [ $# -gt 0 ]; do
     case "$1" in
-      --project|--image|--control-port|--fleet-port) [ $# -ge 2 ] || die 2 "$1 needs a value" ;;
+      --project|--image|--fleet-port) [ $# -ge 2 ] || die 2 "$1 needs a value" ;;
     esac
     case "$1" in
       --project) project=$2; shift 2 ;;
       --image) image=$2; shift 2 ;;
       --insecure) insecure=1; shift ;;
-      --control-port) control=$2; shift 2 ;;
       --fleet-port) fleet=$2; shift 2 ;;
-      *) die 2 "unknown argument '$1' (up STATE_DIR [--project P] [--image I] [--insecure] [--control-port N] [--fleet-port N])" ;;
+      --control-port) die 2 "--control-port: the Control API is not published any more (it accepts runs and SuperNode keys from anyone who reaches it); the operator runs flwr in the SuperLink's network namespace: '$me run', or 'docker-compose run --rm operator ARGS'" ;;
+      *) die 2 "unknown argument '$1' (up STATE_DIR [--project P] [--image I] [--insecure] [--fleet-port N])" ;;
     esac
   done
   [[ $project =~ ^[a-z0-9][a-z0-9_-]*$ ]] \
     || die 2 "--project '$project': expected lowercase letters, digits, '-' and '_' (a compose project name)"
   [ -n "$image" ] || die 2 "--image is empty"
-  require_port --control-port "$control"
   require_port --fleet-port "$fleet"
-  [ "$control" != "$fleet" ] || die 2 "--control-port and --fleet-port are both $control"
   if [ -e "$state" ] && [ ! -d "$state" ]; then die 2 "STATE_DIR '$state' exists and is not a directory"; fi
   require_tools docker-compose docker
-  [ "$insecure" = 1 ] || require_tools flwr openssl ssh-keygen
+  [ "$insecure" = 1 ] || require_tools openssl ssh-keygen
   require_engine
   require_image "$image"
-  mkdir -p "$state/runs" "$state/flwr-home"
+  mkdir -p "$state/runs"
   state=$(cd "$state" && pwd)
   echo "$project" > "$state/project"
   echo "$insecure" > "$state/insecure"
@@ -128,29 +135,25 @@ up)
     echo "WARNING: --insecure: no TLS and no SuperNode authentication; anyone on the network" \
          "can read updates and join the federation" >&2
     mkdir -p "$state/certs"
-    conn_tls="insecure = true"
   else
     "$repo/deploy/certs.sh" "$state/certs" --san DNS:superlink --nodes 2 >/dev/null
-    conn_tls="root-certificates = \"$state/certs/ca.crt\""
   fi
   cat > "$state/compose.env" <<ENV
 DPFL_IMAGE=$image
 DPFL_CERTS=$state/certs
 DPFL_RUNS=$state/runs
-DPFL_CONTROL_PORT=$control
+DPFL_APP=$repo
 DPFL_FLEET_PORT=$fleet
 ENV
-  printf '[superlink]\ndefault = "compose"\n\n[superlink.compose]\naddress = "127.0.0.1:%s"\n%s\n' \
-    "$control" "$conn_tls" > "$state/flwr-home/config.toml"
   trap on_up_exit EXIT
   compose up -d --no-build superlink
-  wait_port "$control"
+  wait_superlink
   if [ "$insecure" = 0 ]; then
     for i in 0 1; do
       registered=0
-      for _ in $(seq 1 30); do  # the Control API may lag the port by a moment
-        if FLWR_HOME=$state/flwr-home flwr supernode register \
-             "$state/certs/keys/supernode-$i.pub" compose >> "$state/register.log" 2>&1; then
+      for _ in $(seq 1 10); do  # the Control API may lag its log line by a moment
+        if operator supernode register "/certs/keys/supernode-$i.pub" superlink \
+             >> "$state/register.log" 2>&1; then
           registered=1
           break
         fi
@@ -161,12 +164,13 @@ ENV
   fi
   compose up -d --no-build
   trap - EXIT
-  echo "federation up: project $project, SuperLink Control API 127.0.0.1:$control; state in $state"
+  echo "federation up: project $project, Fleet API 127.0.0.1:$fleet, Control API on the SuperLink's loopback only; state in $state"
   ;;
 run)
-  require_tools flwr
+  require_tools docker-compose docker
   load_state
-  FLWR_HOME=$state/flwr-home flwr run "$repo" compose --stream "$@"
+  require_engine
+  operator run /app superlink --stream "$@"
   ;;
 logs)
   require_tools docker-compose

@@ -11,6 +11,10 @@
 #     (certificates and keys from deploy/certs.sh), <prefix>-n<i> (10.77.0.<i+2>) each run a
 #     flower-supernode with partition-id i that dials the SuperLink's gRPC Fleet API over
 #     TLS, authenticated by its registered EC key. --insecure (prints a warning) drops TLS/auth.
+#     Only the Fleet API (10.77.0.1:9092) is on the network: the Control API (submit runs,
+#     register keys, list/stop runs) and the Runtime API, which Flower 1.39 serves together
+#     over HTTP on --host/--port without account authentication, listen on 127.0.0.1:9093 of
+#     the SuperLink's namespace, where the operator's `flwr` (connection "netns") runs.
 # run: `flwr run` of this repository's app from inside the SuperLink's namespace.
 # restart-superlink: stops the SuperLink (and what it started) by PID and starts it again on
 #     the same database (registered keys survive); SuperNodes reconnect on their own.
@@ -38,6 +42,10 @@ venv_bin=${DPFL_VENV_BIN:-$repo/.venv/bin}
 export PATH="$venv_bin:$PATH" FLWR_TELEMETRY_ENABLED=0 FLWR_DISABLE_UPDATE_CHECK=1 \
   FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION=1 PYTHONWARNINGS=ignore
 link_ip=10.77.0.1
+control=127.0.0.1:9093  # Control + Runtime HTTP API: the operator's, on the SuperLink's host only
+# Flower's internal switch for a second, gRPC Control API (on --control-api-address,
+# 0.0.0.0:9093 by default): never on here
+unset FLWR_INTERNAL_GRPC_CONTROL_API
 
 descendants() {  # all processes below $1
   local c
@@ -75,10 +83,10 @@ start_superlink() {  # start_superlink STATE_DIR: from the options saved by `up`
   fi
   FLWR_HOME=$1/superlink-home start_in_ns "$prefix-link" superlink \
     flower-superlink "${tls_link[@]}" --fleet-api-address "$link_ip:9092" \
-    --host "$link_ip" --port 9093 --database "$1/superlink.db" \
+    --host "${control%:*}" --port "${control##*:}" --database "$1/superlink.db" \
     --disable-runtime-dependency-installation
   wait_port "$prefix-link" "$link_ip" 9092
-  wait_port "$prefix-link" "$link_ip" 9093
+  wait_port "$prefix-link" "${control%:*}" "${control##*:}"
 }
 
 wait_port() {  # wait_port NS IP PORT
@@ -219,8 +227,8 @@ up)
     conn_tls="root-certificates = \"$state/certs/ca.crt\""
   fi
   mkdir -p "$state/flwr-home"
-  printf '[superlink]\ndefault = "netns"\n\n[superlink.netns]\naddress = "%s:9093"\n%s\n' \
-    "$link_ip" "$conn_tls" > "$state/flwr-home/config.toml"
+  printf '[superlink]\ndefault = "netns"\n\n[superlink.netns]\naddress = "%s"\n%s\n' \
+    "$control" "$conn_tls" > "$state/flwr-home/config.toml"
   start_superlink "$state"
   for ((i = 0; i < nodes; i++)); do
     if [ "$insecure" = 1 ]; then

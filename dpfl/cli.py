@@ -176,10 +176,14 @@ def cmd_deploy(args: argparse.Namespace) -> int:
     if args.action == "up":
         if args.flwr_args:
             raise UserError(f"unexpected arguments: {args.flwr_args}")
+        if args.control_port is not None:
+            raise UserError("--control-port: the Control API is not published any more (it "
+                            "accepts runs and SuperNode keys from anyone who reaches it); "
+                            "`dpfl deploy run` runs flwr in the SuperLink's network namespace")
         fed = containers.up(args.clients, state, image=args.image, name=args.name,
-                            insecure=args.insecure, control_port=args.control_port)
-        print(f"federation {fed.name} up: {fed.clients} SuperNodes, Control API "
-              f"127.0.0.1:{fed.control_port}, TLS and SuperNode auth "
+                            insecure=args.insecure)
+        print(f"federation {fed.name} up: {fed.clients} SuperNodes, Control API on the "
+              f"SuperLink's loopback only, TLS and SuperNode auth "
               f"{'OFF' if fed.insecure else 'on'}; state in {fed.state}")
         return 0
     if args.action == "run":
@@ -243,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--clients", type=int, default=2)
     p.add_argument("--image", default="dpfl:0.1.0")
     p.add_argument("--name", default="dpfl-fed", help="prefix of containers and network")
-    p.add_argument("--control-port", type=int, default=9093)
+    p.add_argument("--control-port", type=int, default=None, help=argparse.SUPPRESS)  # gone
     p.add_argument("--insecure", action="store_true",
                    help="no TLS, no SuperNode authentication (warns)")
     p.set_defaults(func=cmd_deploy)

@@ -2,12 +2,20 @@
 
 docker-compose cannot give N replicas N distinct ``--node-config`` values, so this launcher
 creates the same federation as ``docker-compose.yml`` for any N: a bridge network, a
-SuperLink (state in a named volume, Control API published on the host's loopback), a
-ServerApp SuperExec and N SuperNodes with ``partition-id=i num-partitions=N``, all from the
-one dpfl image (deploy/image.sh). Secure by default: TLS everywhere and SuperNode
-authentication (keys made by deploy/certs.sh, registered through the Control API before the
-SuperNodes start); ``insecure=True`` drops both and warns. Every object carries the label
-``dpfl.federation=<name>``; ``down`` removes exactly those objects.
+SuperLink (state in a named volume), a ServerApp SuperExec and N SuperNodes with
+``partition-id=i num-partitions=N``, all from the one dpfl image (deploy/image.sh). Secure
+by default: TLS everywhere and SuperNode authentication (keys made by deploy/certs.sh,
+registered through the Control API before the SuperNodes start); ``insecure=True`` drops
+both and warns. Every object carries the label ``dpfl.federation=<name>``; ``down`` removes
+exactly those objects.
+
+Closed by default: the network carries the Fleet API (9092) only. Flower 1.39 serves the
+Control API (submit runs, register keys, list/stop runs) and the Runtime API over HTTP on
+``--host``/``--port`` with no account authentication, so the SuperLink binds them to
+127.0.0.1:9093 of its own network namespace; the ServerApp SuperExec shares that namespace,
+and the operator's ``flwr`` (key registration, ``run``) runs in one-off containers that share
+it too (the image's ``operator`` role). Nothing is published on the host: a published port
+forwards to the container's network address, which the SuperNodes reach as well.
 
 Everything a user can fix is checked before anything is written and reported as one
 :class:`~dpfl.errors.UserError` line: the Docker SDK missing, no engine answering at the
@@ -17,11 +25,11 @@ a federation's.
 
 from __future__ import annotations
 
+import codecs
 import json
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -50,7 +58,6 @@ class Federation:
     image: str
     clients: int
     insecure: bool
-    control_port: int
     state: str
 
     @property
@@ -79,6 +86,8 @@ class Federation:
             raise UserError(f"{state}: not a federation's state (no {STATE_FILE}; "
                             "`dpfl deploy up --state DIR` makes one)")
         data = read_json_file(path, "federation state")
+        if isinstance(data, dict):
+            data.pop("control_port", None)  # a federation made before the Control API closed
         names = {f.name for f in fields(cls)}
         if not isinstance(data, dict) or set(data) != names:
             raise UserError(f"{path}: federation state is damaged (expected the keys "
@@ -158,15 +167,13 @@ def connect(environ: Mapping[str, str] | None = None) -> Any:
     return client
 
 
-def _check_up_arguments(clients: int, name: str, control_port: int) -> None:
-    """--clients, --name and --control-port, or a :class:`UserError` naming the bad one."""
+def _check_up_arguments(clients: int, name: str) -> None:
+    """--clients and --name, or a :class:`UserError` naming the bad one."""
     if clients < 1:
         raise UserError(f"--clients must be at least 1 (got {clients})")
     if not NAME_PATTERN.fullmatch(name):
         raise UserError(f"--name {name!r}: use letters, digits, '-' and '_' (it prefixes "
-                        "container names and is a flwr connection name)")
-    if not 1 <= control_port <= 65535:
-        raise UserError(f"--control-port must be 1..65535 (got {control_port})")
+                        "container names)")
 
 
 def _check_tools(*tools: str) -> None:
@@ -175,16 +182,6 @@ def _check_tools(*tools: str) -> None:
         if shutil.which(tool) is None:
             raise UserError(f"'{tool}' not found on PATH (deploy/certs.sh needs it for the "
                             "TLS certificates and SuperNode keys); install it or use --insecure")
-
-
-def _check_port_free(port: int) -> None:
-    """127.0.0.1:``port`` can be bound (the SuperLink's Control API is published there)."""
-    with socket.socket() as sock:
-        try:
-            sock.bind(("127.0.0.1", port))
-        except OSError as exc:
-            raise UserError(f"--control-port {port}: 127.0.0.1:{port} is in use "
-                            f"({exc.strerror or exc}); pick another port") from exc
 
 
 def _check_engine_side(client: Any, image: str, name: str, url: str) -> None:
@@ -233,14 +230,19 @@ def _tls(fed: Federation, *, server: bool) -> list[str]:
     return ["--root-certificates=/certs/ca.crt"]
 
 
+CONTROL_ADDRESS = "127.0.0.1:9093"  # Control + Runtime HTTP API: the SuperLink's loopback
+
+
 def superlink_command(fed: Federation) -> list[str]:
+    host, port = CONTROL_ADDRESS.rsplit(":", 1)
     return ["superlink", *_tls(fed, server=True), "--isolation=process",
-            "--fleet-api-address=0.0.0.0:9092", "--host=0.0.0.0", "--port=9093",
+            "--fleet-api-address=0.0.0.0:9092", f"--host={host}", f"--port={port}",
             "--database=/state/superlink.db", "--disable-runtime-dependency-installation"]
 
 
 def serverapp_command(fed: Federation) -> list[str]:
-    return ["serverapp", "--runtime-api-address=superlink:9093", *_tls(fed, server=False)]
+    """In the SuperLink's network namespace: its Runtime API is on that loopback."""
+    return ["serverapp", f"--runtime-api-address={CONTROL_ADDRESS}", *_tls(fed, server=False)]
 
 
 def supernode_command(fed: Federation, index: int) -> list[str]:
@@ -250,72 +252,70 @@ def supernode_command(fed: Federation, index: int) -> list[str]:
             "--max-retries=30", "--max-wait-time=300"]
 
 
-def _flwr_env(fed: Federation) -> dict[str, str]:
-    bin_dir = str(Path(sys.executable).parent)
-    return {**os.environ, "FLWR_HOME": str(Path(fed.state) / "flwr-home"),
-            "PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}",
-            "FLWR_TELEMETRY_ENABLED": "0", "FLWR_DISABLE_UPDATE_CHECK": "1",
-            "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1", "PYTHONWARNINGS": "ignore"}
+def operator(client: Any, fed: Federation, flwr_args: list[str], out: Any = None) -> int:
+    """``flwr FLWR_ARGS`` (connection "superlink") in a one-off container that shares the
+    SuperLink's network namespace (the only place its Control API listens), with the CA
+    certificate and keys at /certs and this checkout read-only at /app; its output is
+    written to ``out`` (a text stream) as it comes. Returns flwr's exit code."""
+    container = client.containers.create(
+        fed.image, ["operator", *flwr_args], labels={LABEL: fed.name},
+        network_mode=f"container:{fed.name}-superlink",
+        environment={"DPFL_INSECURE": "1"} if fed.insecure else {},
+        volumes={str(Path(fed.state) / "certs"): {"bind": "/certs", "mode": "ro"},
+                 str(REPO): {"bind": "/app", "mode": "ro"}})
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")  # chunks split chars
+    try:
+        container.start()
+        for chunk in container.logs(stream=True, follow=True):
+            if out is not None:
+                out.write(decoder.decode(chunk))
+                out.flush()
+        return int(container.wait()["StatusCode"])
+    finally:
+        container.remove(force=True)
 
 
-def _write_connection(fed: Federation) -> None:
-    home = Path(fed.state) / "flwr-home"
-    home.mkdir(parents=True, exist_ok=True)
-    tls = ("insecure = true" if fed.insecure
-           else f'root-certificates = "{Path(fed.state) / "certs" / "ca.crt"}"')
-    (home / "config.toml").write_text(
-        f'[superlink]\ndefault = "{fed.name}"\n\n[superlink.{fed.name}]\n'
-        f'address = "127.0.0.1:{fed.control_port}"\n{tls}\n')
-
-
-def _wait_port(port: int, timeout: float = 60.0) -> None:
+def _wait_superlink(client: Any, fed: Federation, timeout: float = 60.0) -> None:
+    """Until the SuperLink's HTTP API (Control + Runtime) has started."""
+    container = client.containers.get(f"{fed.name}-superlink")
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=1.0):
-                return
-        except OSError:
-            time.sleep(0.2)
-    raise RuntimeError(f"the SuperLink's Control API never listened on 127.0.0.1:{port}")
+        if b"Application startup complete" in container.logs():
+            return
+        container.reload()
+        if container.status not in ("created", "running"):
+            break
+        time.sleep(0.5)
+    raise RuntimeError(f"the SuperLink's Control API did not start (container "
+                       f"{container.name} is {container.status}); see `dpfl deploy logs`")
 
 
-def _register(fed: Federation, index: int, attempts: int = 30) -> None:
-    key = Path(fed.state) / "certs" / "keys" / f"supernode-{index}.pub"
-    out = ""
-    for _ in range(attempts):  # the Control API may lag its port by a moment
-        proc = subprocess.run(["flwr", "supernode", "register", str(key), fed.name],
-                              env=_flwr_env(fed), capture_output=True, text=True, timeout=60)
-        out = proc.stdout + proc.stderr
-        if proc.returncode == 0 and "registered" in out:
+def _register(client: Any, fed: Federation, index: int, attempts: int = 10) -> None:
+    log = Path(fed.state) / "register.log"
+    for _ in range(attempts):  # the Control API may lag its log line by a moment
+        with open(log, "a") as out:
+            code = operator(client, fed, ["supernode", "register",
+                                          f"/certs/keys/supernode-{index}.pub", "superlink"], out)
+        if code == 0:
             return
         time.sleep(1.0)
-    raise RuntimeError(f"registering supernode-{index} failed: {out[-500:]}")
-
-
-def _check_flwr() -> None:
-    """The ``flwr`` CLI (registration, runs) is beside this Python or on PATH."""
-    path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
-    if shutil.which("flwr", path=path) is None:
-        raise UserError(f"'flwr' not found in {Path(sys.executable).parent} or on PATH; "
-                        "install dpfl (pip install 'dpfl[deploy]') in this Python's environment")
+    raise RuntimeError(f"registering supernode-{index} failed: {log.read_text()[-500:]}")
 
 
 def up(clients: int, state: Path, *, image: str = "dpfl:0.1.0", name: str = "dpfl-fed",
-       insecure: bool = False, control_port: int = 9093) -> Federation:
+       insecure: bool = False) -> Federation:
     """Create and start the federation; returns its description (also saved in ``state``).
 
-    Arguments, tools, the engine, the image, the name and the port are checked first: a
+    Arguments, tools, the engine, the image and the name are checked first: a
     :class:`UserError` from those leaves nothing written."""
-    _check_up_arguments(clients, name, control_port)
+    _check_up_arguments(clients, name)
     state = state.resolve()
     _check_state_target(state)
     if not insecure:
         _check_tools("openssl", "ssh-keygen")
-        _check_flwr()
     client = connect()
     _check_engine_side(client, image, name, engine_address()[0])
-    _check_port_free(control_port)
-    fed = Federation(name, image, clients, insecure, control_port, str(state))
+    fed = Federation(name, image, clients, insecure, str(state))
     if insecure:
         warnings.warn("insecure federation: no TLS and no SuperNode authentication; anyone on "
                       "the network can read updates and join", stacklevel=2)
@@ -324,30 +324,33 @@ def up(clients: int, state: Path, *, image: str = "dpfl:0.1.0", name: str = "dpf
         _make_certs(state, clients)  # makes STATE/ and STATE/certs/ only when it succeeds
     (state / "runs").mkdir(exist_ok=True)
     fed.save()
-    _write_connection(fed)
     labels = {LABEL: name}
     client.networks.create(fed.network, driver="bridge", labels=labels)
     client.volumes.create(fed.volume, labels=labels)
     certs = {str(state / "certs"): {"bind": "/certs", "mode": "ro"}}
-    common = dict(detach=True, labels=labels, network=fed.network, stop_signal="SIGINT")
+    common = dict(detach=True, labels=labels, stop_signal="SIGINT")
 
     def start(role: str, command: list[str], volumes: dict, aliases: list[str] | None = None,
               **extra) -> None:
+        network = {} if "network_mode" in extra else {"network": fed.network}
         container = client.containers.create(image, command, name=f"{name}-{role}",
-                                             volumes=volumes, **common, **extra)
+                                             volumes=volumes, **common, **network, **extra)
         if aliases:  # the DNS name other containers dial
             client.networks.get(fed.network).disconnect(container)
             client.networks.get(fed.network).connect(container, aliases=aliases)
         container.start()
 
-    start("superlink", superlink_command(fed), {**certs, fed.volume: {"bind": "/state", "mode": "rw"}},
-        aliases=["superlink"], ports={"9093/tcp": ("127.0.0.1", control_port)})
-    _wait_port(control_port)
+    # no published port: the Fleet API is for the SuperNodes on the network, the Control API
+    # for the SuperLink's own network namespace
+    start("superlink", superlink_command(fed),
+          {**certs, fed.volume: {"bind": "/state", "mode": "rw"}}, aliases=["superlink"])
+    _wait_superlink(client, fed)
     if not insecure:
         for i in range(clients):
-            _register(fed, i)
+            _register(client, fed, i)
     start("serverapp", serverapp_command(fed),
-        {**certs, str(state / "runs"): {"bind": "/var/lib/dpfl/runs", "mode": "rw"}})
+        {**certs, str(state / "runs"): {"bind": "/var/lib/dpfl/runs", "mode": "rw"}},
+        network_mode=f"container:{name}-superlink")
     for i in range(clients):
         start(f"supernode-{i}", supernode_command(fed, i), certs)
     return fed
@@ -369,12 +372,12 @@ def _check_running(client: Any, fed: Federation) -> None:
 
 def run(state: Path, flwr_args: list[str]) -> int:
     """``flwr run`` of this repository's app on the federation saved in ``state`` (which
-    must be up: its SuperLink container running)."""
+    must be up: its SuperLink container running), from an operator container."""
     fed = Federation.load(state.resolve())
-    _check_flwr()
-    _check_running(connect(), fed)
-    return subprocess.run(["flwr", "run", str(REPO), fed.name, "--stream", *flwr_args],
-                          env=_flwr_env(fed)).returncode
+    client = connect()
+    _check_running(client, fed)
+    return operator(client, fed, ["run", "/app", "superlink", "--stream", *flwr_args],
+                    sys.stdout)
 
 
 def logs(state: Path) -> str:

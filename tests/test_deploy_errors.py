@@ -78,7 +78,7 @@ def _save_federation(state: Path, name: str = "dpflx") -> None:
     state.mkdir(parents=True, exist_ok=True)
     (state / "federation.json").write_text(json.dumps(
         {"name": name, "image": "dpfl:0.1.0", "clients": 2, "insecure": False,
-         "control_port": 9093, "state": str(state)}))
+         "state": str(state)}))
 
 
 def _as_nobody() -> list[str] | None:
@@ -193,7 +193,7 @@ def test_deploy_without_the_docker_package(tmp_path, monkeypatch, capsys):
 @pytest.mark.parametrize("args,named", [
     (["--clients", "0"], "--clients must be at least 1 (got 0)"),
     (["--name", "a.b"], "--name 'a.b'"),
-    (["--control-port", "70000"], "--control-port must be 1..65535 (got 70000)"),
+    (["--control-port", "9093"], "--control-port: the Control API is not published any more"),
     (["extra-argument"], "unexpected arguments: ['extra-argument']"),
 ])
 def test_deploy_up_bad_arguments(tmp_path, monkeypatch, capsys, args, named):
@@ -368,7 +368,8 @@ def test_compose_up_without_engine(tmp_path):
 
 
 @pytest.mark.parametrize("args,message", [
-    (["up", "S", "--control-port", "0"], "--control-port '0': expected a port 1..65535"),
+    (["up", "S", "--fleet-port", "0"], "--fleet-port '0': expected a port 1..65535"),
+    (["up", "S", "--control-port", "9093"], "--control-port: the Control API is not published"),
     (["up", "S", "--project", "Has Space"], "--project 'Has Space'"),
     (["up", "S", "--image"], "--image needs a value"),
     (["run", "S"], "STATE_DIR '{S}': no such directory"),

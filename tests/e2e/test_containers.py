@@ -1,6 +1,8 @@
 """Containers on a real Docker engine started by this test session: the docker-compose
 federation (TLS + SuperNode auth) runs DP rounds, and `dpfl deploy up --clients 4` (Docker SDK)
-completes a DP round with four distinct partitions.
+completes a DP round with four distinct partitions. In both, the SuperLink's Control API is
+closed to the SuperNodes: from a SuperNode container, `flwr supernode register`, `flwr list`
+and `flwr run` against the SuperLink fail, and only the Fleet API listens beyond loopback.
 
 The session starts its own ``dockerd`` (own data-root, exec-root and socket, no iptables
 rules, no default bridge), builds the base image locally with debootstrap (no registry is
@@ -49,6 +51,78 @@ def test_missing_engine_tools_fail_under_ci_and_skip_outside(monkeypatch):
     monkeypatch.setattr(os, "geteuid", lambda: 1000)
     with pytest.raises(pytest.fail.Exception, match="root"):
         _require_engine({"CI": "true"})
+
+
+NOOP_APP = {
+    "pyproject.toml": '[build-system]\nrequires = ["hatchling"]\nbuild-backend = '
+                      '"hatchling.build"\n\n[project]\nname = "noopapp"\nversion = "1.0.0"\n'
+                      'description = "x"\nlicense = "Apache-2.0"\ndependencies = []\n\n'
+                      '[tool.flwr.app]\npublisher = "rogue"\n\n[tool.flwr.app.components]\n'
+                      'serverapp = "noopapp.app:server"\nclientapp = "noopapp.app:client"\n',
+    "noopapp/__init__.py": "",
+    "noopapp/app.py": "from flwr.clientapp import ClientApp\nfrom flwr.serverapp import "
+                      "ServerApp\n\nserver = ServerApp()\nclient = ClientApp()\n\n\n"
+                      "@server.main()\ndef main(grid, context):\n    pass\n",
+}
+
+
+def _listening_ports(env: dict[str, str], container: str) -> dict[int, set[str]]:
+    """TCP ports listening in a container's network namespace -> their local addresses (hex,
+    as /proc/net/tcp{,6} writes them); read from /proc: the image has no ss/netstat."""
+    out = _run(["docker", "exec", container, "cat", "/proc/net/tcp", "/proc/net/tcp6"], env)
+    ports: dict[int, set[str]] = {}
+    for line in out.splitlines():
+        cols = line.split()
+        if len(cols) > 3 and cols[3] == "0A":  # LISTEN
+            addr, port = cols[1].rsplit(":", 1)
+            ports.setdefault(int(port, 16), set()).add(addr)
+    return ports
+
+
+def _is_loopback(hex_addr: str) -> bool:
+    if len(hex_addr) == 8:  # IPv4, little-endian: 127.x.x.x ends in 7F
+        return hex_addr.endswith("7F")
+    return hex_addr in ("00000000000000000000000001000000",  # ::1
+                        ) or (hex_addr.startswith("0000000000000000FFFF0000")
+                              and hex_addr.endswith("7F"))  # ::ffff:127.x.x.x
+
+
+def _assert_control_api_closed(env: dict[str, str], superlink: str, node: str,
+                               certs: Path, work: Path) -> None:
+    """Only the Fleet API (9092) listens beyond the SuperLink's loopback; from the SuperNode
+    container `node` (which holds /certs/ca.crt), `flwr supernode register`, `flwr list` and
+    `flwr run` against superlink:9092 and superlink:9093 fail; the operator, in the
+    SuperLink's network namespace, sees no new key and no run."""
+    ports = _listening_ports(env, superlink)
+    public = {p for p, addrs in ports.items() if not all(_is_loopback(a) for a in addrs)}
+    assert public == {9092}, ports
+    assert 9093 in ports, ports
+    operator = ["docker", "exec", superlink, "dpfl-role", "operator"]
+    nodes = json.loads(_run([*operator, "supernode", "list", "superlink", "--format", "json"],
+                            env))["nodes"]
+    runs = json.loads(_run([*operator, "list", "superlink", "--format", "json"], env))["runs"]
+    subprocess.run(["ssh-keygen", "-q", "-t", "ecdsa", "-b", "384", "-N", "", "-f",
+                    str(certs / "rogue")], check=True)  # certs/ is mounted at /certs
+    app = work / "rogue-app"
+    for rel, text in NOOP_APP.items():
+        (app / rel).parent.mkdir(parents=True, exist_ok=True)
+        (app / rel).write_text(text)
+    _run(["docker", "cp", str(app), f"{node}:/tmp/rogue-app"], env)
+    for port in (9092, 9093):
+        intruder = ["docker", "exec", "-e", f"DPFL_CONTROL_ADDRESS=superlink:{port}", node,
+                    "dpfl-role", "operator"]
+        for args in (["supernode", "register", "/certs/rogue.pub", "superlink"],
+                     ["list", "superlink"], ["run", "/tmp/rogue-app", "superlink"]):
+            proc = subprocess.run([*intruder, *args], env=env, capture_output=True, text=True,
+                                  timeout=180)
+            out = proc.stdout + proc.stderr
+            assert proc.returncode != 0, f"from {node}: flwr {' '.join(args)} (:{port}): {out}"
+            assert "registered successfully" not in out and "Successfully started" not in out
+    after = json.loads(_run([*operator, "supernode", "list", "superlink", "--format", "json"],
+                            env))["nodes"]
+    assert sorted(n["node-id"] for n in after) == sorted(n["node-id"] for n in nodes)
+    assert json.loads(_run([*operator, "list", "superlink", "--format", "json"],
+                           env))["runs"] == runs
 
 
 def _free_port() -> int:
@@ -145,10 +219,14 @@ def test_compose_federation_tls_auth(docker_env, tmp_path):
     script = str(ROOT / "deploy" / "compose.sh")
     try:
         out = _run([script, "up", str(state), "--project", "dpflt", "--image", IMAGE,
-                    "--control-port", str(_free_port()), "--fleet-port", str(_free_port())],
-                   docker_env)
+                    "--fleet-port", str(_free_port())], docker_env)
         assert "federation up" in out
         assert (state / "register.log").read_text().count("registered successfully") == 2
+        names = _run(["docker", "ps", "--filter", "label=com.docker.compose.project=dpflt",
+                      "--format", "{{.Names}}"], docker_env).split()
+        superlink, = [n for n in names if "_superlink_" in n or n.endswith("-superlink-1")]
+        node, = [n for n in names if "_supernode-0_" in n or n.endswith("-supernode-0-1")]
+        _assert_control_api_closed(docker_env, superlink, node, state / "certs", tmp_path)
         _run([script, "run", str(state), "--run-config",
               RUN_CONFIG + 'num-rounds=2 run-name="compose"'], docker_env)
         logs = _run([script, "logs", str(state)], docker_env)
@@ -176,8 +254,10 @@ def test_launcher_four_clients(docker_env, tmp_path):
     dpfl = [sys.executable, "-m", "dpfl.cli", "deploy"]
     try:
         out = _run([*dpfl, "up", "--clients", "4", "--state", str(state), "--image", IMAGE,
-                    "--name", "dpflt4", "--control-port", str(_free_port())], docker_env)
+                    "--name", "dpflt4"], docker_env)
         assert "4 SuperNodes" in out and "auth on" in out
+        _assert_control_api_closed(docker_env, "dpflt4-superlink", "dpflt4-supernode-0",
+                                   state / "certs", tmp_path)
         cmds = _run(["docker", "ps", "--filter", "label=dpfl.federation=dpflt4", "--format",
                      "{{.Names}} {{.Command}}", "--no-trunc"], docker_env)
         for i in range(4):
