@@ -148,20 +148,26 @@ ENV
   trap on_up_exit EXIT
   compose up -d --no-build superlink
   wait_superlink
+  node_map=""
   if [ "$insecure" = 0 ]; then
     for i in 0 1; do
       registered=0
       for _ in $(seq 1 10); do  # the Control API may lag its log line by a moment
-        if operator supernode register "/certs/keys/supernode-$i.pub" superlink \
-             >> "$state/register.log" 2>&1; then
+        if out=$(operator supernode register "/certs/keys/supernode-$i.pub" superlink 2>&1); then
           registered=1
-          break
         fi
+        printf '%s\n' "$out" >> "$state/register.log"
+        [ "$registered" = 1 ] && break
         sleep 1
       done
       [ "$registered" = 1 ] || die 1 "registering supernode-$i failed (see $state/register.log)"
+      # the node id Flower fixed for this key: bound to partition i (node-partitions)
+      node_id=$(printf '%s\n' "$out" | sed -n 's/.*SuperNode \([0-9][0-9]*\) registered.*/\1/p' | head -n 1)
+      [ -n "$node_id" ] || die 1 "registering supernode-$i printed no node id (see $state/register.log)"
+      node_map+="${node_map:+,}$node_id:$i"
     done
   fi
+  printf '%s\n' "$node_map" > "$state/node-partitions"
   compose up -d --no-build
   trap - EXIT
   echo "federation up: project $project, Fleet API 127.0.0.1:$fleet, Control API on the SuperLink's loopback only; state in $state"
@@ -170,7 +176,11 @@ run)
   require_tools docker-compose docker
   load_state
   require_engine
-  operator run /app superlink --stream "$@"
+  map_arg=()   # replies charged by the sender's registered key (a later --run-config may override)
+  if [ -s "$state/node-partitions" ] && [ -n "$(cat "$state/node-partitions")" ]; then
+    map_arg=(--run-config "node-partitions='$(cat "$state/node-partitions")'")
+  fi
+  operator run /app superlink --stream "${map_arg[@]}" "$@"
   ;;
 logs)
   require_tools docker-compose

@@ -15,7 +15,9 @@
 #     register keys, list/stop runs) and the Runtime API, which Flower 1.39 serves together
 #     over HTTP on --host/--port without account authentication, listen on 127.0.0.1:9093 of
 #     the SuperLink's namespace, where the operator's `flwr` (connection "netns") runs.
-# run: `flwr run` of this repository's app from inside the SuperLink's namespace.
+# run: `flwr run` of this repository's app from inside the SuperLink's namespace, with
+#     node-partitions (STATE_DIR/node-partitions: "<node-id>:<i>,...", the node ids Flower
+#     fixed when `up` registered supernode-i's key): replies are charged by sender.
 # restart-superlink: stops the SuperLink (and what it started) by PID and starts it again on
 #     the same database (registered keys survive); SuperNodes reconnect on their own.
 # down: stops every process it started (by PID, with their descendants), deletes the
@@ -230,13 +232,19 @@ up)
   printf '[superlink]\ndefault = "netns"\n\n[superlink.netns]\naddress = "%s"\n%s\n' \
     "$control" "$conn_tls" > "$state/flwr-home/config.toml"
   start_superlink "$state"
+  node_map=""
   for ((i = 0; i < nodes; i++)); do
     if [ "$insecure" = 1 ]; then
       tls_node=(--insecure)
     else
-      FLWR_HOME=$state/flwr-home ip netns exec "$prefix-link" \
-        flwr supernode register "$state/certs/keys/supernode-$i.pub" netns >> "$state/register.log" 2>&1 \
-        || die 1 "registering supernode-$i failed (see $state/register.log)"
+      out=$(FLWR_HOME=$state/flwr-home ip netns exec "$prefix-link" \
+        flwr supernode register "$state/certs/keys/supernode-$i.pub" netns 2>&1) \
+        || { printf '%s\n' "$out" >> "$state/register.log"; die 1 "registering supernode-$i failed (see $state/register.log)"; }
+      printf '%s\n' "$out" >> "$state/register.log"
+      # the node id Flower fixed for this key: the partition binding (node-partitions)
+      node_id=$(printf '%s\n' "$out" | sed -n 's/.*SuperNode \([0-9][0-9]*\) registered.*/\1/p' | head -n 1)
+      [ -n "$node_id" ] || die 1 "registering supernode-$i printed no node id (see $state/register.log)"
+      node_map+="${node_map:+,}$node_id:$i"
       tls_node=(--root-certificates "$state/certs/ca.crt"
                 --auth-supernode-private-key "$state/certs/keys/supernode-$i")
     fi
@@ -244,6 +252,8 @@ up)
       flower-supernode "${tls_node[@]}" --superlink "$link_ip:9092" --port 9094 \
       --node-config "partition-id=$i num-partitions=$nodes" --max-retries 20 --max-wait-time 120
   done
+  # the operator's map of registered keys to partitions (none without authentication)
+  printf '%s\n' "$node_map" > "$state/node-partitions"
   trap - EXIT
   echo "federation up: SuperLink $link_ip (namespace $prefix-link), $nodes SuperNodes; state in $state"
   ;;
@@ -252,8 +262,14 @@ run)
   require_tools ip flwr
   load_state
   require_up
+  # every reply is charged to the partition of the key that sent it (a later
+  # --run-config may override node-partitions; flwr merges them in order)
+  map_arg=()
+  if [ -s "$state/node-partitions" ] && [ -n "$(cat "$state/node-partitions")" ]; then
+    map_arg=(--run-config "node-partitions='$(cat "$state/node-partitions")'")
+  fi
   FLWR_HOME=$state/flwr-home DPFL_OUTPUT_ROOT=$state ip netns exec "$prefix-link" \
-    flwr run "$repo" netns --stream "$@"
+    flwr run "$repo" netns --stream "${map_arg[@]}" "$@"
   ;;
 restart-superlink)
   [ $# = 0 ] || die 2 "unknown argument '$1' (restart-superlink STATE_DIR)"

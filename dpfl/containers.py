@@ -35,7 +35,7 @@ import sys
 import time
 import warnings
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -59,6 +59,9 @@ class Federation:
     clients: int
     insecure: bool
     state: str
+    # "<node-id>:<partition>,...": the node ids Flower fixed when `up` registered each
+    # SuperNode's key (empty when insecure); `run` passes it as node-partitions
+    node_partitions: str = ""
 
     @property
     def network(self) -> str:
@@ -88,6 +91,7 @@ class Federation:
         data = read_json_file(path, "federation state")
         if isinstance(data, dict):
             data.pop("control_port", None)  # a federation made before the Control API closed
+            data.setdefault("node_partitions", "")   # ... or before identities were bound
         names = {f.name for f in fields(cls)}
         if not isinstance(data, dict) or set(data) != names:
             raise UserError(f"{path}: federation state is damaged (expected the keys "
@@ -290,14 +294,20 @@ def _wait_superlink(client: Any, fed: Federation, timeout: float = 60.0) -> None
                        f"{container.name} is {container.status}); see `dpfl deploy logs`")
 
 
-def _register(client: Any, fed: Federation, index: int, attempts: int = 10) -> None:
+REGISTERED = re.compile(r"SuperNode (\d+) registered")
+
+
+def _register(client: Any, fed: Federation, index: int, attempts: int = 10) -> int:
+    """Register supernode-``index``'s key; the node id Flower fixed for it."""
     log = Path(fed.state) / "register.log"
     for _ in range(attempts):  # the Control API may lag its log line by a moment
+        start = log.stat().st_size if log.exists() else 0
         with open(log, "a") as out:
             code = operator(client, fed, ["supernode", "register",
                                           f"/certs/keys/supernode-{index}.pub", "superlink"], out)
-        if code == 0:
-            return
+        found = REGISTERED.findall(log.read_text()[start:])
+        if code == 0 and found:
+            return int(found[-1])
         time.sleep(1.0)
     raise RuntimeError(f"registering supernode-{index} failed: {log.read_text()[-500:]}")
 
@@ -345,9 +355,10 @@ def up(clients: int, state: Path, *, image: str = "dpfl:0.1.0", name: str = "dpf
     start("superlink", superlink_command(fed),
           {**certs, fed.volume: {"bind": "/state", "mode": "rw"}}, aliases=["superlink"])
     _wait_superlink(client, fed)
-    if not insecure:
-        for i in range(clients):
-            _register(client, fed, i)
+    if not insecure:   # each key's node id is bound to its partition (node-partitions)
+        ids = [_register(client, fed, i) for i in range(clients)]
+        fed = replace(fed, node_partitions=",".join(f"{n}:{i}" for i, n in enumerate(ids)))
+        fed.save()
     start("serverapp", serverapp_command(fed),
         {**certs, str(state / "runs"): {"bind": "/var/lib/dpfl/runs", "mode": "rw"}},
         network_mode=f"container:{name}-superlink")
@@ -376,7 +387,9 @@ def run(state: Path, flwr_args: list[str]) -> int:
     fed = Federation.load(state.resolve())
     client = connect()
     _check_running(client, fed)
-    return operator(client, fed, ["run", "/app", "superlink", "--stream", *flwr_args],
+    bound = ["--run-config", f"node-partitions='{fed.node_partitions}'"] \
+        if fed.node_partitions else []   # a later --run-config may override it
+    return operator(client, fed, ["run", "/app", "superlink", "--stream", *bound, *flwr_args],
                     sys.stdout)
 
 

@@ -35,6 +35,12 @@ BASE = "dpfl-local/python:3.11"
 RUN_CONFIG = 'dataset="digits" batch-size=32 lr=0.5 target-epsilon=8.0 '
 
 
+def _assert_bound_by_key(run: Path, clients: int) -> None:
+    """The run charged replies by the node ids registered for each key (node-partitions)."""
+    mapping = json.loads((run / "config.json").read_text())["node-partitions"]
+    assert sorted(int(p.split(":")[1]) for p in mapping.split(",")) == list(range(clients))
+
+
 def _require_engine(environ=None) -> None:
     """Root and every tool the private Docker engine, the images and the federations need."""
     require(tools=NEEDED, root=True, what="the container test", environ=environ)
@@ -233,6 +239,7 @@ def test_compose_federation_tls_auth(docker_env, tmp_path):
         assert "Uvicorn running on https://" in logs  # Control/Runtime API over TLS
         summary = json.loads((state / "runs" / "compose" / "summary.json").read_text())
         assert summary["guarantee"]["verdict"] == "formal"
+        _assert_bound_by_key(state / "runs" / "compose", 2)
         assert summary["rounds-run"] == 2 and summary["num-clients"] == 2
         assert summary["final"]["accuracy"] > summary["initial"]["accuracy"]
         eps = [c["epsilon"] for c in summary["clients"].values()]
@@ -266,6 +273,7 @@ def test_launcher_four_clients(docker_env, tmp_path):
               RUN_CONFIG + 'num-rounds=1 run-name="n4"'], docker_env)
         summary = json.loads((state / "runs" / "n4" / "summary.json").read_text())
         assert summary["rounds-run"] == 1 and summary["num-clients"] == 4
+        _assert_bound_by_key(state / "runs" / "n4", 4)
         assert sorted(summary["clients"]) == [f"client-{i}" for i in range(4)]
         assert summary["guarantee"]["verdict"] == "formal"
     finally:

@@ -147,6 +147,11 @@ def test_tls_authenticated_federation_across_namespaces(tmp_path):
             f'run-name="ns" output-dir="{tmp_path / "runs"}"', timeout=600)
         summary = json.loads((tmp_path / "runs" / "ns" / "summary.json").read_text())
         assert summary["guarantee"]["verdict"] == "formal"
+        # identity from the deployment: the map of registered keys rode with the run
+        mapping = (state / "node-partitions").read_text().strip()
+        config = json.loads((tmp_path / "runs" / "ns" / "config.json").read_text())
+        assert config["node-partitions"] == mapping
+        assert sorted(p.split(":")[1] for p in mapping.split(",")) == ["0", "1"]
         assert set(summary["clients"]) == {"client-0", "client-1"}
         assert all(len(c["rounds"]) == 2 for c in summary["clients"].values())
         assert summary["final"]["accuracy"] > summary["initial"]["accuracy"]
