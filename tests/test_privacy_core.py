@@ -185,22 +185,56 @@ def test_renyi_filter_admits_one_release_calibrated_to_its_epsilon():
 
 
 def test_renyi_filter_budget_is_the_libraries_conversion():
-    # for any RDP curve: the filter admits it iff dp-accounting's compute_epsilon (client
-    # orders) / Opacus' get_privacy_spent (sample orders) gives epsilon <= the budget
+    # for a history of one repeated release (k steps): the filter admits it iff
+    # dp-accounting's compute_epsilon (client orders) / Opacus' get_privacy_spent (sample
+    # orders) gives epsilon <= the budget (alpha* = argmax B / RDP_1 is then the order the
+    # libraries' minimum picks at the budget's edge)
     from opacus.accountants.analysis.rdp import compute_rdp, get_privacy_spent
 
     client, sample = orders_for("client"), orders_for("sample")
     for eps in (0.5, 2.0, 8.0):
-        for scale in np.geomspace(0.01, 100, 25):
+        for k in (1, 2, 3, 5, 8, 13, 21, 34, 55, 89):
             acc = RdpAccountant(orders=list(client))
-            acc.compose(dp_event.GaussianDpEvent(1.0))
-            rdp = scale * acc.rdp
-            lib, _ = compute_epsilon(client, rdp, D)
-            assert RenyiFilter(eps, D, "client").admits(rdp) == (lib <= eps)
-            rdp = scale * np.asarray(compute_rdp(q=0.01, noise_multiplier=1.0, steps=100,
-                                                 orders=list(sample)))
+            acc.compose(dp_event.GaussianDpEvent(4.0), k)
+            lib, _ = compute_epsilon(client, acc.rdp, D)
+            event = PrivacyEvent(1, "gaussian", 4.0, 1.0, k, 0.0, "add-remove")
+            assert RenyiFilter(eps, D, "client").admits([event]) == (lib <= eps), (eps, k)
+            rdp = compute_rdp(q=0.01, noise_multiplier=1.0, steps=40 * k, orders=list(sample))
             lib, _ = get_privacy_spent(orders=list(sample), rdp=list(rdp), delta=D)
-            assert RenyiFilter(eps, D, "sample").admits(rdp) == (lib <= eps)
+            event = PrivacyEvent.dpsgd(1, 1.0, 0.01, 40 * k)
+            assert RenyiFilter(eps, D, "sample").admits([event]) == (lib <= eps), (eps, k)
+
+
+def test_renyi_filter_holds_one_order_fixed_by_the_first_event():
+    """A mixed history (DP-SGD events of another sampling rate after the first): the old
+    rule admitted it because SOME order was still within budget (7.7 here), which is sound
+    only for fixed histories or RDP linear in the order; under adaptive choices the filter
+    must hold the budget at one order fixed in advance (Feldman & Zrnic 2021). alpha* is
+    argmax B(alpha) / RDP_first(alpha), checked by hand on Opacus' RDP."""
+    from opacus.accountants.analysis.rdp import compute_rdp
+
+    orders = orders_for("sample")
+    budget = _hand_budget(2.0, D, orders)
+    first = PrivacyEvent.dpsgd(1, 1.2, 0.05, 10)
+    anchor = np.asarray(compute_rdp(q=0.05, noise_multiplier=1.2, steps=10,
+                                    orders=list(orders)))
+    ok = budget > 0
+    alpha = orders[ok][np.argmax(budget[ok] / anchor[ok])]
+    f = RenyiFilter(2.0, D, "sample")
+    assert f.order([first]) == alpha == pytest.approx(7.3)
+    later = [PrivacyEvent.dpsgd(r, 1.0, 0.01, 20) for r in range(2, 34)]   # 32 of them
+    total = anchor + np.asarray(compute_rdp(q=0.01, noise_multiplier=1.0, steps=20 * 32,
+                                            orders=list(orders)))
+    some_order = bool(np.any(total[ok] <= budget[ok]))          # the old rule: admitted
+    at_alpha = total[orders == alpha][0] <= budget[orders == alpha][0]
+    assert some_order and not at_alpha
+    assert not f.admits([first] + later)
+    assert f.admits([first] + later[:-1])
+    refuse, quoted = PrivacyHistory([first] + later[:-1], adaptive=True).would_exceed(
+        later[-1], 2.0, D)
+    index = int(np.flatnonzero(orders == alpha)[0])
+    hand = total[index] + math.log1p(-1 / alpha) - math.log(D * alpha) / (alpha - 1)
+    assert refuse and quoted == pytest.approx(hand, rel=1e-9) and quoted > 2.0
 
 
 def test_ledger_vectorised_persisted_and_restored(tmp_path):
@@ -253,11 +287,27 @@ def test_an_adaptive_refusal_quotes_the_filters_epsilon():
     budget = 0.5 * (pld_eps + rdp_eps)          # PLD says it fits, the filter says no
     assert pld_eps < budget < rdp_eps
     refuse, quoted = h.would_exceed(nxt, budget, D, "pld")
-    assert refuse and quoted == pytest.approx(rdp_eps, rel=1e-9)
+    # the quote is the RDP conversion at the filter's order (Gaussians only: alpha* is
+    # where the libraries' minimum lands too, up to the grid), never below RDP's minimum
+    assert refuse and quoted == pytest.approx(rdp_eps, rel=1e-3) and quoted >= rdp_eps
     # the filter's measure and its decision agree at the boundary
-    f = RenyiFilter(rdp_eps * (1 + 1e-9), D, "client")
-    assert not f.would_exceed(h.events, nxt)
-    assert RenyiFilter(rdp_eps * (1 - 1e-9), D, "client").would_exceed(h.events, nxt)
+    f = RenyiFilter(budget, D, "client")
+    assert f.epsilon_of(h.events + [nxt]) == pytest.approx(quoted, rel=1e-12)
+    assert not f.admits(h.events + [nxt]) and quoted > budget
+    assert f.admits(h.events) and f.epsilon_of(h.events) <= budget
     # a non-adaptive history still quotes (and decides on) its own accountant
     plain = PrivacyHistory(list(h.events))
     assert plain.would_exceed(nxt, budget, D, "pld") == (False, pytest.approx(pld_eps))
+
+
+def test_an_adaptive_history_reports_the_filters_budget_as_its_guarantee():
+    from dpfl.server.report import epsilon_table
+
+    g = {"verdict": "formal", "scope": "s", "unit": "client", "relation": "replace-one",
+         "sampling": "none", "delta": D, "accountant": "rdp"}
+    plain = {"epsilon": 2.4701, "rounds": [1, 2]}
+    adaptive = {**plain, "adaptive": True, "guaranteed-epsilon": 4.0}
+    text = epsilon_table({"guarantee": g, "clients": {"client-0": adaptive}})
+    assert "<= 4 (filter)" in text and "informative" in text and "2.4701" in text
+    text = epsilon_table({"guarantee": g, "clients": {"client-0": plain}})
+    assert "filter" not in text and "informative" not in text

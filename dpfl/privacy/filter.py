@@ -2,10 +2,26 @@
 
 When a round's privacy parameters are chosen from earlier outputs (AADP-FL raises epsilon
 when training looks converged; adaptive clipping changes C), summing the planned rounds is
-not valid. A filter is: keep composing while the running RDP curve stays under the budget
-curve B(alpha) for at least one order alpha, and stop before the event that would put it
-over at every order (Feldman & Zrnic 2021 for one order; Lécuyer 2021, "Practical privacy
-filters and odometers with Rényi DP", for the multi-order filter used here).
+not valid. A filter is: keep composing while the running RDP at ONE order alpha*, fixed
+before any adaptive choice, stays under the budget B(alpha*), and stop before the event
+that would put it over (Feldman & Zrnic, "Individual Privacy Accounting via a Rényi
+Filter", NeurIPS 2021, Thm 3.1: the adaptively composed interaction is then
+(alpha*, B(alpha*))-RDP, which converts to (epsilon, delta)).
+
+Why one order. An earlier version admitted a history while ANY order was within budget.
+That is a valid conversion for a fixed history, but under adaptivity it is sound only when
+every event's RDP is linear in the order (plain Gaussians): the standard multi-order
+argument (Lécuyer 2021, "Practical privacy filters and odometers with Rényi DP") gives
+(epsilon, |orders| delta) otherwise — subsampled Gaussians (DP-SGD), pure-epsilon events
+and Skellam are not linear (``tests/test_privacy_core.py`` shows a mixed history the old
+rule admitted at an order the new one refuses).
+
+alpha* is chosen from public values only: the order at which repeating the history's FIRST
+event (planned before any output exists) would take the most repetitions to reach the
+budget, argmax B(alpha) / RDP_first(alpha). For a history of one repeated release this is
+the order the libraries' minimum over orders picks at the budget's edge, so the filter
+costs next to nothing there; for a history whose later events change shape, the budget
+is held at alpha* regardless.
 
 The budget curve is the RDP -> (epsilon, delta) conversion solved for the RDP value. We use
 the conversion of Balle, Barthe, Gaboardi, Hsu & Sato 2020 ("Hypothesis testing
@@ -54,9 +70,19 @@ def budget_curve(epsilon: float, delta: float, orders: np.ndarray) -> np.ndarray
     return out
 
 
+def filter_order(anchor: np.ndarray, budget: np.ndarray) -> int | None:
+    """Index of alpha* = argmax B(alpha) / RDP_anchor(alpha) over the orders where the
+    budget is positive (None when the anchor costs nothing at every such order)."""
+    usable = (budget > 0) & (anchor > 0)
+    if not np.any(usable):
+        return None
+    ratio = np.where(usable, budget / np.where(usable, anchor, 1.0), -np.inf)
+    return int(np.argmax(ratio))
+
+
 @dataclass(frozen=True)
 class RenyiFilter:
-    """An (epsilon, delta) Rényi filter on the RDP orders of a unit's accountant."""
+    """An (epsilon, delta) Rényi filter at one order fixed in advance (see module)."""
 
     epsilon: float
     delta: float
@@ -65,30 +91,49 @@ class RenyiFilter:
     def budget_curve(self) -> np.ndarray:
         return budget_curve(self.epsilon, self.delta, orders_for(self.unit))
 
-    def admits(self, rdp: np.ndarray) -> bool:
-        """True while some order's running RDP is within that order's budget."""
-        budget = self.budget_curve()
-        usable = budget > 0
-        return bool(np.any(rdp[usable] <= budget[usable]))
+    def order(self, events: Sequence[PrivacyEvent]) -> float | None:
+        """alpha* of a history: fixed by its first event that costs anything (None: the
+        history costs nothing)."""
+        index = self._order_index(events)
+        return None if index is None else float(orders_for(self.unit)[index])
 
-    def _epsilon_of_rdp(self, rdp: np.ndarray) -> float:
-        """The epsilon the filter measures an RDP curve by: min over its orders of the RDP ->
-        (epsilon, delta) conversion above. ``admits`` holds exactly when this is <= the
-        filter's epsilon; it is the figure to quote when the filter refuses (the ledger's
-        PLD epsilon of the same history can be lower)."""
-        offset = budget_curve(0.0, self.delta, orders_for(self.unit))   # B(alpha) - epsilon
-        usable = np.isfinite(offset)
-        return float(np.min(rdp[usable] - offset[usable]))
+    def _order_index(self, events: Sequence[PrivacyEvent]) -> int | None:
+        budget = self.budget_curve()
+        for e in events:
+            anchor = history_rdp([e])
+            if np.any(anchor > 0):
+                return filter_order(anchor, budget)
+        return None
+
+    def admits(self, events: Sequence[PrivacyEvent]) -> bool:
+        """True while the history's running RDP at its order alpha* is within B(alpha*)."""
+        return self._measure(events)[0]
+
+    def epsilon_of(self, events: Sequence[PrivacyEvent]) -> float:
+        """The epsilon the filter measures a history by: the RDP -> (epsilon, delta)
+        conversion at alpha* (the figure to quote when the filter refuses; the ledger's
+        PLD epsilon of the same history can be lower). 0 for a history that costs nothing."""
+        return self._measure(events)[1]
+
+    def _measure(self, events: Sequence[PrivacyEvent]) -> tuple[bool, float]:
+        events = list(events)
+        if not events:
+            return True, 0.0
+        if history_unit(events) != self.unit:
+            raise ValueError(f"this filter accounts {self.unit}-level events")
+        index = self._order_index(events)
+        if index is None:
+            return True, 0.0
+        rdp = float(history_rdp(events)[index])
+        budget = float(self.budget_curve()[index])
+        offset = budget - self.epsilon      # B(alpha*) - epsilon: the conversion's offset
+        return rdp <= budget, rdp - offset
 
     def would_exceed(self, events: Sequence[PrivacyEvent], new: PrivacyEvent) -> bool:
         """Would composing ``new`` after ``events`` leave the filter's budget?"""
         return self.decide(events, new)[0]
 
     def decide(self, events: Sequence[PrivacyEvent], new: PrivacyEvent) -> tuple[bool, float]:
-        """(:meth:`would_exceed`, the filter's epsilon of the history with ``new``) from one
-        RDP computation of that history."""
-        history = list(events) + [new]
-        if history_unit(history) != self.unit:
-            raise ValueError(f"this filter accounts {self.unit}-level events")
-        rdp = history_rdp(history)
-        return not self.admits(rdp), self._epsilon_of_rdp(rdp)
+        """(:meth:`would_exceed`, the filter's epsilon of the history with ``new``)."""
+        admitted, eps = self._measure(list(events) + [new])
+        return not admitted, eps

@@ -15,11 +15,20 @@ def epsilon_table(summary: dict[str, Any]) -> str:
     g = summary["guarantee"]
     final = summary.get("final", {})
     table = Table(title=f"privacy per client — verdict: {g['verdict']}")
-    for col in ("client", "unit", "relation", "sampling", "delta", "epsilon", "rounds"):
-        table.add_column(col, justify="right" if col in ("delta", "epsilon", "rounds") else "left")
-    for client, info in summary.get("clients", {}).items():
-        table.add_row(client, g["unit"], g["relation"], g["sampling"], f"{g['delta']:g}",
-                      f"{info['epsilon']:.4f}", str(len(info["rounds"])))
+    clients = summary.get("clients", {})
+    adaptive = any(info.get("adaptive") for info in clients.values())
+    numeric = ("delta", "epsilon", "guaranteed epsilon", "rounds")
+    columns = ("client", "unit", "relation", "sampling", "delta")
+    columns += ("guaranteed epsilon", "epsilon") if adaptive else ("epsilon",)
+    for col in columns + ("rounds",):
+        table.add_column(col + (" (informative)" if adaptive and col == "epsilon" else ""),
+                         justify="right" if col in numeric else "left")
+    for client, info in clients.items():
+        row = [client, g["unit"], g["relation"], g["sampling"], f"{g['delta']:g}"]
+        if adaptive:   # the filter's budget is the guarantee of an adaptive history
+            bound = info.get("guaranteed-epsilon")
+            row.append(f"<= {bound:g} (filter)" if bound is not None else "-")
+        table.add_row(*row, f"{info['epsilon']:.4f}", str(len(info["rounds"])))
     buf = io.StringIO()
     console = Console(file=buf, width=110, color_system=None)
     console.print(f"guarantee: {g['verdict']} — {g['scope']}")
