@@ -376,6 +376,12 @@ class FedASGPStrategy(DPFLStrategy):
         self._released.clear()
         return super().finish_round(server_round, record, replies)
 
+    def released_metrics(self) -> frozenset[str]:
+        """The paper variant's clear loss L_i and significant fraction (verdict none); the
+        strict variant releases nothing besides its sparse-vector update."""
+        return frozenset({LOSS_KEY, SIGNIFICANT_KEY}) if _p(self.cfg).asgp_variant == "paper" \
+            else frozenset()
+
     def reply_problem(self, update: ClientUpdate) -> str | None:
         """n_i must be known (public partition sizes); the paper variant needs a finite
         L_i >= 0 and a fraction in [0, 1]; a strict reply may not release more than c

@@ -432,6 +432,19 @@ class FedCompDPStrategy(DPFLStrategy):
     def after_aggregation(self, accepted: list[ClientUpdate]) -> None:
         self.clip = self.next_clip(accepted)
 
+    def released_metrics(self) -> frozenset[str]:
+        """The noisy unclipped bit (one Gaussian release with the update), the raw norm
+        (adpc=raw-norm: in the clear, verdict none), the client's F1 (cra-score=client-f1:
+        with noise in the same release, or in the clear with verdict none)."""
+        p, keys = _p(self.cfg), set()
+        if p.adpc == "private-quantile":
+            keys.add(BIT_KEY)
+        if p.adpc == "raw-norm":
+            keys.add(NORM_KEY)
+        if p.cra and p.cra_score == "client-f1":
+            keys.add(F1_KEY)
+        return frozenset(keys)
+
     def reply_problem(self, update: ClientUpdate) -> str | None:
         """A reply must carry the values the configured readings use, finite and within
         what an honest client can send (a noisy value within 10 noise stds of its range:

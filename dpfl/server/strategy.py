@@ -43,6 +43,8 @@ from dpfl.server.central import CentralAggregator, FlowerCentralAggregator
 from dpfl.server.guard import DPGuard
 from dpfl.server.secagg import SecureSum, masked_reply
 from dpfl.server.validation import (
+    PUBLIC_REPLY_METRICS,
+    TRAIN_LOSS_METRIC,
     ClientUpdate,
     Rejection,
     Template,
@@ -178,6 +180,22 @@ class DPFLStrategy(FedAvg):
         """Per-client additions to the round's ConfigRecord (override in methods)."""
         return {}
 
+    def released_metrics(self) -> frozenset[str]:
+        """Reply metrics the method's client half releases beyond the shared public ones
+        (each covered by a charged release, or named by the method's verdict as sent in the
+        clear); default none."""
+        return frozenset()
+
+    def reply_metric_keys(self) -> frozenset[str]:
+        """Every metric a private train reply may carry; another key is a value sent in
+        the clear without a charge, and the reply is rejected."""
+        keys = PUBLIC_REPLY_METRICS | self.released_metrics()
+        if self.cfg.report_train_loss:
+            keys |= {TRAIN_LOSS_METRIC}
+        if self.cfg.trust == "central":   # to the trusted server, covered centrally
+            keys |= {UNCLIPPED_KEY}
+        return keys
+
     def extra_records(self, server_round: int) -> dict[str, ArrayRecord]:
         """Records besides the global arrays sent to every client (e.g. SCAFFOLD's c)."""
         return {}
@@ -307,6 +325,12 @@ class DPFLStrategy(FedAvg):
                 if charge.problem is not None and isinstance(checked, ClientUpdate):
                     checked = Rejection(checked.node_id, checked.partition_id, "invalid",
                                         charge.problem, checked.metrics)
+            if isinstance(checked, ClientUpdate) and self.cfg.is_private and (
+                    clear := sorted(set(checked.metrics) - self.reply_metric_keys())):
+                checked = Rejection(checked.node_id, checked.partition_id, "invalid",
+                                    f"reply carries {clear}, which the method does not "
+                                    "release: values in the clear without a charge",
+                                    checked.metrics)
             if isinstance(checked, ClientUpdate):
                 checked = self._trusted(checked, server_round)
             if isinstance(checked, ClientUpdate) and (why := self.reply_problem(checked)):

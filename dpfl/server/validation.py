@@ -45,6 +45,17 @@ class Rejection:
 
 
 Template = list[tuple[str, tuple[int, ...], np.dtype]]
+# Metrics every train reply may carry in a private run: each is public (the partition id,
+# the round, delta, the public partition size, the size of the node's own state record)
+# or a function of the public plan the server sent (epsilon, sigma, rate, steps). Anything
+# else a client sends must be a method's released value (covered by a charged release, or
+# named by the verdict as sent in the clear): ``DPFLStrategy.reply_metric_keys``.
+PUBLIC_REPLY_METRICS = frozenset({
+    "partition-id", "server-round", "delta", "num-examples", "epsilon", "noise-multiplier",
+    "sample-rate", "steps", "node-state-bytes",
+})
+# the train loss, sent only with report-train-loss=true (the verdict is then none)
+TRAIN_LOSS_METRIC = "train-loss"
 # No client holds more samples than this; a larger claim would let one reply dominate the
 # sample-weighted mean.
 MAX_NUM_EXAMPLES = 10 ** 9
