@@ -2,6 +2,11 @@
 # Make the TLS and SuperNode-authentication material for a dpfl deployment.
 #
 #   deploy/certs.sh OUT_DIR --san IP:10.0.0.1 --san DNS:superlink.example [--nodes 2] [--days 365]
+#                   [--force]
+#
+# OUT_DIR must not exist or be empty: a CA and keys already there may be in use by a running
+# federation. --force replaces them: the old folder is kept beside it as
+# OUT_DIR.replaced-<time> (nothing is overwritten file by file).
 #
 # OUT_DIR/ca.crt, ca.key                  a private CA (keep ca.key offline)
 # OUT_DIR/superlink.crt, superlink.key    the SuperLink's server certificate; its SANs are
@@ -21,7 +26,7 @@
 # OUT_DIR as it was.
 set -euo pipefail
 me=deploy/certs.sh
-usage="usage: $me OUT_DIR [--san IP:x.x.x.x] [--san DNS:name] [--nodes N] [--days D]"
+usage="usage: $me OUT_DIR [--san IP:x.x.x.x] [--san DNS:name] [--nodes N] [--days D] [--force]"
 
 . "$(dirname "$0")/lib.sh"  # die, require_engine
 
@@ -81,6 +86,7 @@ shift
 sans=("IP:127.0.0.1" "DNS:localhost")
 nodes=2
 days=365
+force=0
 while [ $# -gt 0 ]; do
   case "$1" in
     --san|--nodes|--days) [ $# -ge 2 ] || die 2 "$1 needs a value ($usage)" ;;
@@ -89,6 +95,7 @@ while [ $# -gt 0 ]; do
     --san) check_san "$2"; sans+=("$2"); shift 2 ;;
     --nodes) nodes=$2; shift 2 ;;
     --days) days=$2; shift 2 ;;
+    --force) force=1; shift ;;
     *) die 2 "unknown argument '$1' ($usage)" ;;
   esac
 done
@@ -103,6 +110,9 @@ parent=$(dirname "$out")
 while [ ! -e "$parent" ]; do parent=$(dirname "$parent"); done
 [ -d "$parent" ] && [ -w "$parent" ] || die 2 "OUT_DIR '$out': cannot create it under '$parent' (not a writable directory)"
 if [ -d "$out" ] && [ ! -w "$out" ]; then die 2 "OUT_DIR '$out' is not writable"; fi
+if [ -d "$out" ] && [ -n "$(ls -A "$out")" ] && [ "$force" = 0 ]; then
+  die 2 "OUT_DIR '$out' is not empty (holds $(ls -A "$out" | head -n 4 | paste -sd, -)): its CA and keys may be in use; choose another folder, or --force to replace them (the old folder is kept as $out.replaced-<time>)"
+fi
 
 # -- the material, in a temporary folder --------------------------------------------------------
 tmp=$(mktemp -d "${TMPDIR:-/tmp}/dpfl-certs.XXXXXX")
@@ -129,15 +139,17 @@ for f in ca.crt ca.key superlink.crt superlink.key; do
   [ -s "$tmp/$f" ] || die 1 "openssl wrote no $f"
 done
 
-# -- into place: a new OUT_DIR is renamed from the whole folder, an existing one gets the files --
+# -- into place: OUT_DIR becomes the whole new folder (an empty one is replaced; with --force a
+# -- full one is moved aside first, never overwritten file by file) --------------------------
 chmod "$(umask -S)" "$tmp"  # as `mkdir` would have made it (mktemp makes 0700)
-if [ -d "$out" ]; then
-  mkdir -p "$out/keys"
-  cp -p "$tmp"/ca.* "$tmp"/superlink.* "$out/"
-  if [ "$nodes" -gt 0 ]; then cp -p "$tmp"/keys/* "$out/keys/"; fi
-else
-  mkdir -p "$(dirname "$out")"
-  mv "$tmp" "$out"
-  trap - EXIT
+replaced=""
+if [ -d "$out" ] && [ -n "$(ls -A "$out")" ]; then
+  replaced="$out.replaced-$(date +%Y%m%d-%H%M%S)"
+  mv "$out" "$replaced"
+elif [ -d "$out" ]; then
+  rmdir "$out"
 fi
-echo "CA, SuperLink certificate (SANs: $san_list) and $nodes SuperNode key pairs in $out"
+mkdir -p "$(dirname "$out")"
+mv "$tmp" "$out"
+trap - EXIT
+echo "CA, SuperLink certificate (SANs: $san_list) and $nodes SuperNode key pairs in $out${replaced:+ (the old folder is now $replaced)}"

@@ -180,8 +180,12 @@ def cmd_deploy(args: argparse.Namespace) -> int:
             raise UserError("--control-port: the Control API is not published any more (it "
                             "accepts runs and SuperNode keys from anyone who reaches it); "
                             "`dpfl deploy run` runs flwr in the SuperLink's network namespace")
-        fed = containers.up(args.clients, state, image=args.image, name=args.name,
-                            insecure=args.insecure)
+        try:
+            fed = containers.up(args.clients, state, image=args.image, name=args.name,
+                                insecure=args.insecure)
+        except containers.DeployFailed as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 1
         print(f"federation {fed.name} up: {fed.clients} SuperNodes, Control API on the "
               f"SuperLink's loopback only, TLS and SuperNode auth "
               f"{'OFF' if fed.insecure else 'on'}; state in {fed.state}")

@@ -40,7 +40,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from dpfl.errors import UserError, read_json_file
+from dpfl.errors import UserError, one_line, read_json_file
 
 LABEL = "dpfl.federation"
 REPO = Path(__file__).resolve().parent.parent
@@ -48,6 +48,10 @@ STATE_FILE = "federation.json"
 DEFAULT_ENGINE = "unix:///var/run/docker.sock"  # the SDK's (and the CLI's) default socket
 PROBE_TIMEOUT = 10  # seconds to wait for the engine's first answer
 NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]*")  # container names and a TOML key
+
+
+class DeployFailed(RuntimeError):
+    """``up`` failed after its checks (one line; what it had made is removed): exit 1."""
 
 
 @dataclass(frozen=True)
@@ -222,7 +226,7 @@ def _make_certs(state: Path, clients: int) -> None:
     message = (proc.stderr.strip().splitlines() or [f"exit code {proc.returncode}"])[-1]
     if proc.returncode == 2:
         raise UserError(message)
-    raise RuntimeError(f"deploy/certs.sh failed: {message}")
+    raise DeployFailed(f"deploy/certs.sh failed: {message}")
 
 
 def _tls(fed: Federation, *, server: bool) -> list[str]:
@@ -334,6 +338,21 @@ def up(clients: int, state: Path, *, image: str = "dpfl:0.1.0", name: str = "dpf
         _make_certs(state, clients)  # makes STATE/ and STATE/certs/ only when it succeeds
     (state / "runs").mkdir(exist_ok=True)
     fed.save()
+    try:
+        return _create(client, fed)
+    except Exception as exc:   # after the checks: the engine, the SuperLink, registration
+        try:
+            removed = down(state, timeout=5)
+        except Exception as cleanup:   # the engine itself may be what failed
+            removed = [f"(cleanup failed too: {one_line(cleanup)})"]
+        raise DeployFailed(f"dpfl deploy up failed after its checks: {one_line(exc)}; removed "
+                           f"what it had made: {', '.join(removed) or 'nothing'}") from exc
+
+
+def _create(client: Any, fed: Federation) -> Federation:
+    """The network, volume and containers of ``fed``, and its keys registered."""
+    name, image, clients, insecure = fed.name, fed.image, fed.clients, fed.insecure
+    state = Path(fed.state)
     labels = {LABEL: name}
     client.networks.create(fed.network, driver="bridge", labels=labels)
     client.volumes.create(fed.volume, labels=labels)

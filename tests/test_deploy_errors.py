@@ -311,6 +311,30 @@ def test_certs_makes_everything_in_place(tmp_path):
     assert verify.returncode == 0, verify.stderr
 
 
+@pytest.mark.skipif(shutil.which("openssl") is None or shutil.which("ssh-keygen") is None,
+                    reason="needs openssl and ssh-keygen")
+def test_certs_refuses_a_folder_in_use_unless_forced(tmp_path):
+    """A second certs.sh into a folder holding a CA refuses (exit 2, nothing touched);
+    --force moves the old folder aside whole and writes a new one; an empty folder is
+    simply filled."""
+    out = tmp_path / "certs"
+    out.mkdir()
+    first = _script(CERTS, str(out), "--nodes", "1", env={"TMPDIR": str(tmp_path)})
+    assert first.returncode == 0, first.stderr
+    ca = (out / "ca.crt").read_bytes()
+    again = _script(CERTS, str(out), "--nodes", "2", env={"TMPDIR": str(tmp_path)})
+    assert again.returncode == 2 and again.stdout == ""
+    assert _one_line(again.stderr).startswith(f"deploy/certs.sh: OUT_DIR '{out}' is not "
+                                              "empty (holds ca.crt,ca.key,keys,superlink.crt)")
+    assert (out / "ca.crt").read_bytes() == ca and not (out / "keys" / "supernode-1").exists()
+    forced = _script(CERTS, str(out), "--nodes", "2", "--force", env={"TMPDIR": str(tmp_path)})
+    assert forced.returncode == 0, forced.stderr
+    old = [p for p in tmp_path.iterdir() if p.name.startswith("certs.replaced-")]
+    assert len(old) == 1 and (old[0] / "ca.crt").read_bytes() == ca
+    assert (out / "ca.crt").read_bytes() != ca and (out / "keys" / "supernode-1").exists()
+    assert f"(the old folder is now {old[0]})" in forced.stdout
+
+
 # -- deploy/netns.sh -------------------------------------------------------------------------
 
 NETNS = DEPLOY / "netns.sh"

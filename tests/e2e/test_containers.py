@@ -283,3 +283,32 @@ def test_launcher_four_clients(docker_env, tmp_path):
     left = _run(["docker", "ps", "-a", "--filter", "label=dpfl.federation=dpflt4", "-q"],
                 docker_env)
     assert left.strip() == ""
+
+
+@pytest.mark.e2e
+def test_launcher_failure_after_its_checks_is_one_line_and_leaves_nothing(docker_env,
+                                                                          tmp_path):
+    """A failure after `dpfl deploy up`'s checks (here: an unlabelled container already holds
+    the SuperLink's name, which the checks cannot see) is one line on stderr, exit 1, and
+    removes what `up` had made (network, volume, containers)."""
+    _require_engine()
+    squatter = _run(["docker", "create", "--name", "dpfltx-superlink", IMAGE], docker_env)
+    try:
+        proc = subprocess.run([sys.executable, "-m", "dpfl.cli", "deploy", "up", "--clients",
+                               "1", "--state", str(tmp_path / "tx"), "--image", IMAGE,
+                               "--name", "dpfltx"], cwd=ROOT, env=docker_env,
+                              capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
+        lines = [line for line in proc.stderr.splitlines() if line.strip()]
+        assert len(lines) == 1 and lines[0].startswith(
+            "error: dpfl deploy up failed after its checks: "), proc.stderr
+        assert "Traceback" not in proc.stderr and "dpfltx-net" in lines[0]
+        left = _run(["docker", "ps", "-a", "--filter", "label=dpfl.federation=dpfltx", "-q"],
+                    docker_env)
+        assert left.strip() == ""
+        nets = _run(["docker", "network", "ls", "--filter", "label=dpfl.federation=dpfltx",
+                     "-q"], docker_env)
+        assert nets.strip() == ""
+    finally:
+        subprocess.run(["docker", "rm", "-f", squatter.strip()], env=docker_env,
+                       capture_output=True, timeout=60)
