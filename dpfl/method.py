@@ -101,6 +101,13 @@ class ClientHalf:
         app adds :data:`TRAIN_LOSS` (the round's mean training loss) to them."""
         return {}
 
+    def post_process(self, cfg: RunConfig, update: torch.Tensor,
+                     server_round: int) -> torch.Tensor:
+        """Sample-level DP-SGD: the method's transform of the round's flat update before it
+        is sent (default: none). It sees only the DP-SGD output (and public values), so it is
+        post-processing and costs nothing (e.g. Fed-SMP's sparsification)."""
+        return update
+
     def release_update(self, cfg: RunConfig, config: Mapping[str, Any],
                        update: torch.Tensor, sigma: float, clip: float,
                        generator: torch.Generator, server_round: int,

@@ -238,7 +238,7 @@ def test_bad_keys_are_config_errors_naming_the_key(key, value):
 
 def test_trainer_rule_and_defaults():
     with pytest.raises(ConfigError, match="'trainer'"):
-        run_config(strategy="fedsmp", trainer="dpsgd")
+        run_config(strategy="fedsmp", trainer="plain")
     params = _cfg().params
     assert isinstance(params, FedSMPParams)
     assert (params.fedsmp_mask, params.fedsmp_ratio, params.fedsmp_rescale) == ("randk", 0.1,
@@ -346,3 +346,54 @@ def test_client_app_reply_is_planned_charged_and_accepted(mask, server_identity)
     assert [u.partition_id for u in outcome.record.accepted] == [0, 1]
     assert dict(outcome.metrics)["fedsmp-kept-fraction"] == pytest.approx(k / dim)
     assert all(c.problem is None for c in outcome.record.charges)
+
+
+@pytest.mark.parametrize("mask", ["randk", "topk"])
+def test_fedsmp_over_dpsgd_sparsifies_the_dpsgd_update(mask, server_identity):
+    """Sample-level Fed-SMP: the real ClientApp trains with DP-SGD, then keeps k = round(r d)
+    coordinates — the round's public rand-k mask, or the top-k of the already-noised update
+    (post-processing either way: verdict formal, the ledger's events are DP-SGD's); the
+    server accepts the sparse replies under its DP-SGD norm bound."""
+    from flwr.app import ArrayRecord
+
+    from dpfl.apps.client import train
+    from dpfl.data import splits_for
+    from dpfl.methods import build_strategy, guarantee, parse_run_config
+    from dpfl.methods.fedsmp import kept_count, randk_indices
+    from dpfl.models import build_model
+    from dpfl.privacy.ledger import Ledger
+    from dpfl.tensors import flatten
+
+    from flower_helpers import context, message
+
+    run_config = {"dataset": "digits", "model": "mlp", "batch-size": 64, "lr": 0.1,
+                  "num-rounds": 2, "target-epsilon": 8.0, "strategy": "fedsmp",
+                  "trainer": "dpsgd", "fedsmp-mask": mask, "fedsmp-ratio": 0.1}
+    cfg = parse_run_config(run_config)
+    assert guarantee(cfg).verdict == "formal"
+    strategy = build_strategy(cfg)
+    strategy.bind_partition_sizes({i: len(s.train) for i, s in enumerate(splits_for(cfg, 2))})
+    strategy.bind_ledger(Ledger(cfg.delta, cfg.accountant, budget=8.0))
+
+    class Grid:
+        def get_node_ids(self):
+            return [11, 12]
+
+    torch.manual_seed(0)
+    model = build_model("mlp", (1, 8, 8), 10)
+    messages, record = strategy.start_round(1, ArrayRecord(model.state_dict()), Grid())
+    replies = []
+    for pid, m in enumerate(messages):
+        node = int(m.metadata.dst_node_id)
+        reply = train(message(m.content, 0, node), context(run_config, pid, 2))
+        flat = flatten(reply.content["arrays"].to_torch_state_dict())
+        k = kept_count(flat.numel(), 0.1)
+        nonzero = torch.nonzero(flat).reshape(-1)
+        assert 0 < nonzero.numel() <= k
+        if mask == "randk":
+            assert set(nonzero.tolist()) <= set(randk_indices(flat.numel(), k, cfg.seed,
+                                                              1).tolist())
+        assert reply.content["privacy"]["mechanism"] == ["dpsgd"]
+        replies.append(message(reply.content, src_node_id=node))
+    outcome = strategy.finish_round(1, record, replies)
+    assert len(outcome.record.accepted) == 2, [r.reason for r in outcome.record.rejected]

@@ -37,7 +37,7 @@ from dpfl.client.trainers import train_dpsgd, train_plain
 from dpfl.config import RunConfig
 from dpfl.data import ClientData, client_data
 from dpfl.logs import get_logger
-from dpfl.method import TRAIN_LOSS
+from dpfl.method import TRAIN_LOSS, ClientHalf
 from dpfl.methods import method_for, parse_run_config
 from dpfl.models.evaluation import device_for, evaluate_model
 from dpfl.privacy.budget import BUDGET_REFUSAL, PrivacyHistory
@@ -175,6 +175,10 @@ def train(msg: Message, context: Context) -> Message:
                              public_examples=n)
         event = DpsgdRelease(sigma, result.sample_rate, result.steps).event(server_round)
         update = state_difference(model.state_dict(), received)
+        # the method's post-processing of the DP-SGD output (free: it sees only that output)
+        if type(method.client).post_process is not ClientHalf.post_process:
+            processed = method.client.post_process(cfg, flatten(update), server_round)
+            update = unflatten(processed, received)
         num_examples = n
     else:
         result = train_plain(model, data, cfg, shuffle_seed, device, hooks.post_step,

@@ -151,7 +151,17 @@ def sparsified_release(update: torch.Tensor, kept: torch.Tensor, sigma: float, c
 
 
 class FedSMPClient(ClientHalf):
-    """Mask, clip the kept coordinates, add Gaussian noise on them only (the shared plan)."""
+    """Mask, clip the kept coordinates, add Gaussian noise on them only (the shared plan);
+    under DP-SGD, mask the DP-SGD update (post-processing)."""
+
+    def post_process(self, cfg, update, server_round) -> torch.Tensor:
+        """Sample-level reading: the k kept coordinates of the DP-SGD update, the others 0.
+        Either mask is post-processing here — rand-k is public and top-k is chosen from the
+        already-noised update — so the release is DP-SGD's, with no extra clip or noise."""
+        kept = kept_indices(cfg, update, server_round)
+        out = torch.zeros_like(update)
+        out[kept] = update[kept]
+        return out
 
     def release_update(self, cfg, config, update, sigma, clip, generator, server_round,
                        local) -> tuple[torch.Tensor, PrivacyEvent, dict[str, float]]:
@@ -184,8 +194,11 @@ class FedSMPStrategy(DPFLStrategy):
             self._mask = ((dim, server_round), keep)
         return self._mask[1]
 
-    def update_norm_bound(self, dim: int, server_round: int) -> float:
-        """C + sigma C (sqrt(k) + 10): Gaussian noise on k coordinates only."""
+    def update_norm_bound(self, dim: int, server_round: int) -> float | None:
+        """C + sigma C (sqrt(k) + 10): Gaussian noise on k coordinates only (DP-SGD: the
+        guard's DP-SGD bound; masking only shortens the update)."""
+        if self.cfg.trainer == "dpsgd":
+            return None
         k = kept_count(dim, _p(self.cfg).fedsmp_ratio)
         return gaussian_norm_bound(self.cfg.clip_norm, noise_multiplier_for(self.cfg, 1), k)
 
@@ -239,6 +252,14 @@ class FedSMPStrategy(DPFLStrategy):
 
 def fedsmp_privacy(cfg: RunConfig) -> MethodPrivacy:
     p = _p(cfg)
+    if cfg.trainer == "dpsgd":   # the record-level reading: DP-SGD, then the mask
+        how = ("a public random mask" if p.fedsmp_mask == "randk" else
+               "the top-k coordinates of the already-noised update")
+        return MethodPrivacy(
+            scope=f"Fed-SMP over DP-SGD (sample level): the DP-SGD update sparsified to k = "
+                  f"round({p.fedsmp_ratio:g} d) coordinates by {how} — post-processing of "
+                  "the DP-SGD output, so the ledger's DP-SGD events are the whole release",
+            release=f"the DP-SGD update sparsified by {how}")
     values = (f"the kept coordinates clipped to {cfg.clip_norm} plus Gaussian noise on them "
               "only, the others sent as 0")
     if p.fedsmp_mask == "randk":
@@ -263,7 +284,8 @@ METHOD = Method(
     strategy=FedSMPStrategy,
     client=FedSMPClient(),
     params=FedSMPParams,
-    trainers=("update-dp",),
-    trainer_reason="Fed-SMP perturbs the client's sparsified update (client-level DP)",
+    trainers=("update-dp", "dpsgd"),
+    trainer_reason="Fed-SMP perturbs the client's sparsified update (client-level DP), or "
+                   "sparsifies the DP-SGD update (sample level)",
     privacy=fedsmp_privacy,
 )

@@ -18,10 +18,12 @@ pytestmark = pytest.mark.e2e
 
 
 # Client-level update DP (trainer=update-dp) runs end to end here (DP-FedSAM: local SAM,
-# then clip + noise) and in the AADP-FL test below.
+# then clip + noise) and in the AADP-FL test below; DP-FedProx and Fed-SMP over DP-SGD.
 @pytest.mark.parametrize("strategy,extra", [
     ("dpfedprox", ["prox-mu=0.1"]),
     ("dpfedsam", ["trainer=update-dp", "sam-rho=0.1"]),
+    # sample-level Fed-SMP: DP-SGD, then the top-k of the noised update (post-processing)
+    ("fedsmp", ["fedsmp-mask=topk", "fedsmp-ratio=0.3"]),
 ])
 def test_method_runs_by_name(tmp_path, strategy, extra):
     proc = subprocess.run(
