@@ -69,7 +69,7 @@ def test_fedavg_requires_plain_trainer():
 # only; AADP-FL and DP-FedSAM are client-level DP by construction.
 ACCEPTED_TRAINERS = {"fedavg": {"plain"}, "dpscaffold": {"dpsgd"}, "aadp": {"update-dp"},
                      "dpfedsam": {"update-dp"}, "fedcompdp": {"update-dp"},
-                     "fedasgp": {"update-dp"}, "fedsmp": {"update-dp"}}
+                     "fedasgp": {"update-dp"}}
 DP_TRAINERS = {"dpsgd", "update-dp"}
 
 
