@@ -84,6 +84,7 @@ class Federation:
     rounds: list[dict[str, Any]] = field(default_factory=list)
     initial: dict[str, float] = field(default_factory=dict)
     resume_config: dict[str, Any] = field(default_factory=dict)  # next round only
+    saved_config: dict[str, Any] | None = None   # config.json of the run a resume continues
 
 
 def _federated_evaluation(strategy: DPFLStrategy, grid: Grid, rnd: int, arrays: ArrayRecord,
@@ -199,7 +200,7 @@ def _set_up(grid: Grid, cfg: RunConfig, run_dir: RunDir, t_start: float) -> Fede
     return Federation(grid, cfg, run_dir, claim, strategy, model, x_test, y_test,
                       device_for(), num_nodes, ArrayRecord(model.state_dict()), ledger,
                       ReplyExchange(grid, namer=strategy.client_name), t_start,
-                      UpdateObserver(cfg, run_dir.path))
+                      UpdateObserver(cfg, run_dir.path), saved_config=saved)
 
 
 def check_operator_map(strategy: DPFLStrategy, num_nodes: int, grid: Grid) -> None:
@@ -228,7 +229,7 @@ def resume(fed: Federation) -> bool:
         adaptive=fed.strategy.guard.adaptive) if fed.cfg.resume else None
     if point is None:
         return False
-    if fed.run_dir.saved_config() is None:
+    if fed.saved_config is None:
         raise UserError(f"{fed.run_dir.file(CONFIG_FILE)} is missing: cannot check that this "
                         "resume has the run's settings; restore it (refusing to resume)")
     if point.model is not None:

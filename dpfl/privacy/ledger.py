@@ -28,6 +28,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Sequence
@@ -323,13 +324,11 @@ class Ledger:
         charges back. A ledger is never behind the run's own records: the largest history
         per client wins. ``population``: the clients a population release covers when
         this ledger has none recorded yet."""
-        have: dict[str, int] = {}
-        for c in self.charges:
-            have[charge_key(c)] = have.get(charge_key(c), 0) + 1
+        have = Counter(charge_key(c) for c in self.charges)
         touched: list[str] = []
         for c in charges:
             key = charge_key(c)
-            if have.get(key, 0) > 0:
+            if have[key] > 0:
                 have[key] -= 1
                 continue
             events = [PrivacyEvent(**e) for e in c["events"]]
@@ -352,11 +351,6 @@ class Ledger:
             self.charges.append({**c, "restored-from": origin})
             touched.append(client)
         return touched
-
-    def covers(self, other: "Ledger") -> bool:
-        """True when this ledger holds every charge of ``other`` (ledgers only grow)."""
-        return len(self.charges) >= len(other.charges) and \
-            self.charges[:len(other.charges)] == other.charges
 
 
 def charge_key(charge: Mapping[str, Any]) -> str:

@@ -320,8 +320,9 @@ class DPFLStrategy(FedAvg):
             charge = self.guard.charge_reply(msg, checked, server_round)
             if charge is not None:
                 record.charges.append(charge)
-                if charge.client.startswith("client-"):   # the partition charged, not claimed
-                    checked.partition_id = int(charge.client.removeprefix("client-"))
+                held = self.guard.node_partition.get(checked.node_id)
+                if held is not None:   # the partition charged, not the one claimed
+                    checked.partition_id = held
                 if charge.problem is not None and isinstance(checked, ClientUpdate):
                     checked = Rejection(checked.node_id, checked.partition_id, "invalid",
                                         charge.problem, checked.metrics)
