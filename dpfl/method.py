@@ -22,7 +22,7 @@ from dpfl.data import ClientData
 from dpfl.models import build_model
 from dpfl.privacy.events import PrivacyEvent
 from dpfl.privacy.mechanisms import GaussianMechanism
-from dpfl.privacy.plan import UPDATE_DP_RELATION
+from dpfl.privacy.plan import UNCLIPPED_FRACTION, UPDATE_DP_RELATION  # noqa: F401 (re-export)
 from dpfl.privacy.verdict import MethodPrivacy
 from dpfl.server.strategy import DPFLStrategy
 
@@ -83,6 +83,18 @@ class ClientHalf:
               model: torch.nn.Module) -> MethodHooks:
         """Local-training hooks and extra reply records for this round."""
         return MethodHooks()
+
+    def sample_clip(self, cfg: RunConfig, config: Mapping[str, Any]) -> float:
+        """DP-SGD: this round's per-sample clip norm (default ``max-grad-norm``; a method
+        that adapts it sends it in the round's config, and its strategy's ``plan_clip``
+        returns the same value)."""
+        return cfg.max_grad_norm
+
+    def unclipped_count_std(self, cfg: RunConfig, sigma: float) -> float:
+        """DP-SGD: the noise std of the per-step unclipped count the client releases with
+        its gradient (:func:`dpfl.client.trainers.joint_gradient_noise`; the reply then
+        carries :data:`~dpfl.privacy.plan.UNCLIPPED_FRACTION`); 0 (default): no count."""
+        return 0.0
 
     def update_clip(self, cfg: RunConfig) -> UpdateClip | None:
         """The clipping of a client-level DP update (None: L2 norm clipping); its output

@@ -231,3 +231,58 @@ def test_the_budget_check_counts_the_servers_releases():
     assert reply.content["status"]["status"] == "refused"
     assert "unusable server-event record" in reply.content["status"]["reason"]
     assert "dpfl.privacy" not in ctx.state
+
+
+# -- DP-SGD extensions: per-round clip, noised-gradient transform, joint unclipped count ---
+
+def test_joint_gradient_noise_closed_form():
+    """sigma_g^-2 + s^-2 = sigma^-2 (Andrew et al. 2021, Sec. 3, at add/remove sensitivity
+    C for the sum and 1 for the count); a count noise at or below sigma cannot fit."""
+    from dpfl.client.trainers import joint_gradient_noise
+
+    assert joint_gradient_noise(1.0, 2.0) == pytest.approx(1 / math.sqrt(1 - 0.25))
+    sigma_g = joint_gradient_noise(0.8, 5 * 0.8)
+    assert sigma_g ** -2 + 4.0 ** -2 == pytest.approx(0.8 ** -2)
+    for bad in (1.0, 0.5):
+        with pytest.raises(ValueError, match="must exceed sigma"):
+            joint_gradient_noise(1.0, bad)
+
+
+@pytest.mark.parametrize("clip,expected", [(1e6, 16.0), (1e-9, 0.0)])
+def test_unclipped_count_counts_per_sample_norms_within_the_clip(clip, expected):
+    """q = 1 (batch = n = 16), one step: every per-sample gradient is within a clip of
+    1e6 and none within 1e-9, so the noisy count is 16 or 0 up to its noise (std 1e-3
+    here: sigma = 1e-4)."""
+    data = _tiny_data(16)
+    cfg = RunConfig(dataset="digits", model="mlp", batch_size=16, lr=0.1, opacus_mode="bk")
+    model = build_model("mlp", (1, 8, 8), 10)
+    gen = torch.Generator().manual_seed(0)
+    result = train_dpsgd(model, data, cfg, 1e-4, gen, gen, torch.device("cpu"), clip=clip,
+                         count_std=1e-3)
+    assert result.noisy_unclipped == pytest.approx(expected, abs=1e-2)
+    assert result.unclipped_fraction == pytest.approx(expected / 16, abs=1e-3)
+    with pytest.raises(ValueError, match="opacus-mode=bk"):
+        train_dpsgd(model, data, RunConfig(dataset="digits", model="mlp", batch_size=16,
+                                           opacus_mode="ghost"),
+                    1e-4, gen, gen, torch.device("cpu"), count_std=1e-3)
+
+
+def test_clip_override_and_noised_gradient_transform():
+    """The per-round clip replaces max-grad-norm (sigma 0, q 1, lr 1: the update's norm is
+    at most the clip), and a transform that zeroes the noised gradient leaves the model
+    where it was (it runs between Opacus' noise and the optimizer step)."""
+    data = _tiny_data(16)
+    cfg = RunConfig(dataset="digits", model="mlp", batch_size=16, lr=1.0, max_grad_norm=5.0,
+                    opacus_mode="bk")
+    model = build_model("mlp", (1, 8, 8), 10)
+    before = flatten(model.state_dict())
+    gen = torch.Generator().manual_seed(0)
+    train_dpsgd(model, data, cfg, 0.0, gen, gen, torch.device("cpu"), clip=0.01)
+    assert 0 < float((flatten(model.state_dict()) - before).norm()) <= 0.01 + 1e-6
+    before = flatten(model.state_dict())
+
+    def zero(m):
+        for p in m.parameters():
+            p.grad.zero_()
+    train_dpsgd(model, data, cfg, 1.0, gen, gen, torch.device("cpu"), noisy_grad=zero)
+    assert torch.equal(flatten(model.state_dict()), before)

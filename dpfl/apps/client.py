@@ -43,7 +43,7 @@ from dpfl.models.evaluation import device_for, evaluate_model
 from dpfl.privacy.budget import BUDGET_REFUSAL, PrivacyHistory
 from dpfl.privacy.ledger import prior_history, server_events_from
 from dpfl.privacy.mechanisms import DpsgdRelease
-from dpfl.privacy.plan import plan_from_record, plan_problem, planned_event
+from dpfl.privacy.plan import UNCLIPPED_FRACTION, plan_from_record, plan_problem, planned_event
 from dpfl.privacy.randomness import mechanism_generator, public_seed
 from dpfl.privacy.trust import (
     distributed_noise_multiplier,
@@ -170,10 +170,15 @@ def train(msg: Message, context: Context) -> Message:
                                "Opacus owns under trainer=dpsgd")
         sampling_rng = (noise_rng if device.type == "cpu" else
                         mechanism_generator(cfg.reproducible, cfg.seed, pid, server_round))
+        clip = method.client.sample_clip(cfg, config)
+        count_std = method.client.unclipped_count_std(cfg, sigma)
         result = train_dpsgd(model, with_canary_examples(cfg, pid, nparts, data), cfg, sigma,
                              sampling_rng, noise_rng, device, hooks.post_step,
-                             public_examples=n)
+                             public_examples=n, clip=clip, noisy_grad=hooks.noisy_grad,
+                             perturb=hooks.perturb, count_std=count_std)
         event = DpsgdRelease(sigma, result.sample_rate, result.steps).event(server_round)
+        if result.unclipped_fraction is not None:  # released with the gradient (one Gaussian)
+            extra_metrics[UNCLIPPED_FRACTION] = result.unclipped_fraction
         update = state_difference(model.state_dict(), received)
         # the method's post-processing of the DP-SGD output (free: it sees only that output)
         if type(method.client).post_process is not ClientHalf.post_process:
@@ -181,6 +186,9 @@ def train(msg: Message, context: Context) -> Message:
             update = unflatten(processed, received)
         num_examples = n
     else:
+        if hooks.noisy_grad is not None or hooks.perturb is not None:
+            raise RuntimeError(f"strategy {cfg.strategy!r} sets DP-SGD-only hooks "
+                               f"(noisy_grad, perturb) under trainer={cfg.trainer}")
         result = train_plain(model, data, cfg, shuffle_seed, device, hooks.post_step,
                              hooks.pre_step, hooks.step)
         raw = canary_update(cfg, pid, flatten(state_difference(model.state_dict(), received)))
@@ -216,7 +224,7 @@ def train(msg: Message, context: Context) -> Message:
         metrics["train-loss"] = result.train_loss
     privacy = PrivacyHistory([event], adaptive=history.adaptive).to_record()
     privacy["accountant"] = cfg.accountant
-    privacy["clip"] = cfg.max_grad_norm if cfg.trainer == "dpsgd" else clip
+    privacy["clip"] = clip
     extras = hooks.finish(model, result)
     return _reply(msg, arrays=ArrayRecord(update), metrics=MetricRecord(metrics), privacy=privacy,
                   **extras)

@@ -12,7 +12,7 @@ from typing import Callable
 import torch
 from flwr.app import ArrayRecord
 
-from dpfl.client.trainers import LocalStep, PostStep, PreStep, TrainResult
+from dpfl.client.trainers import LocalStep, PostStep, PreStep, TrainResult, WeightPerturbation
 
 
 @dataclass
@@ -20,10 +20,14 @@ class MethodHooks:
     """Changes to local training (a gradient transform before each step, a whole
     replacement step, a correction after it) and extra reply records. ``pre_step`` and
     ``step`` apply to the training without per-sample DP only (``trainer=plain`` or
-    ``update-dp``): under DP-SGD Opacus owns the step."""
+    ``update-dp``): under DP-SGD Opacus owns the step, and ``noisy_grad`` (a transform of
+    each step's noised gradient) and ``perturb`` (the weights at which per-sample gradients
+    are taken, :class:`~dpfl.client.trainers.WeightPerturbation`) apply instead."""
 
     post_step: PostStep | None = None
     pre_step: PreStep | None = None
     step: LocalStep | None = None
+    noisy_grad: PreStep | None = None
+    perturb: WeightPerturbation | None = None
     finish: Callable[[torch.nn.Module, TrainResult], dict[str, ArrayRecord]] = field(
         default=lambda model, result: {})

@@ -5,10 +5,11 @@ The math is in plain functions; the ClientApp (``dpfl.apps.client``) wires them 
 
 from __future__ import annotations
 
+import math
 import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Protocol
 
 import torch
 from torch import nn
@@ -35,6 +36,20 @@ class TrainResult:
     train_loss: float
     steps: int           # optimizer steps taken (= accountant steps for DP-SGD)
     sample_rate: float   # Poisson sampling rate q (DP-SGD), else batch / n
+    # DP-SGD with an unclipped count: the sum over steps of each step's noisy count of
+    # per-sample gradients whose norm was <= the clip (:func:`joint_gradient_noise`)
+    noisy_unclipped: float | None = None
+
+    @property
+    def unclipped_fraction(self) -> float | None:
+        """The noisy fraction of unclipped per-sample gradients over the round: the summed
+        noisy counts over steps x the expected batch size n q (Andrew, Thakkar, McMahan &
+        Ramaswamy, "Differentially Private Learning with Adaptive Clipping", NeurIPS 2021,
+        at sample level). None without a count."""
+        if self.noisy_unclipped is None:
+            return None
+        return self.noisy_unclipped / max(self.steps * self.num_examples * self.sample_rate,
+                                          1e-12)
 
 
 class BatchedTensors(Dataset):
@@ -95,6 +110,33 @@ LocalStep = Callable[[nn.Module, torch.optim.Optimizer, nn.Module, torch.Tensor,
                       torch.Tensor], torch.Tensor]
 
 
+class WeightPerturbation(Protocol):
+    """DP-SGD: a perturbation of the weights at which each step's per-sample gradients are
+    taken (e.g. sharpness-aware training), built from public or already-released values
+    only (the previous steps' noisy gradients): ``apply`` before the step's forward pass,
+    ``restore`` after its backward pass (the optimizer then steps from the unperturbed
+    weights), ``observe`` after the step (``p.grad`` then holds the step's noised
+    gradient)."""
+
+    def apply(self, model: nn.Module) -> None: ...
+
+    def restore(self, model: nn.Module) -> None: ...
+
+    def observe(self, model: nn.Module) -> None: ...
+
+
+def joint_gradient_noise(sigma: float, count_std: float) -> float:
+    """The gradient's noise multiplier sigma_g when each DP-SGD step also releases a count
+    of sensitivity 1 (add/remove one example changes the clipped sum by at most C and the
+    count by at most 1) with noise std ``count_std``, such that the pair is one Gaussian
+    mechanism of multiplier sigma: sigma_g^-2 + count_std^-2 = sigma^-2 (Andrew et al.
+    2021, Sec. 3). Its subsampled, composed privacy is then exactly DP-SGD's at sigma."""
+    rest = sigma ** -2 - count_std ** -2
+    if not (math.isfinite(rest) and rest > 0):
+        raise ValueError(f"count noise std {count_std:g} must exceed sigma {sigma:g}")
+    return rest ** -0.5
+
+
 def sgd_step(model: nn.Module, opt: torch.optim.Optimizer, criterion: nn.Module,
              x: torch.Tensor, y: torch.Tensor, pre_step: PreStep | None = None
              ) -> torch.Tensor:
@@ -142,7 +184,9 @@ def train_plain(model: nn.Module, data: ClientData, cfg: RunConfig, seed: int,
 
 def train_dpsgd(model: nn.Module, data: ClientData, cfg: RunConfig, noise_multiplier: float,
                 sampling_rng: torch.Generator, noise_rng: torch.Generator, device: torch.device,
-                post_step: PostStep | None = None, public_examples: int | None = None
+                post_step: PostStep | None = None, public_examples: int | None = None,
+                clip: float | None = None, noisy_grad: PreStep | None = None,
+                perturb: WeightPerturbation | None = None, count_std: float = 0.0
                 ) -> TrainResult:
     """Sample-level DP-SGD with Opacus: Poisson sampling, per-sample clipping to
     ``max-grad-norm``, Gaussian noise ``noise_multiplier * max-grad-norm``.
@@ -162,6 +206,17 @@ def train_dpsgd(model: nn.Module, data: ClientData, cfg: RunConfig, noise_multip
     size) although ``data`` holds more (an audit run's canary examples): the planned rate
     and steps stay those of the public size.
 
+    ``clip``: the per-sample clip norm C (default ``max-grad-norm``; a method that adapts
+    it per round passes the round's). ``noisy_grad(model)`` transforms each step's noised
+    gradient (``p.grad`` after Opacus' noise) before the optimizer applies it, and
+    ``perturb`` moves the weights at which the per-sample gradients are taken
+    (:class:`WeightPerturbation`): both see only released or public values, so they are
+    post-processing. ``count_std`` > 0 (book-keeping mode only): every step also releases
+    its count of per-sample gradients with norm <= C plus N(0, count_std^2) noise, jointly
+    with the gradient, whose noise multiplier is raised to
+    :func:`joint_gradient_noise` so the pair costs DP-SGD's step at ``noise_multiplier``;
+    the sum of the noisy counts is returned (``noisy_unclipped``).
+
     ``model``'s parameters are trained in place (Opacus wraps, the module is shared).
     The step count is read from the Opacus accountant attached to the optimizer.
     """
@@ -170,6 +225,11 @@ def train_dpsgd(model: nn.Module, data: ClientData, cfg: RunConfig, noise_multip
     # book-keeping clipping (opacus-mode=bk) keeps everything of Opacus' ghost mode but its
     # two backward passes: same optimizer (noise, scaling), loader and accountant
     bk = cfg.opacus_mode == "bk"
+    if count_std > 0 and not bk:
+        raise ValueError("an unclipped count needs opacus-mode=bk (its per-sample norms)")
+    clip = cfg.max_grad_norm if clip is None else float(clip)
+    gradient_noise = (joint_gradient_noise(noise_multiplier, count_std) if count_std > 0
+                      else noise_multiplier)
     mode = "ghost" if bk else cfg.opacus_mode
     keeper = BookKeeper(model) if bk else None   # refuses unsupported layers up front
     model.to(device).train()
@@ -182,7 +242,7 @@ def train_dpsgd(model: nn.Module, data: ClientData, cfg: RunConfig, noise_multip
             data_loader=_loader(data, cfg.batch_size, sampling_rng,
                                 None if public_examples is None else
                                 steps_per_epoch(public_examples, cfg.batch_size)),
-            noise_multiplier=noise_multiplier, max_grad_norm=cfg.max_grad_norm,
+            noise_multiplier=gradient_noise, max_grad_norm=clip,
             poisson_sampling=True, grad_sample_mode=mode, noise_generator=noise_rng,
         )
     if mode == "ghost":
@@ -194,31 +254,54 @@ def train_dpsgd(model: nn.Module, data: ClientData, cfg: RunConfig, noise_multip
         per_sample_loss = nn.CrossEntropyLoss(reduction="none")
     sample_rate = float(loader.sample_rate)
     total, count = 0.0, 0
+    counts = torch.zeros((), dtype=torch.float64, device=device) if count_std > 0 else None
+
+    def step() -> None:  # the optimizer step, with the noised gradient's transform
+        if noisy_grad is None:
+            opt.step()
+        elif opt.pre_step():   # Opacus: clip, accumulate, add noise, scale into p.grad
+            noisy_grad(model)
+            opt.original_optimizer.step()
+        if perturb is not None:
+            perturb.observe(model)
+        if post_step is not None:
+            post_step(model, cfg.lr)
+
+    def add_count(unclipped: int) -> None:
+        counts.add_(unclipped + count_std * torch.randn(
+            (), generator=noise_rng, device=device, dtype=torch.float64))
+
     with warnings.catch_warnings(), _removed_after(keeper):
         warnings.simplefilter("ignore")  # "Full backward hook is firing..." on torch 2.14
         for _ in range(cfg.local_epochs):
             for x, y in loader:
                 opt.zero_grad(set_to_none=True)
                 if len(y) == 0:  # an empty Poisson batch still is a (noise-only) step
-                    _noise_only_step(opt, model, mode)
-                    if post_step is not None:
-                        post_step(model, cfg.lr)
+                    _zero_gradients(model, mode)
+                    if counts is not None:
+                        add_count(0)
+                    step()
                     continue
                 x, y = x.to(device), y.to(device)
+                if perturb is not None:
+                    perturb.apply(model)
                 if keeper is not None:
                     losses = per_sample_loss(keeper.forward(model, x), y)
-                    keeper.clip_and_sum(losses, cfg.max_grad_norm)  # p.grad = clipped sum
+                    norms = keeper.clip_and_sum(losses, clip)  # p.grad = clipped sum
                     loss = losses.detach().mean()
+                    if counts is not None:
+                        add_count(int((norms <= clip).sum()))
                 else:
                     loss = dp_criterion(dp_model(x), y)
                     loss.backward()
-                opt.step()
-                if post_step is not None:
-                    post_step(model, cfg.lr)
+                if perturb is not None:
+                    perturb.restore(model)
+                step()
                 total += float(loss.item()) * len(y)
                 count += len(y)
     steps = sum(n for _, _, n in engine.accountant.history)
-    return TrainResult(len(data.y_train), total / max(count, 1), steps, sample_rate)
+    return TrainResult(len(data.y_train), total / max(count, 1), steps, sample_rate,
+                       None if counts is None else float(counts))
 
 
 @contextmanager
@@ -231,14 +314,14 @@ def _removed_after(keeper: BookKeeper | None) -> Iterator[None]:
             keeper.remove()
 
 
-def _noise_only_step(opt: torch.optim.Optimizer, model: nn.Module, mode: str) -> None:
-    """The DP-SGD step of an empty Poisson batch: zero clipped-gradient sum, plus the
-    noise N(0, sigma^2 C^2) divided by the expected batch size, as Opacus would apply it.
-    (Without a backward pass Opacus finds no per-sample gradients and raises.)"""
+def _zero_gradients(model: nn.Module, mode: str) -> None:
+    """Before the DP-SGD step of an empty Poisson batch: a zero clipped-gradient sum, so
+    the step applies the noise N(0, sigma^2 C^2) divided by the expected batch size, as
+    Opacus would. (Without a backward pass Opacus finds no per-sample gradients and
+    raises.)"""
     for p in model.parameters():
         if not p.requires_grad:
             continue
         p.grad = torch.zeros_like(p)
         if mode != "ghost":  # per-sample modes clip p.grad_sample: give it zero rows
             p.grad_sample = torch.zeros((0, *p.shape), dtype=p.dtype, device=p.device)
-    opt.step()

@@ -25,6 +25,10 @@ from dpfl.privacy.events import PrivacyEvent
 
 UPDATE_DP_RELATION = "replace-one"
 
+# DP-SGD: the round's noisy fraction of unclipped per-sample gradients, released jointly
+# with the gradient (a method's ClientHalf.unclipped_count_std > 0)
+UNCLIPPED_FRACTION = "dpsgd-unclipped-fraction"
+
 
 def steps_per_epoch(num_examples: int, batch_size: int) -> int:
     """Batches per epoch; Opacus' Poisson loader uses q = 1 / this."""
@@ -96,7 +100,7 @@ BATCH_TAIL = 1e-12
 
 
 def dpsgd_norm_bound(cfg: RunConfig, num_examples: int, noise_multiplier: float, steps: int,
-                     dim: int, tail: float = 10.0) -> float:
+                     dim: int, tail: float = 10.0, clip: float | None = None) -> float:
     """A bound on the L2 norm of an honest DP-SGD client's round update (trained minus
     received model) that it exceeds with negligible probability; the server rejects
     updates above it.
@@ -107,14 +111,16 @@ def dpsgd_norm_bound(cfg: RunConfig, num_examples: int, noise_multiplier: float,
     ||g_t|| <= (|B_t| C + sigma C (sqrt(d) + tail)) / E[B], where |B_t| ~ Binomial(n, q)
     is bounded by its (1 - 1e-12) quantile and the Gaussian norm by sqrt(d) + tail
     (exceeded w.p. < exp(-tail^2 / 2)). Momentum mu scales the sum by at most 1 / (1 - mu).
-    Audit canary examples (at most ``audit-canaries`` per client) count towards n."""
+    Audit canary examples (at most ``audit-canaries`` per client) count towards n. ``clip``:
+    the round's per-sample C when the method adapts it (default ``max-grad-norm``);
+    ``noise_multiplier`` is the gradient's (raised when a count shares the release)."""
     from scipy.stats import binom
 
     n = num_examples + cfg.audit_canaries
     q = dpsgd_sample_rate(num_examples, cfg.batch_size)
     expected = max(1, int(n * q))
     batch_max = float(binom.isf(BATCH_TAIL, n, q)) + 1.0
-    clip = cfg.max_grad_norm
+    clip = cfg.max_grad_norm if clip is None else clip
     per_step = (batch_max * clip + noise_multiplier * clip * (math.sqrt(dim) + tail)) / expected
     return cfg.lr * steps * per_step / (1.0 - cfg.momentum)
 

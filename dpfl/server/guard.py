@@ -118,12 +118,13 @@ class DPGuard:
                              self.plan_sigma(partition_id, server_round))
 
     def planned_clip(self, server_round: int) -> float:
-        """The clip norm a reply of ``server_round`` must report (DP-SGD: max-grad-norm;
-        update DP: the method's C of the round, else clip-norm)."""
-        if self.cfg.trainer == "dpsgd":
-            return self.cfg.max_grad_norm
+        """The clip norm a reply of ``server_round`` must report: the method's C of the
+        round when it adapts it, else max-grad-norm (DP-SGD's per-sample clip) or
+        clip-norm (update DP)."""
         clip = self.plan_clip(server_round)
-        return self.cfg.clip_norm if clip is None else clip
+        if clip is not None:
+            return clip
+        return self.cfg.max_grad_norm if self.cfg.trainer == "dpsgd" else self.cfg.clip_norm
 
     def plan_record(self, node_id: int, server_round: int) -> dict[str, Any]:
         """``plan-*`` keys for a node whose partition is known (else none), and the
@@ -161,16 +162,19 @@ class DPGuard:
 
     def dpsgd_bound(self, dim: int, server_round: int) -> float:
         """The largest update norm an honest DP-SGD client of any partition can send this
-        round (:func:`dpfl.privacy.plan.dpsgd_norm_bound` at its planned sigma, steps and
-        public size; the loosest over partitions)."""
+        round (:func:`dpfl.privacy.plan.dpsgd_norm_bound` at its planned sigma, scaled by
+        the method's noise scale, its steps, the round's clip and the public size; the
+        loosest over partitions)."""
         pids = sorted(self.partition_sizes)
         if not pids:
             return math.inf
-        bounds = []
+        bounds, clip = [], self.planned_clip(server_round)
+        scale = self.noise_scale(server_round)
         for pid in pids:
             event = self.planned_event(pid, server_round)
-            bounds.append(dpsgd_norm_bound(self.cfg, self.partition_sizes[pid], event.sigma,
-                                           int(event.steps), dim))
+            bounds.append(dpsgd_norm_bound(self.cfg, self.partition_sizes[pid],
+                                           event.sigma * scale, int(event.steps), dim,
+                                           clip=clip))
         return max(bounds)
 
     def weights(self, weights: torch.Tensor) -> torch.Tensor:
