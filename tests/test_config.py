@@ -66,9 +66,9 @@ def test_fedavg_requires_plain_trainer():
 
 # The trainers each strategy accepts: the non-private reference only without DP, DP methods
 # never without it; DP-SCAFFOLD's control variates are post-processing of DP-SGD outputs
-# only; AADP-FL and DP-FedSAM are client-level DP by construction.
+# only; AADP-FL is client-level DP by construction.
 ACCEPTED_TRAINERS = {"fedavg": {"plain"}, "dpscaffold": {"dpsgd"}, "aadp": {"update-dp"},
-                     "dpfedsam": {"update-dp"}, "fedcompdp": {"update-dp"},
+                     "fedcompdp": {"update-dp"},
                      "fedasgp": {"update-dp"}}
 DP_TRAINERS = {"dpsgd", "update-dp"}
 

@@ -13,8 +13,8 @@ from flwr.app import ArrayRecord, ConfigRecord, RecordDict
 from torch import nn
 
 from dpfl.apps.client import train
-from dpfl.client.trainers import sgd_step, train_plain
-from dpfl.config import ConfigError
+from dpfl.client.trainers import sgd_step, train_dpsgd, train_plain
+from dpfl.config import ConfigError, RunConfig
 from dpfl.data import client_data
 from dpfl.methods import (
     METHODS,
@@ -23,7 +23,7 @@ from dpfl.methods import (
     parse_run_config,
     run_config,
 )
-from dpfl.methods.dpfedsam import DPFedSAMParams, sam_step
+from dpfl.methods.dpfedsam import DPFedSAMParams, NoisyGradientSAM, sam_step
 from dpfl.models import build_model
 from dpfl.models.evaluation import device_for
 from dpfl.privacy.mechanisms import l2_clip
@@ -132,7 +132,9 @@ def test_registry_parses_checks_and_states_a_formal_guarantee():
     assert PYPROJECT["sam-rho"] == DPFedSAMParams().sam_rho
     assert type(build_strategy(cfg)) is DPFLStrategy
     with pytest.raises(ConfigError, match="'trainer'.*'dpfedsam' needs trainer 'update-dp'"):
-        run_config(strategy="dpfedsam", trainer="dpsgd")
+        run_config(strategy="dpfedsam", trainer="plain")
+    dpsgd = guarantee(run_config(strategy="dpfedsam", trainer="dpsgd", sam_rho=0.05))
+    assert dpsgd.verdict == "formal" and dpsgd.unit == "sample" and "DP-SAT" in dpsgd.scope
     # run_config's defaults: secret randomness, no train loss, no client evaluation
     assert (cfg.reproducible, cfg.report_train_loss, cfg.fraction_evaluate) == (False, False, 0)
     g = guarantee(cfg)
@@ -205,3 +207,70 @@ def test_client_app_trains_with_sam_and_releases_one_gaussian_event():
     plain = clipped_update(None)
     # plain SGD vs SAM at rho 0.1 here: ||clip(u_plain) - clip(u_0.1)|| ~ 0.05
     assert float((replies[0.1] - replies[0.5] - (plain - sam[0.5])).norm()) > 1e-2
+
+
+# -- the record-level variant: DP-SAT over DP-SGD --------------------------------------------
+
+def test_dpsat_two_steps_by_hand():
+    """sigma 0, q 1 (batch = n), a clip no gradient reaches, two steps at lr 0.5: step 1 is
+    plain (no released gradient yet), step 2's gradient is taken at w1 + rho g1 / ||g1||
+    (g1 = step 1's noised gradient, here the exact mean gradient) and applied from w1."""
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(16, 1, 8, 8, generator=g), torch.randint(0, 10, (16,), generator=g)
+    from dpfl.data import ClientData
+    data = ClientData(x, y, torch.empty(0, 1, 8, 8), torch.empty(0, dtype=torch.long), 10)
+    cfg = RunConfig(dataset="digits", model="mlp", batch_size=16, lr=0.5, local_epochs=2,
+                    max_grad_norm=1e6, opacus_mode="bk")
+    torch.manual_seed(0)
+    model = build_model("mlp", (1, 8, 8), 10)
+    ref = build_model("mlp", (1, 8, 8), 10)
+    ref.load_state_dict(model.state_dict())
+
+    def grads_at(weights: list[torch.Tensor]) -> list[torch.Tensor]:
+        with torch.no_grad():
+            for p, w in zip(ref.parameters(), weights):
+                p.copy_(w)
+        ref.zero_grad()
+        nn.functional.cross_entropy(ref(x), y).backward()
+        return [p.grad.detach().clone() for p in ref.parameters()]
+
+    rho = 0.3
+    w0 = [p.detach().clone() for p in ref.parameters()]
+    g1 = grads_at(w0)
+    w1 = [w - 0.5 * gi for w, gi in zip(w0, g1)]
+    norm = float(torch.sqrt(sum((gi ** 2).sum() for gi in g1)))
+    g2 = grads_at([w + rho * gi / norm for w, gi in zip(w1, g1)])
+    w2 = [w - 0.5 * gi for w, gi in zip(w1, g2)]
+
+    gen = torch.Generator().manual_seed(0)
+    result = train_dpsgd(model, data, cfg, 0.0, gen, gen, torch.device("cpu"),
+                         perturb=NoisyGradientSAM(rho))
+    assert result.steps == 2
+    for p, w in zip(model.parameters(), w2):
+        assert torch.allclose(p.detach(), w, atol=1e-5)
+    # and it differs from plain DP-SGD (the perturbation mattered)
+    plain = build_model("mlp", (1, 8, 8), 10)
+    with torch.no_grad():
+        for p, w in zip(plain.parameters(), w0):
+            p.copy_(w)
+    train_dpsgd(plain, data, cfg, 0.0, gen, gen, torch.device("cpu"))
+    assert max(float((p - q).abs().max()) for p, q in
+               zip(plain.parameters(), model.parameters())) > 1e-4
+
+
+def test_client_app_under_dpsgd_releases_one_dpsgd_event():
+    """Through the real ClientApp: trainer=dpsgd replies with one sample-level Poisson
+    DP-SGD event at the planned sigma, the per-sample clip, and the public size."""
+    run = {**RUN, "trainer": "dpsgd", "sam-rho": 0.05, "max-grad-norm": 1.0,
+           "batch-size": 32}
+    torch.manual_seed(0)
+    init = build_model("mlp", (1, 8, 8), 10).state_dict()
+    msg = message(RecordDict({"arrays": ArrayRecord(init),
+                              "config": ConfigRecord({"server-round": 1})}))
+    reply = train(msg, context(run, 0, 2))
+    privacy, metrics = reply.content["privacy"], reply.content["metrics"]
+    assert privacy["mechanism"] == ["dpsgd"] and privacy["relation"] == ["add-remove"]
+    assert privacy["sigma"] == [2.0] and privacy["clip"] == 1.0
+    n = len(client_data(parse_run_config(run), 0, 2).y_train)
+    assert metrics["num-examples"] == n and metrics["steps"] == math.ceil(n / 32)
+    assert float(_flat(reply.content["arrays"]).norm()) > 0

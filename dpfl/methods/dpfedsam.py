@@ -13,9 +13,24 @@ the server averages the released updates with equal weights and steps (the share
 
 Privacy: SAM only changes how the client computes the update that the update-DP mechanism
 then clips and noises; the released value is still the clipped-and-noised update, so the
-guarantee is client-level update DP's (verdict ``formal`` under the usual settings). It is
-not offered under ``trainer=dpsgd``: there Opacus owns the local step (and the paper's
-guarantee is client-level).
+guarantee is client-level update DP's (verdict ``formal`` under the usual settings).
+
+Record-level variant (``trainer=dpsgd``, sample-level DP). SAM's ascent direction g is
+the private batch gradient: perturbing along it and then clipping per sample at w + e
+would spend privacy twice per step. dpfl follows DP-SAT (Park, Kim, Choi & Lee,
+"Differentially Private Sharpness-Aware Training", ICML 2023): the perturbation of step t
+is built from the previous step's *noised* gradient, already released by DP-SGD,
+
+    e_t = rho g~_{t-1} / ||g~_{t-1}||_2,
+
+the per-sample gradients of step t are taken at w + e_t, clipped and noised by Opacus,
+and the optimizer steps from w (:class:`NoisyGradientSAM`, a
+:class:`~dpfl.client.trainers.WeightPerturbation`). e_t is post-processing of released
+values, so each step is exactly one DP-SGD step: the guarantee, plan and ledger are DP-SGD's
+(sample unit, add/remove, Poisson). The first step of a round has no released gradient yet
+and is a plain DP-SGD step (CHOICE: a fresh start per round, as DP-SAT starts each run; the
+previous round's aggregate would also be public but belongs to other clients' data too).
+One forward/backward pass per step, as DP-SGD (DP-SAT's point): SAM's second pass is saved.
 
 Noise scale: the authors' code adds N(0, sigma^2 C^2 / m) per client (m clients per
 round), so only the sum over the round's clients carries sigma C; dpfl's update DP noises
@@ -104,14 +119,72 @@ def sam_step(model: nn.Module, opt: torch.optim.Optimizer, criterion: nn.Module,
     return loss.detach()
 
 
+def sam_perturbation(grads: list[torch.Tensor], rho: float) -> list[torch.Tensor] | None:
+    """e = rho g / ||g||_2 with one norm over all tensors of g (None when ||g|| is 0 or
+    not finite: no perturbation)."""
+    if not grads:
+        return None
+    norm = float(torch.linalg.vector_norm(torch.stack(
+        [torch.linalg.vector_norm(g) for g in grads])))
+    if not (math.isfinite(norm) and norm > 0.0):
+        return None
+    return [g * (rho / norm) for g in grads]
+
+
+class NoisyGradientSAM:
+    """DP-SAT's perturbation (Park, Kim, Choi & Lee, ICML 2023) for DP-SGD: the weights at
+    which step t's per-sample gradients are taken are w + rho g~_{t-1} / ||g~_{t-1}||, g~
+    the previous step's noised gradient (``p.grad`` after the step: released, so free)."""
+
+    def __init__(self, rho: float) -> None:
+        self.rho = rho
+        self.previous: list[torch.Tensor] | None = None
+        self.saved: list[torch.Tensor] | None = None
+
+    @staticmethod
+    def _params(model: nn.Module) -> list[torch.Tensor]:
+        return [p for p in model.parameters() if p.requires_grad]
+
+    @torch.no_grad()
+    def apply(self, model: nn.Module) -> None:
+        params = self._params(model)
+        e = None if self.previous is None else sam_perturbation(self.previous, self.rho)
+        if e is None:
+            return
+        self.saved = [p.detach().clone() for p in params]
+        for p, step in zip(params, e):
+            p.add_(step)
+
+    @torch.no_grad()
+    def restore(self, model: nn.Module) -> None:
+        if self.saved is not None:
+            for p, w in zip(self._params(model), self.saved):
+                p.copy_(w)
+            self.saved = None
+
+    @torch.no_grad()
+    def observe(self, model: nn.Module) -> None:
+        self.previous = [torch.zeros_like(p) if p.grad is None else p.grad.detach().clone()
+                         for p in self._params(model)]
+
+
 class DPFedSAMClient(ClientHalf):
-    """The local step is SAM with the configured radius; the release is update DP's."""
+    """Update DP: the local step is SAM with the configured radius, the release update DP's.
+    DP-SGD: DP-SAT's perturbation from the previous noised gradient."""
 
     def hooks(self, cfg, msg, context, model) -> MethodHooks:
+        if cfg.trainer == "dpsgd":
+            return MethodHooks(perturb=NoisyGradientSAM(cfg.params.sam_rho))
         return MethodHooks(step=partial(sam_step, rho=cfg.params.sam_rho))
 
 
 def dpfedsam_privacy(cfg: RunConfig) -> MethodPrivacy:
+    if cfg.trainer == "dpsgd":
+        return MethodPrivacy(scope=(
+            f"sharpness-aware DP-SGD (DP-SAT, Park et al. 2023; rho {cfg.params.sam_rho}): "
+            "each step's per-sample gradients are taken at weights perturbed along the "
+            "previous step's noised gradient (post-processing), then clipped and noised as "
+            "DP-SGD; the guarantee is DP-SGD's"))
     return MethodPrivacy(scope=(
         f"local optimiser SAM (rho {cfg.params.sam_rho}): two gradient passes per local "
         "step on the client's own data, inside the mechanism's input; the release is the "
@@ -125,8 +198,8 @@ METHOD = Method(
     strategy=DPFLStrategy,
     client=DPFedSAMClient(),
     params=DPFedSAMParams,
-    trainers=("update-dp",),
-    trainer_reason="DP-FedSAM is client-level DP: Opacus owns the DP-SGD step",
+    trainers=("update-dp", "dpsgd"),
+    trainer_reason="DP-FedSAM runs client-level update DP or DP-SAT's sample-level DP-SGD",
     privacy=dpfedsam_privacy,
     trusts=ALL_TRUSTS,
 )

@@ -17,11 +17,12 @@ from federation import simulate_digits as _simulate
 pytestmark = pytest.mark.e2e
 
 
-# Client-level update DP (trainer=update-dp) runs end to end here (DP-FedSAM: local SAM,
-# then clip + noise) and in the AADP-FL test below; DP-FedProx and Fed-SMP over DP-SGD.
+# Client-level update DP (trainer=update-dp) runs end to end in the AADP-FL test below (and
+# DP-FedSAM's local SAM under update DP in test_dpfedsam.py through the real ClientApp);
+# DP-FedProx, DP-FedSAM (DP-SAT) and Fed-SMP over DP-SGD here.
 @pytest.mark.parametrize("strategy,extra", [
     ("dpfedprox", ["prox-mu=0.1"]),
-    ("dpfedsam", ["trainer=update-dp", "sam-rho=0.1"]),
+    ("dpfedsam", ["sam-rho=0.05"]),
     # sample-level Fed-SMP: DP-SGD, then the top-k of the noised update (post-processing)
     ("fedsmp", ["fedsmp-mask=topk", "fedsmp-ratio=0.3"]),
 ])
@@ -36,15 +37,8 @@ def test_method_runs_by_name(tmp_path, strategy, extra):
     rounds = [json.loads(l) for l in (tmp_path / "m" / "rounds.jsonl").read_text().splitlines()]
     assert summary["guarantee"]["verdict"] == "formal"
     assert [r["train"]["accepted"] for r in rounds] == [2, 2]
-    if "trainer=update-dp" in extra:
-        # client-level noise for 2 clients over 2 rounds at epsilon 8 swamps the signal
-        # (accuracy moved by chance: 6.7% -> 5.3% in one CI run): check the mechanism instead
-        ledger = json.loads((tmp_path / "m" / "ledger.json").read_text())
-        assert summary["guarantee"]["unit"] == "client"
-        assert all(info["unit"] == "client" and len(info["events"]) == 2
-                   for info in ledger["clients"].values())
-    else:
-        assert summary["final"]["accuracy"] > summary["initial"]["accuracy"]
+    assert summary["guarantee"]["unit"] == "sample"
+    assert summary["final"]["accuracy"] > summary["initial"]["accuracy"]
     assert all(c["epsilon"] <= 8.0 for c in summary["clients"].values())
 
 
