@@ -35,7 +35,7 @@ def test_pegasus_table_reduction(tmp_path):
     from dpfl.experiments.pegasus import build_table as pegasus_table
 
     (tmp_path / "runs").mkdir()
-    for method, eps, sel in (("dpfedavg", 8.0, 50), ("pegasus", 3.0, 20)):
+    for method, eps, sel in (("dpfedavg", 8.0, 50), ("pegasus", 3.0, 20), ("uniform", 4.0, 25)):
         rec = {"method": method, "seed": 0, "accuracy": 0.97,
                "epsilon": {f"client-{i}": eps for i in range(4)}, "selected-by-round": [sel],
                "mean-epsilon-by-round": [eps], "run-dir": str(tmp_path)}
@@ -47,6 +47,8 @@ def test_pegasus_table_reduction(tmp_path):
     assert "**62.5 %**" in text  # 1 - 3/8
     table = json.loads((tmp_path / "table.json").read_text())
     assert table["calibrated"]["reduction-percent"] == 62.5  # records without a cell
+    assert table["calibrated"]["uniform-reduction-percent"] == 50.0  # the control: 1 - 4/8
+    assert "per round at the same σ: final mean ε reduction **50.0 %**" in text
     assert "common-sigma" not in table
 
 
@@ -260,3 +262,12 @@ def test_fedasgp_table_budget_ledger_paper_columns_and_plots(tmp_path):
     assert table["eps0.5"]["budget"] == 15.0
     for plot in ("accuracy.png", "significant.png", "gamma.png"):
         assert (tmp_path / plot).exists()
+
+
+def test_pegasus_uniform_control_is_dpfedavg_at_pegasus_participation():
+    from dpfl.experiments.pegasus import REPRODUCTION, UNIFORM_FRACTION
+
+    over = REPRODUCTION.overrides(Path(__file__).parent.parent, "calibrated", "uniform", 3)
+    assert over["strategy"] == "dpfedavg" and over["fraction-train"] == UNIFORM_FRACTION == 0.51
+    assert over["noise-multiplier"] == 0.0 and over["target-epsilon"] == 8.0  # same sigma
+    assert over["run-name"] == "uniform__seed3"   # the calibrated cell names runs without it
