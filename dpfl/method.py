@@ -74,9 +74,10 @@ class ClientHalf:
         return None
 
     def round_sigma(self, cfg: RunConfig, config: Mapping[str, Any], partition_id: int,
-                    model: torch.nn.Module) -> float | None:
+                    model: torch.nn.Module, num_examples: int) -> float | None:
         """This round's noise multiplier when the method sets it per round (None: the
-        run's calibrated one)."""
+        run's calibrated one). ``num_examples``: the client's public training-set size
+        (under DP-SGD the round's sampling rate and steps follow from it)."""
         return None
 
     def hooks(self, cfg: RunConfig, msg: Message, context: Context,
@@ -156,8 +157,9 @@ class Method:
     # per-round parameters chosen from earlier outputs: budgets are a Rényi filter
     adaptive: bool = False
     model: ModelFor | None = None                   # None: the registry's ``model``
-    # further rules on the global keys (raise ConfigError naming the key), e.g. a method
-    # that reads the update as plain SGD's sum of gradients needs momentum = 0
+    # further rules on the global keys and the method's own (raise ConfigError naming the
+    # key), e.g. a method that reads the update as plain SGD's sum of gradients needs
+    # momentum = 0
     rules: Callable[[RunConfig], None] | None = None
     # the trust models (dpfl.privacy.trust) under which the method is sound: central and
     # distributed noise cover only a server that uses the MEAN of the clipped updates

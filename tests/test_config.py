@@ -66,8 +66,8 @@ def test_fedavg_requires_plain_trainer():
 
 # The trainers each strategy accepts: the non-private reference only without DP, DP methods
 # never without it; DP-SCAFFOLD's control variates are post-processing of DP-SGD outputs
-# only; AADP-FL is client-level DP by construction.
-ACCEPTED_TRAINERS = {"fedavg": {"plain"}, "dpscaffold": {"dpsgd"}, "aadp": {"update-dp"},
+# only.
+ACCEPTED_TRAINERS = {"fedavg": {"plain"}, "dpscaffold": {"dpsgd"},
                      "fedcompdp": {"update-dp"},
                      "fedasgp": {"update-dp"}}
 DP_TRAINERS = {"dpsgd", "update-dp"}
@@ -101,13 +101,16 @@ def test_every_dp_strategy_refuses_the_plain_trainer(strategy):
         _parse(strategy=strategy, trainer="plain")
 
 
-def test_dpscaffold_needs_dpsgd_and_aadp_needs_update_dp():
+def test_dpscaffold_needs_dpsgd_and_aadp_takes_both_dp_trainers():
     with pytest.raises(ConfigError, match="'trainer'.*'dpscaffold' needs trainer 'dpsgd'"):
         _parse(strategy="dpscaffold", trainer="update-dp")
     assert _parse(strategy="dpscaffold", trainer="dpsgd").trainer == "dpsgd"
-    with pytest.raises(ConfigError, match="'trainer'.*update-dp"):
-        _parse(strategy="aadp", trainer="dpsgd")
+    assert _parse(strategy="aadp", trainer="dpsgd").trainer == "dpsgd"
     assert _parse(strategy="aadp", trainer="update-dp").trainer == "update-dp"
+    # the paper's noise variance is a client-level update noise: refused under DP-SGD
+    with pytest.raises(ConfigError, match="'aadp-noise'.*trainer=dpsgd"):
+        _parse(strategy="aadp", trainer="dpsgd", aadp_noise="paper")
+    assert _parse(strategy="aadp", trainer="update-dp", aadp_noise="paper").trainer
 
 
 def test_fedavg_refuses_both_dp_trainers():

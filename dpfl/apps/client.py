@@ -132,7 +132,7 @@ def train(msg: Message, context: Context) -> Message:
                if cfg.trust == "distributed" else method.client.planned_event(cfg, n, server_round))
     if planned is None:
         planned = planned_event(cfg, n, server_round,
-                                method.client.round_sigma(cfg, config, pid, model))
+                                method.client.round_sigma(cfg, config, pid, model, n))
     eps_now = history.epsilon(cfg.delta, cfg.accountant)
     server_plan = plan_from_record(config, server_round)
     problem = plan_problem(planned, server_plan) if server_plan is not None else None

@@ -1,16 +1,12 @@
 """``aadp``: AADP-FL, adaptive adjustment DP-FL (Cheng, Li, Qin & Tu, "Differential Privacy
 Federated Learning Based on Adaptive Adjustment", Computers, Materials & Continua, 2025).
 
-Client-level DP with client-side noise (``trainer=update-dp`` clients running
-``dpfl.privacy.longitudinal.longitudinal_clip`` instead of norm clipping; :class:`AADPClient`):
+Shared by both trainers (the paper's server logic):
 
 - Budget allocation (eq. 2): eps_i = (n d_i / sum_j d_j) eps, with n clients, d_i their
   training-set sizes and eps = ``aadp-epsilon``. (The algorithm box omits n; eq. 2 keeps the
   mean allocation at eps.) Dataset sizes are treated as public, as in Opacus: the server
   derives every partition's size from the run-config, in simulation and deployment alike.
-- Each round, client i clips its update longitudinally to S (``clip-norm``) and adds Gaussian
-  noise calibrated for (eps_i^t, delta) for that one release under replace-one (L2
-  sensitivity 2S; dp-accounting RDP), instead of the paper's variance S^4 l / (|w| eps^2).
 - Server (Alg. 1 lines 18-21), a Nadam-style step on the mean of the M received updates g:
   g_hat = g / (1 - u^t); m_t = u m + (1 - u) g; m_hat = m_t / (1 - u^t);
   m_bar = (1 - u) g_hat + u m_hat; n_t = v n + (1 - v) g^2; n_hat = n_t / (1 - v^t);
@@ -19,13 +15,40 @@ Client-level DP with client-side noise (``trainer=update-dp`` clients running
 - Schedule (eq. 3): when ||m_t - m_{t-1}||_inf < l and ||n_t - n_{t-1}||_inf < l (max-norm:
   "every coordinate moved less than l") every client with eps_i^{t-1} < eps_max has its
   per-round eps multiplied by 1/rho (rho = 0.1, eps_max = 20): eps_i^t = eps_i^{t-1} / rho.
+  The moments are computed from DP outputs only, so the schedule is post-processing.
+
+The client's round, by trainer (:class:`AADPClient`):
+
+- ``trainer=update-dp`` (client level, the paper's Alg. 1): client i clips its update
+  longitudinally to S (``clip-norm``; ``dpfl.privacy.longitudinal.longitudinal_clip``) and
+  adds Gaussian noise calibrated for (eps_i^t, delta) for that one release under
+  replace-one (L2 sensitivity 2S; dp-accounting RDP), instead of the paper's variance
+  S^4 l / (|w| eps^2).
+- ``trainer=dpsgd`` (sample level, add-remove, Poisson; the accounting of the paper's own
+  Lemma 1, q = batch / d_i): eps_i^t is the sample-level epsilon of the client's round of
+  Opacus DP-SGD. The round's noise multiplier is the one whose E ceil(n_i / B) steps at
+  q = 1 / ceil(n_i / B) cost eps_i^t at delta by the RDP accountant the Rényi filter uses
+  (:func:`dpsgd_round_noise_multiplier`), computed from public values (eps_i^t as sent,
+  n_i, B, E) by client and server alike. Per-sample clipping is Opacus' L2 clip at
+  ``max-grad-norm``. Longitudinal clipping would keep the sensitivity bounded as a
+  per-sample clip (its output norm is certified <= the bound, and it reads one sample's
+  gradient only, so adding or removing a sample moves the clipped sum by at most C, as
+  Opacus' clip does), but it is not used: Opacus forms the clipped sum by scaling each
+  sample's gradient by min(1, C / ||g||) inside its optimizer (ghost and book-keeping modes
+  never materialise a sample's whole gradient, which a coordinate selection needs), and a
+  per-sample top-magnitude selection over all d parameters at every step would cost
+  O(B d) memory and a selection per sample per step. The method's sparsifying clip acts on
+  a client's update in the paper; under DP-SGD that update is already DP, so clipping it
+  would be post-processing with nothing to bound.
 
 Privacy: per-round parameters depend on earlier (noisy) outputs, so a plain sum of planned
 rounds is not a valid bound. Each client's history is adaptive: its budget check is a Rényi
-filter (Lécuyer 2021) at (``target-epsilon``, delta) over all rounds, and a client refuses
-a round the filter would not admit. Verdict ``formal`` (client-level, replace-one, no
-amplification by client sampling claimed) with the filter; the per-round eps_i^t are
-allocation knobs, not the guarantee.
+filter at (``target-epsilon``, delta) over all rounds, at one RDP order fixed by the first
+round (Feldman & Zrnic, "Individual Privacy Accounting via a Rényi Filter", 2021), and a
+client refuses a round the filter would not admit. Verdict ``formal`` with the filter
+(client level, replace-one, no amplification by client sampling claimed under update-dp;
+sample level, add-remove, Poisson under dpsgd); the per-round eps_i^t are allocation
+knobs, not the guarantee, and the plain composition of the rounds run is informative.
 """
 
 from __future__ import annotations
@@ -40,9 +63,9 @@ from flwr.serverapp import Grid
 
 from dpfl.config import RunConfig, need
 from dpfl.method import ClientHalf, Method, MethodParams, UpdateClip
-from dpfl.privacy.accounting import calibrate_noise
+from dpfl.privacy.accounting import calibrate_dpsgd_noise, calibrate_noise
 from dpfl.privacy.longitudinal import longitudinal_clip
-from dpfl.privacy.plan import UPDATE_DP_RELATION
+from dpfl.privacy.plan import UPDATE_DP_RELATION, dpsgd_sample_rate, planned_dpsgd_steps
 from dpfl.privacy.verdict import MethodPrivacy
 from dpfl.server.strategy import DPFLStrategy
 from dpfl.server.validation import ClientUpdate
@@ -50,6 +73,9 @@ from dpfl.server.validation import ClientUpdate
 # "calibrated" = Gaussian for sensitivity 2S and the round's (eps_i, delta); "paper" = the
 # published variance S^4 l / (|w| eps^2), kept for the ablation (not DP at eps).
 AADP_NOISE = ("calibrated", "paper")
+# relative precision of a DP-SGD round's calibration: its RDP epsilon is in
+# [eps_i^t (1 - DPSGD_ROUND_RTOL), eps_i^t]
+DPSGD_ROUND_RTOL = 1e-4
 
 
 @dataclass(frozen=True)
@@ -144,15 +170,22 @@ class AADPStrategy(DPFLStrategy):
         super().bind_partition_sizes(sizes)
         self.budgets = allocate_budgets(self.partition_sizes, self.cfg.params.aadp_epsilon)
 
-    def round_sigma(self, epsilon: float) -> float:
-        """The noise multiplier of one release at the per-round eps_i^t."""
+    def round_sigma(self, epsilon: float, num_examples: int | None = None) -> float | None:
+        """The noise multiplier of one round at the per-round eps_i^t: of one update-dp
+        release, or of a DP-SGD round of a client with ``num_examples`` samples (None for
+        an unknown size under DP-SGD: the shared plan's sigma)."""
+        if self.cfg.trainer == "dpsgd":
+            if num_examples is None:
+                return None
+            return dpsgd_round_noise_multiplier(self.cfg, epsilon, num_examples)
         return round_noise_multiplier(self.cfg, epsilon, self.num_params)
 
-    def plan_sigma(self, partition_id: int | None, server_round: int) -> float:
+    def plan_sigma(self, partition_id: int | None, server_round: int) -> float | None:
         """sigma at the eps_i^t sent to ``partition_id`` in ``server_round`` (the mean
         budget ``aadp-epsilon`` for an unknown partition)."""
         sent = self.sent_budgets.get(server_round, self.budgets)
-        return self.round_sigma(sent.get(partition_id, self.cfg.params.aadp_epsilon))
+        return self.round_sigma(sent.get(partition_id, self.cfg.params.aadp_epsilon),
+                                self.partition_sizes.get(partition_id))
 
     def select_nodes(self, server_round: int, grid: Grid) -> list[int]:
         """Each node joins independently with probability ``fraction-train`` (at least
@@ -231,6 +264,22 @@ def round_noise_multiplier(cfg: RunConfig, epsilon: float, num_params: int) -> f
     return calibrate_noise(epsilon, cfg.delta, 1, accountant="rdp", relation=UPDATE_DP_RELATION)
 
 
+@lru_cache(maxsize=1024)
+def dpsgd_round_noise_multiplier(cfg: RunConfig, epsilon: float, num_examples: int) -> float:
+    """sigma of one AADP-FL round over DP-SGD at the per-round eps_i^t (eqs. 2-3 read as a
+    sample-level epsilon): Poisson rate q = 1 / ceil(n / B) and E ceil(n / B) steps (the
+    shared plan's), and the sigma whose round costs eps_i^t at delta, to a relative
+    ``DPSGD_ROUND_RTOL``, by Opacus' RDP accountant — the orders and RDP -> (eps, delta)
+    conversion of the Rényi filter that bounds the run, so a round at eps_i^t <=
+    ``target-epsilon`` is admitted on its own. (PLD would give less noise for the same
+    eps_i^t but a round the RDP filter measures above eps_i^t.) Public inputs only: client
+    and server compute the same sigma."""
+    return calibrate_dpsgd_noise(epsilon, cfg.delta,
+                                 dpsgd_sample_rate(num_examples, cfg.batch_size),
+                                 planned_dpsgd_steps(num_examples, cfg), accountant="rdp",
+                                 tolerance=DPSGD_ROUND_RTOL * epsilon)
+
+
 def round_epsilon_for(config: Mapping[str, Any], partition_id: int) -> float:
     """The client's eps_i^t from the round's ConfigRecord."""
     if "aadp-partition" in config:
@@ -241,10 +290,13 @@ def round_epsilon_for(config: Mapping[str, Any], partition_id: int) -> float:
 
 
 class AADPClient(ClientHalf):
-    """The round's sigma from the eps_i^t the server sent; longitudinal clipping."""
+    """The round's sigma from the eps_i^t the server sent; longitudinal clipping of the
+    update (update-dp), Opacus' per-sample L2 clip (dpsgd: see the module docstring)."""
 
-    def round_sigma(self, cfg, config, partition_id, model) -> float:
+    def round_sigma(self, cfg, config, partition_id, model, num_examples) -> float:
         eps_round = round_epsilon_for(config, partition_id)   # AADP-FL's eps_i^t
+        if cfg.trainer == "dpsgd":
+            return dpsgd_round_noise_multiplier(cfg, eps_round, num_examples)
         return round_noise_multiplier(cfg, eps_round, sum(p.numel() for p in model.parameters()))
 
     def update_clip(self, cfg) -> UpdateClip:
@@ -253,16 +305,36 @@ class AADPClient(ClientHalf):
 
 def aadp_privacy(cfg: RunConfig) -> MethodPrivacy:
     """The filter, the clipping and the public sizes; the paper's noise is not DP."""
+    if cfg.trainer == "dpsgd":
+        scope = ("AADP-FL over DP-SGD: each round's sample-level epsilon eps_i^t is set by "
+                 "the server's allocation (eq. 2) and schedule (eq. 3, driven by moments of "
+                 "DP outputs: post-processing), and the round's noise multiplier is "
+                 "calibrated so that its DP-SGD steps cost eps_i^t at delta "
+                 f"{cfg.delta:g} (Opacus RDP); these choices are adaptive, so the "
+                 f"guarantee is a Rényi filter at (epsilon {cfg.target_epsilon}, delta "
+                 f"{cfg.delta:g}) per client over all rounds (one RDP order fixed by the "
+                 "first round; Feldman & Zrnic 2021), whatever the accountant: a client "
+                 "refuses a round the filter would not admit; the composed epsilon reported "
+                 "per client is informative; per-sample clipping is Opacus' L2 clip (AADP-FL's "
+                 "longitudinal clipping is not used under DP-SGD)")
+        return MethodPrivacy(scope=scope, adaptive=True)
     scope = ("per-round budgets are chosen adaptively (AADP-FL), so the bound is a Rényi "
-             f"filter at epsilon {cfg.target_epsilon} over all rounds (Lécuyer 2021); "
-             "longitudinal clipping keeps the update norm <= clip-norm; training-set sizes "
-             "are treated as public (the allocation uses them)")
+             f"filter at epsilon {cfg.target_epsilon} over all rounds (Feldman & Zrnic "
+             "2021); longitudinal clipping keeps the update norm <= clip-norm; training-set "
+             "sizes are treated as public (the allocation uses them)")
     clear = ()
     if cfg.params.aadp_noise == "paper":
         clear = ("aadp-noise=paper: AADP-FL's published noise variance S^4 l/(|w| eps^2) is "
                  "not calibrated to the per-round (eps, delta); the ledger charges the noise "
                  "actually added, whose epsilon is orders of magnitude above the nominal one",)
     return MethodPrivacy(scope=scope, clear=clear, adaptive=True)
+
+
+def aadp_rules(cfg: RunConfig) -> None:
+    """The paper's noise variance is a client-level update noise: not under DP-SGD."""
+    need(not (cfg.trainer == "dpsgd" and cfg.params.aadp_noise == "paper"), "aadp-noise",
+         "'paper' is AADP-FL's client-level update noise; trainer=dpsgd calibrates DP-SGD "
+         "to each round's epsilon (use 'calibrated')", cfg.params.aadp_noise)
 
 
 METHOD = Method(
@@ -272,9 +344,9 @@ METHOD = Method(
     strategy=AADPStrategy,
     client=AADPClient(),
     params=AADPParams,
-    trainers=("update-dp",),
-    trainer_reason="AADP-FL is client-level DP",
+    trainers=("dpsgd", "update-dp"),
     privacy=aadp_privacy,
+    rules=aadp_rules,
     presets="aadp",
     adaptive=True,
 )

@@ -1,0 +1,183 @@
+"""AADP-FL over Opacus DP-SGD (sample level): each round's eps_i^t (eqs. 2-3) calibrates
+the round's noise multiplier (checked against dp-accounting), client and server plan the
+same round, the real ClientApp's reply carries that DP-SGD event, the Rényi filter at
+target-epsilon refuses the round that would pass it, and the guarantee says so."""
+
+import math
+
+import dp_accounting
+import pytest
+import torch
+from dp_accounting.pld import pld_privacy_accountant
+from dp_accounting.rdp import rdp_privacy_accountant
+from flwr.app import ArrayRecord, ConfigRecord
+from opacus.accountants import RDPAccountant
+
+from dpfl.methods import build_strategy, guarantee, parse_run_config, run_config
+from dpfl.methods.aadp import AADPClient, dpsgd_round_noise_multiplier
+from dpfl.models import build_model
+from dpfl.privacy.events import PrivacyEvent
+from dpfl.privacy.filter import RenyiFilter
+from dpfl.privacy.plan import plan_problem, planned_event
+
+D = 1e-5
+
+
+def _cfg(**kw):
+    return run_config(strategy="aadp", trainer="dpsgd", **kw)
+
+
+def _round_event(sigma: float, n: int, batch: int, epochs: int):
+    """One client's DP-SGD round, written out for dp-accounting: E ceil(n / B) steps of a
+    Gaussian of multiplier sigma on a Poisson(1 / ceil(n / B)) sample."""
+    k = math.ceil(n / batch)
+    step = dp_accounting.PoissonSampledDpEvent(1.0 / k, dp_accounting.GaussianDpEvent(sigma))
+    return dp_accounting.SelfComposedDpEvent(step, epochs * k)
+
+
+@pytest.mark.parametrize("eps,n,batch,epochs", [(0.3, 1000, 64, 1), (1.0, 2000, 32, 2),
+                                                (4.0, 1700, 256, 1)])
+def test_round_sigma_costs_the_round_epsilon_by_dp_accounting(eps, n, batch, epochs):
+    """dp-accounting's RDP accountant (at the filter's orders, Opacus') puts the calibrated
+    round at eps_i^t (rel. 2e-4), a sigma 0.1 % smaller above it (the smallest sigma), and
+    its PLD accountant at or below it (RDP is the looser bound, the filter's)."""
+    sigma = dpsgd_round_noise_multiplier(_cfg(batch_size=batch, local_epochs=epochs), eps, n)
+
+    def rdp_eps(s):
+        acc = rdp_privacy_accountant.RdpAccountant(orders=list(RDPAccountant.DEFAULT_ALPHAS))
+        acc.compose(_round_event(s, n, batch, epochs))
+        return acc.get_epsilon(D)
+
+    assert rdp_eps(sigma) == pytest.approx(eps, rel=2e-4)
+    assert rdp_eps(sigma * (1 - 1e-3)) > eps
+    pld = pld_privacy_accountant.PLDAccountant()
+    pld.compose(_round_event(sigma, n, batch, epochs))
+    assert pld.get_epsilon(D) <= eps
+
+
+def test_a_round_at_the_target_is_admitted_alone_and_not_twice():
+    """The calibration uses the filter's own RDP: one round at eps_i^t = target-epsilon
+    fits the filter, a second one does not."""
+    cfg = _cfg(batch_size=64, target_epsilon=2.0)
+    n = 700
+    sigma = dpsgd_round_noise_multiplier(cfg, 2.0, n)
+    round_ = [planned_event(cfg, n, 1, sigma)]
+    assert round_[0].mechanism == "dpsgd" and round_[0].sigma == sigma
+    filt = RenyiFilter(2.0, D, "sample")
+    assert filt.admits(round_)
+    assert not filt.admits(round_ + [planned_event(cfg, n, 2, sigma)])
+
+
+def test_client_and_server_plan_the_same_dpsgd_round_across_rounds_and_sizes():
+    """Three partitions of different sizes, three rounds with an eq. 3 raise between the
+    second and the third: the client's plan (from the eps_i^t the ConfigRecord carries and
+    its own size) equals the server's (from its record of what it sent)."""
+    cfg = _cfg(batch_size=64, local_epochs=2, aadp_epsilon=1.0, aadp_eps_max=5.0)
+    strategy = build_strategy(cfg)
+    sizes = {0: 1000, 1: 1700, 2: 333}
+    strategy.bind_partition_sizes(sizes)
+    model = build_model("mlp", (1, 8, 8), 10)
+    half = AADPClient()
+    sigmas = {}
+    for rnd in (1, 2, 3):
+        config = ConfigRecord({"server-round": rnd, **strategy.round_config(rnd)})
+        for pid, n in sizes.items():
+            server = strategy.planned_event(pid, rnd)
+            client = planned_event(cfg, n, rnd, half.round_sigma(cfg, config, pid, model, n))
+            assert plan_problem(client, server) is None, (rnd, pid)
+            assert server.mechanism == "dpsgd" and server.relation == "add-remove"
+            assert server.sigma == dpsgd_round_noise_multiplier(
+                cfg, strategy.sent_budgets[rnd][pid], n)
+            sigmas[rnd, pid] = server.sigma
+        if rnd < 3:   # the moments are stable after the second step: raise once
+            strategy.server_step(torch.zeros(3), torch.full((3,), 1e-2))
+    assert strategy.raised_at == [2]
+    # more data -> larger eps_i (eq. 2); the raise (x 1/rho) -> less noise in round 3
+    assert strategy.sent_budgets[1][1] > strategy.sent_budgets[1][0] > strategy.sent_budgets[1][2]
+    assert sigmas[1, 0] == sigmas[2, 0] > sigmas[3, 0]
+    assert strategy.sent_budgets[3][0] == pytest.approx(10 * strategy.sent_budgets[2][0])
+
+
+DIGITS = {"dataset": "digits", "model": "mlp", "batch-size": 64, "lr": 0.1, "num-rounds": 2,
+          "strategy": "aadp", "trainer": "dpsgd", "target-epsilon": 2.0,
+          "aadp-epsilon": 1.8, "fraction-train": 1.0, "min-train-nodes": 2}
+
+
+def test_client_app_sends_the_planned_dpsgd_round_then_the_filter_refuses(server_identity):
+    """The real ClientApp, two digits clients: round 1 at eps_i^1 ~ 1.8 <= 2 is trained
+    with DP-SGD at the planned sigma, its event is sample-level DP-SGD, the server accepts
+    and charges it in an adaptive history (guarantee: the filter's budget); round 2 would
+    take the filter past target-epsilon 2: every client refuses it and spends nothing."""
+    from dpfl.apps.client import train
+    from dpfl.apps.server import _adaptive_claim
+    from dpfl.data import splits_for
+    from dpfl.privacy.budget import BUDGET_REFUSAL
+    from dpfl.privacy.ledger import Ledger
+
+    from flower_helpers import context, message
+
+    cfg = parse_run_config(DIGITS)
+    strategy = build_strategy(cfg)
+    sizes = {i: len(s.train) for i, s in enumerate(splits_for(cfg, 2))}
+    strategy.bind_partition_sizes(sizes)
+    ledger = Ledger(cfg.delta, cfg.accountant, budget=cfg.target_epsilon)
+    strategy.bind_ledger(ledger)
+
+    class Grid:
+        def get_node_ids(self):
+            return [11, 12]
+
+    torch.manual_seed(0)
+    model = build_model("mlp", (1, 8, 8), 10)
+    contexts = {pid: context(DIGITS, pid, 2) for pid in (0, 1)}
+    messages, record = strategy.start_round(1, ArrayRecord(model.state_dict()), Grid())
+    replies, events = [], {}
+    for pid, m in enumerate(messages):
+        node = int(m.metadata.dst_node_id)
+        reply = train(message(m.content, 0, node), contexts[pid])
+        assert "status" not in reply.content.config_records, dict(reply.content["status"])
+        eps_round = strategy.sent_budgets[1][pid]
+        assert 1.5 < eps_round <= cfg.target_epsilon   # eq. 2 over near-equal sizes
+        sigma = dpsgd_round_noise_multiplier(cfg, eps_round, sizes[pid])
+        privacy = reply.content["privacy"]
+        assert privacy["mechanism"] == ["dpsgd"] and privacy["relation"] == ["add-remove"]
+        assert privacy["sigma"] == [sigma] and privacy["adaptive"] is True
+        assert privacy["sigma"][0] == strategy.planned_event(pid, 1).sigma
+        assert reply.content["metrics"]["noise-multiplier"] == sigma
+        events[pid] = PrivacyEvent(1, **{k: privacy[k][0] for k in
+                                         ("mechanism", "sigma", "rate", "steps", "epsilon",
+                                          "relation")})
+        replies.append(message(reply.content, src_node_id=node))
+    outcome = strategy.finish_round(1, record, replies)
+    assert len(outcome.record.accepted) == 2, [r.reason for r in outcome.record.rejected]
+    assert all(c.problem is None for c in outcome.record.charges)
+    claim = _adaptive_claim(ledger, "client-0", cfg)
+    assert claim["guaranteed-epsilon"] == 2.0 and claim["epsilon-is"].startswith("informative")
+
+    messages, record = strategy.start_round(2, outcome.arrays, Grid())
+    replies = []
+    for pid, m in enumerate(messages):
+        node = int(m.metadata.dst_node_id)
+        # the independent check: the filter would not admit a second such round
+        second = planned_event(cfg, sizes[pid], 2, strategy.planned_event(pid, 2).sigma)
+        assert not RenyiFilter(2.0, D, "sample").admits([events[pid], second])
+        reply = train(message(m.content, 0, node), contexts[pid])
+        status = reply.content["status"]
+        assert status["status"] == "refused"
+        assert status["reason"].startswith(BUDGET_REFUSAL) and "Rényi filter" in status["reason"]
+        assert "arrays" not in reply.content.array_records
+        replies.append(message(reply.content, src_node_id=node))
+    outcome = strategy.finish_round(2, record, replies)
+    assert not outcome.record.accepted and not outcome.record.charges
+    assert {r.kind for r in outcome.record.rejected} == {"refused"}
+    assert [len(ledger.history(f"client-{p}").events) for p in (0, 1)] == [1, 1]
+
+
+def test_guarantee_is_sample_level_with_the_filter_budget():
+    g = guarantee(_cfg(target_epsilon=3.0))
+    assert g.verdict == "formal"
+    assert (g.unit, g.relation, g.sampling, g.delta) == ("sample", "add-remove", "poisson", D)
+    assert "Rényi filter at (epsilon 3.0, delta 1e-05)" in g.scope
+    assert "informative" in g.scope and "Opacus' L2 clip" in g.scope
+    update = guarantee(run_config(strategy="aadp", trainer="update-dp"))
+    assert update.unit == "client" and "longitudinal clipping keeps" in update.scope
