@@ -144,8 +144,9 @@ class Method:
     # per-round parameters chosen from earlier outputs: budgets are a Rényi filter
     adaptive: bool = False
     model: ModelFor | None = None                   # None: the registry's ``model``
-    # further rules on the global keys (raise ConfigError naming the key), e.g. a method
-    # that reads the update as plain SGD's sum of gradients needs momentum = 0
+    # further rules on the global keys and the method's parameters (raise ConfigError
+    # naming the key), e.g. a method that reads the update as plain SGD's sum of gradients
+    # needs momentum = 0
     rules: Callable[[RunConfig], None] | None = None
     # the trust models (dpfl.privacy.trust) under which the method is sound: central and
     # distributed noise cover only a server that uses the MEAN of the clipped updates

@@ -62,8 +62,9 @@ def parse_run_config(raw: Mapping[str, Any]) -> RunConfig:
         if method.params is not None and method.name != cfg.strategy:
             method.params.parse(raw)
     method = METHODS[cfg.strategy]
-    method.check(cfg)
-    return method.with_params(cfg, raw)
+    cfg = method.with_params(cfg, raw)
+    method.check(cfg)   # its rules may read its own parameters
+    return cfg
 
 
 def _with_default_method(cfg: RunConfig) -> RunConfig:
