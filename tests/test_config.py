@@ -68,9 +68,11 @@ def test_fedavg_requires_plain_trainer():
 # never without it; DP-SCAFFOLD's control variates are post-processing of DP-SGD outputs
 # only.
 ACCEPTED_TRAINERS = {"fedavg": {"plain"}, "dpscaffold": {"dpsgd"},
-                     "fedcompdp": {"update-dp"},
-                     "fedasgp": {"update-dp"}}
+                     "fedcompdp": {"update-dp"}}
 DP_TRAINERS = {"dpsgd", "update-dp"}
+# keys a strategy needs under a trainer, added by _parse (DP-FedASGP over DP-SGD: the server's
+# validation split, its proxy for the clients' losses)
+NEEDED = {("fedasgp", "dpsgd"): {"server_holdout": 1000}}
 
 
 def _strategies():
@@ -80,6 +82,7 @@ def _strategies():
 
 
 def _parse(**changes):
+    changes = {**NEEDED.get((changes.get("strategy"), changes.get("trainer")), {}), **changes}
     return parse_run_config({**DEFAULTS, **{k.replace("_", "-"): v for k, v in changes.items()}})
 
 
@@ -93,6 +96,14 @@ def test_trainer_rules_per_strategy(strategy, trainer):
     else:
         with pytest.raises(ConfigError, match="'(trainer|strategy)'"):
             _parse(strategy=strategy, trainer=trainer)
+
+
+def test_fedasgp_over_dpsgd_parses_with_the_servers_split():
+    raw = {**DEFAULTS, "strategy": "fedasgp", "trainer": "dpsgd"}
+    cfg = parse_run_config({**raw, "server-holdout": 1000})
+    assert (cfg.strategy, cfg.trainer, cfg.server_holdout) == ("fedasgp", "dpsgd", 1000)
+    with pytest.raises(ConfigError, match="^run-config key 'server-holdout'"):
+        parse_run_config(raw)
 
 
 @pytest.mark.parametrize("strategy", [s for s in _strategies() if s != "fedavg"])

@@ -481,6 +481,8 @@ def test_global_rules():
     with pytest.raises(ConfigError, match="'momentum'"):
         _cfg(momentum=0.9)
     with pytest.raises(ConfigError, match="'trainer'"):
+        run_config(strategy="fedasgp", trainer="plain")
+    with pytest.raises(ConfigError, match="'server-holdout'"):   # dpsgd: tests/test_fedasgp_dpsgd.py
         run_config(strategy="fedasgp", trainer="dpsgd")
     assert isinstance(_cfg().params, FedASGPParams)
     assert RunConfig().momentum == 0.0

@@ -23,15 +23,18 @@ BASE = {"dataset": "digits", "model": "mlp", "batch-size": 64, "lr": 0.1, "num-r
         "target-epsilon": 8.0}
 # a method's own settings so that it runs on digits with an MLP; then the variants that
 # change what its clients send (the default first)
-SETUP = {"fedcompdp": {"llcm-ratio": 0.0, "server-holdout": 20}}
+SETUP = {"fedcompdp": {"llcm-ratio": 0.0, "server-holdout": 20},
+         "fedasgp": {"server-holdout": 20}}
 VARIANTS = {
     "fedcompdp": [{}, {"adpc": "raw-norm"}, {"adpc": "noisy-norm", "cra-score": "client-f1"},
                   {"adpc": "off", "cra-score": "client-f1", "client-f1-noise": 2.0}],
     "fedasgp": [{}, {"asgp-variant": "paper"}],
+    ("fedasgp", "dpsgd"): [{}],   # asgp-variant is update-dp's (refused under dpsgd)
     "dpfedavg": [{}, {"report-train-loss": True}],
 }
 CASES = [(name, trainer, variant) for name, m in METHODS.items() for trainer in m.trainers
-         if trainer != "plain" for variant in VARIANTS.get(name, [{}])]
+         if trainer != "plain"
+         for variant in VARIANTS.get((name, trainer), VARIANTS.get(name, [{}]))]
 NODES = (11, 12)
 
 

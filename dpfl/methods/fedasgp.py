@@ -90,18 +90,56 @@ Variants (``asgp-variant``):
   The server rejects a strict reply with more than c non-zero coordinates. The ledger
   composes the pure events over rounds (basic composition or the pure-DP RDP bound,
   whichever is smaller; no amplification by client sampling is claimed).
+
+Sample level (``trainer=dpsgd``; the paper's own threat model: an honest server and an
+external adversary inferring the membership of single records). The client trains with
+Opacus DP-SGD (per-sample clipping to ``max-grad-norm``, Poisson sampling, secret noise);
+everything after that is post-processing of the DP-SGD output and costs nothing, so the
+ledger's DP-SGD events (sample level, add-remove, PLD or RDP) are the whole release:
+
+- CHOICE (selection): g = -Delta / lr of the noisy DP-SGD update (line 19; plain SGD, so
+  ``momentum = 0`` is still required for g to be the sum of the steps' gradients), then
+  the coordinates with |g_j| >= lambda_t, eq. 14's threshold computed on that noisy g as
+  published (a quantile of a DP output is post-processing: no sparse vector, no alpha or
+  beta, no Laplace noise). They are the m_t = |W| - k_t + 1 largest |g_j|
+  (:func:`kept_count`; ties at lambda_t are broken by ``torch.topk`` so that exactly m_t
+  are kept). Those coordinates of Delta are sent, the others as 0 (the strict variant's
+  "withhold", not the paper's "send raw": every coordinate is already noised, and
+  significance is what the method adds). Line 20's clip to C is dropped: its role, a
+  sensitivity bound, is taken by the per-sample clip, so the released coordinates are the
+  DP-SGD update's own (as DP-FedAvg over DP-SGD sends them).
+- CHOICE (L_i of eq. 16): a public proxy, not a client release. The server scores each
+  accepted reply on its own validation split (``server-holdout`` training examples no client
+  holds; required): L_i = the mean cross-entropy of w_t + Delta_i there (the released local
+  model's loss; post-processing of a DP output and public data). Eq. 16 and the server step
+  are the paper's, with n_i the public partition sizes. Releasing the private mean training
+  loss instead would need a per-sample loss clip and a second event in the same sample-level
+  history for a noisier weight; the proxy is free and formal. A reply whose proxy loss is
+  not finite is rejected.
+- Clients send no loss and no count: the reply carries only the shared public metrics
+  (verdict ``formal`` unless a global setting releases something, e.g.
+  ``report-train-loss``). The server rejects a reply with more than m_t non-zero
+  coordinates; the norm bound is the shared DP-SGD one (masking only shortens the update).
+- CHOICE (keys): ``asgp-variant``, ``asgp-epsilon``, ``asgp-eps3-share``, ``asgp-q``,
+  ``asgp-max-coords``, ``asgp-threshold`` and ``asgp-noise`` parametrise the update-dp
+  Laplace / sparse-vector release only; under dpsgd a value other than the default is a
+  config error naming the key (nothing would read it).
 """
 
 from __future__ import annotations
 
+import copy
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Sequence
 
 import torch
+from torch import nn
 
-from dpfl.config import RunConfig, need
+from dpfl.config import ConfigError, RunConfig, need
+from dpfl.data import server_validation
 from dpfl.method import TRAIN_LOSS, ClientHalf, Method, MethodParams
+from dpfl.models.evaluation import evaluate_model
 from dpfl.numbers import is_finite_number, is_number
 from dpfl.privacy.events import PrivacyEvent
 from dpfl.privacy.mechanisms import SparseVector, l2_clip, laplace_noise
@@ -109,6 +147,7 @@ from dpfl.privacy.plan import UPDATE_DP_RELATION
 from dpfl.privacy.verdict import MethodPrivacy
 from dpfl.server.strategy import DPFLStrategy, RoundRecord
 from dpfl.server.validation import ClientUpdate
+from dpfl.tensors import flatten, unflatten
 
 VARIANTS = ("paper", "strict")
 NOISE = ("calibrated", "paper")
@@ -116,6 +155,7 @@ LOSS_KEY = "asgp-loss"                 # paper: L_i in the clear
 SIGNIFICANT_KEY = "asgp-significant"   # paper: the client's fraction of significant coords
 MECHANISM = "sparse-vector"            # generic pure eps-DP event on the ledger
 TAIL = 50.0                            # norm bounds fail w.p. < 2 exp(-TAIL)
+SAMPLE_LEVEL = "dpsgd"                 # the trainer of the sample-level reading
 
 
 @dataclass(frozen=True)
@@ -188,6 +228,33 @@ def significant(scores: torch.Tensor, threshold: float, alpha: torch.Tensor | fl
     float64."""
     alpha = alpha.double() if isinstance(alpha, torch.Tensor) else float(alpha)
     return scores.double() + alpha >= threshold + float(beta)
+
+
+def kept_count(dim: int, server_round: int, num_rounds: int) -> int:
+    """m_t = |W| - k_t + 1 (k_t = :func:`threshold_rank`): how many |g'_j| are >= lambda_t
+    of eq. 14 when no two magnitudes tie at lambda_t."""
+    return dim - threshold_rank(dim, server_round, num_rounds) + 1 if dim else 0
+
+
+def significant_indices(g: torch.Tensor, server_round: int, num_rounds: int) -> torch.Tensor:
+    """The significant coordinates of a noisy (DP-SGD) g without alpha or beta: eq. 14's
+    lambda_t and Algorithm 1 line 23's test |g_j| >= lambda_t, i.e. the m_t largest |g_j|
+    (:func:`kept_count`; ties at lambda_t broken by ``torch.topk``), sorted."""
+    flat = g.reshape(-1).abs()
+    m = kept_count(flat.numel(), server_round, num_rounds)
+    return torch.topk(flat, m, sorted=False).indices.sort().values
+
+
+def dpsgd_release(update: torch.Tensor, lr: float, server_round: int,
+                  num_rounds: int) -> torch.Tensor:
+    """Sample-level DP-FedASGP on the DP-SGD update Delta (post-processing): g = -Delta / lr
+    (line 19), its significant coordinates (:func:`significant_indices`) sent as -lr g_j,
+    the others 0 (module docstring, CHOICE: no line-20 clip, no Laplace noise)."""
+    g = gradient_sum(update, lr).reshape(-1)
+    idx = significant_indices(g, server_round, num_rounds)
+    out = torch.zeros_like(g)
+    out[idx] = g[idx]
+    return (out * -lr).reshape(update.shape)
 
 
 def budget_split(epsilon: float, eps3_share: float, q: float) -> tuple[float, float, float]:
@@ -287,6 +354,17 @@ def gamma_weights(sizes: Sequence[float] | torch.Tensor,
     return (n_i * total + n * l_i) / (2.0 * n * total)
 
 
+def validation_loss(model: nn.Module, template: dict[str, torch.Tensor], weights: torch.Tensor,
+                    x: torch.Tensor, y: torch.Tensor) -> float:
+    """L_i's public proxy under DP-SGD (module docstring, CHOICE): the mean cross-entropy on
+    the server's validation split (x, y) of ``model`` with the flat ``weights``
+    w_t + Delta_i (shaped like ``template``)."""
+    model.load_state_dict(unflatten(weights, template))
+    with torch.no_grad():
+        loss, _ = evaluate_model(model, x, y, torch.device("cpu"))
+    return loss
+
+
 # -- the round's mechanism from public values -----------------------------------------------
 
 def round_scales(cfg: RunConfig) -> LaplaceScales:
@@ -320,6 +398,17 @@ def round_event(cfg: RunConfig, server_round: int) -> PrivacyEvent:
                              relation=UPDATE_DP_RELATION)
 
 
+def sample_level(cfg: RunConfig) -> bool:
+    """The DP-SGD reading (module docstring): the shared plan, no Laplace release."""
+    return cfg.trainer == SAMPLE_LEVEL
+
+
+def planned_round_event(cfg: RunConfig, server_round: int) -> PrivacyEvent | None:
+    """The method's own plan: the pure event under update-dp, None (the shared DP-SGD plan)
+    under dpsgd."""
+    return None if sample_level(cfg) else round_event(cfg, server_round)
+
+
 def update_norm_bound(cfg: RunConfig, dim: int) -> float:
     """An honest reply's ||Delta_released||_2 = lr ||g_released|| <= lr (C + ||noise||):
     Laplace on every coordinate (paper: all may be significant) or on at most c (strict);
@@ -332,10 +421,15 @@ def update_norm_bound(cfg: RunConfig, dim: int) -> float:
 # -- client half -------------------------------------------------------------------------------
 
 class FedASGPClient(ClientHalf):
-    """Algorithm 1's clientTrain after the shared local SGD: clip, select, perturb."""
+    """Algorithm 1's clientTrain after the shared local SGD: clip, select, perturb
+    (update-dp); after DP-SGD: select (post-processing)."""
 
-    def planned_event(self, cfg, num_examples, server_round) -> PrivacyEvent:
-        return round_event(cfg, server_round)
+    def planned_event(self, cfg, num_examples, server_round) -> PrivacyEvent | None:
+        return planned_round_event(cfg, server_round)
+
+    def post_process(self, cfg, update, server_round) -> torch.Tensor:
+        """Sample level: the significant coordinates of the DP-SGD update, the rest 0."""
+        return dpsgd_release(update, cfg.lr, server_round, cfg.num_rounds)
 
     def release_update(self, cfg, config, update, sigma, clip, generator, server_round,
                        local) -> tuple[torch.Tensor, PrivacyEvent, dict[str, float]]:
@@ -355,42 +449,66 @@ class FedASGPClient(ClientHalf):
 # -- server half -------------------------------------------------------------------------------
 
 class FedASGPStrategy(DPFLStrategy):
-    """Eq. 16's weights around the shared base; the method's own plan and norm bound."""
+    """Eq. 16's weights around the shared base; the method's own plan and norm bound
+    (update-dp), or the shared DP-SGD ones and the server's proxy losses (dpsgd)."""
 
     def __init__(self, cfg: RunConfig, adaptive: bool = False) -> None:
         super().__init__(cfg, adaptive)
+        self.server_round = 0
         self.last_weights: dict[int, float] = {}
         self.last_fraction: list[float] = []
-        # strict: each checked reply's count of released coordinates (reply_problem counts
-        # them anyway), so neither the weighting nor the round's metrics pass over the
-        # M x d updates again
+        self.last_losses: list[float] = []
+        # each checked reply's count of released coordinates (reply_problem counts them
+        # anyway) and, under dpsgd, its proxy loss L_i, so neither the weighting nor the
+        # round's metrics pass over the M x d updates again
         self._released: dict[tuple[int, int], int] = {}
+        self._losses: dict[tuple[int, int], float] = {}
+        self.eval_model: nn.Module | None = None
+        self.val: tuple[torch.Tensor, torch.Tensor] | None = None
 
-    def plan_event(self, partition_id: int, server_round: int) -> PrivacyEvent:
-        return round_event(self.cfg, server_round)
+    def bind_model(self, model: nn.Module) -> None:
+        self.eval_model = copy.deepcopy(model)
 
-    def update_norm_bound(self, dim: int, server_round: int) -> float:
-        return update_norm_bound(self.cfg, dim)
+    def plan_event(self, partition_id: int, server_round: int) -> PrivacyEvent | None:
+        return planned_round_event(self.cfg, server_round)
+
+    def update_norm_bound(self, dim: int, server_round: int) -> float | None:
+        """The Laplace bound (update-dp); under dpsgd the guard's DP-SGD bound (None)."""
+        return None if sample_level(self.cfg) else update_norm_bound(self.cfg, dim)
 
     def finish_round(self, server_round, record, replies):
+        self.server_round = server_round
         self._released.clear()
+        self._losses.clear()
         return super().finish_round(server_round, record, replies)
 
     def released_metrics(self) -> frozenset[str]:
         """The paper variant's clear loss L_i and significant fraction (verdict none); the
-        strict variant releases nothing besides its sparse-vector update."""
-        return frozenset({LOSS_KEY, SIGNIFICANT_KEY}) if _p(self.cfg).asgp_variant == "paper" \
-            else frozenset()
+        strict variant and the DP-SGD reading release nothing besides the update."""
+        return frozenset({LOSS_KEY, SIGNIFICANT_KEY}) if self._paper() else frozenset()
+
+    def _paper(self) -> bool:
+        return not sample_level(self.cfg) and _p(self.cfg).asgp_variant == "paper"
+
+    def proxy_loss(self, flat: torch.Tensor) -> float:
+        """L_i under dpsgd: :func:`validation_loss` of w_t + Delta_i on the server's split."""
+        if self.eval_model is None:
+            raise RuntimeError("fedasgp under trainer=dpsgd needs bind_model before a round")
+        if self.val is None:
+            self.val = server_validation(self.cfg)
+        state = self._global.to_torch_state_dict()
+        return validation_loss(self.eval_model, state, flatten(state) + flat, *self.val)
 
     def reply_problem(self, update: ClientUpdate) -> str | None:
         """n_i must be known (public partition sizes); the paper variant needs a finite
         L_i >= 0 and a fraction in [0, 1]; a strict reply may not release more than c
-        coordinates."""
+        coordinates, a DP-SGD reply not more than m_t (eq. 14), and its proxy loss must be
+        finite."""
         p = _p(self.cfg)
         if update.partition_id not in self.partition_sizes:
             return (f"partition {update.partition_id}'s size n_i (eq. 16) is unknown to the "
                     "server")
-        if p.asgp_variant == "paper":
+        if self._paper():
             loss = update.metrics.get(LOSS_KEY)
             if not is_finite_number(loss) or loss < 0:
                 return f"metric '{LOSS_KEY}' (L_i of eq. 16) must be a finite number >= 0, " \
@@ -399,55 +517,105 @@ class FedASGPStrategy(DPFLStrategy):
             if not is_number(frac) or not 0.0 <= frac <= 1.0:
                 return f"metric '{SIGNIFICANT_KEY}' must be a number in [0, 1], got {frac!r}"
             return None
-        released = int(torch.count_nonzero(update.flat))
-        self._released[(update.node_id, id(update.flat))] = released
-        if released > p.asgp_max_coords:
-            return (f"{released} non-zero coordinates > asgp-max-coords "
-                    f"{p.asgp_max_coords} (the sparse vector releases at most c)")
+        key = (update.node_id, id(update.flat))
+        released = self._released[key] = int(torch.count_nonzero(update.flat))
+        if not sample_level(self.cfg):
+            if released > p.asgp_max_coords:
+                return (f"{released} non-zero coordinates > asgp-max-coords "
+                        f"{p.asgp_max_coords} (the sparse vector releases at most c)")
+            return None
+        m = kept_count(update.flat.numel(), self.server_round, self.cfg.num_rounds)
+        if released > m:
+            return (f"{released} non-zero coordinates > m_t = {m} (eq. 14's significant "
+                    f"coordinates of round {self.server_round})")
+        loss = self._losses[key] = self.proxy_loss(update.flat)
+        if not math.isfinite(loss):
+            return (f"the server's validation loss of w_t + Delta_i (L_i's proxy in eq. 16) "
+                    f"is {loss!r}")
         return None
 
+    def client_losses(self, accepted: list[ClientUpdate]) -> list[float]:
+        """L_i of eq. 16: the clear loss (paper), the server's proxy (dpsgd), or 0 for
+        every client (strict: eq. 16 then gives n_i / n)."""
+        if self._paper():
+            return [float(u.metrics[LOSS_KEY]) for u in accepted]
+        if not sample_level(self.cfg):
+            return [0.0] * len(accepted)
+        return [self._losses[key] if (key := (u.node_id, id(u.flat))) in self._losses
+                else self.proxy_loss(u.flat) for u in accepted]
+
     def aggregation_weights(self, accepted: list[ClientUpdate]) -> torch.Tensor:
-        """gamma_i of eq. 16 (paper) or n_i / n (strict), n_i the public partition sizes."""
-        p = _p(self.cfg)
+        """gamma_i of eq. 16 with n_i the public partition sizes and L_i from
+        :meth:`client_losses` (strict: n_i / n)."""
         sizes = [float(self.partition_sizes[u.partition_id]) for u in accepted]
-        if p.asgp_variant == "paper":
-            weights = gamma_weights(sizes, [float(u.metrics[LOSS_KEY]) for u in accepted])
-            self.last_fraction = [float(u.metrics[SIGNIFICANT_KEY]) for u in accepted]
-        else:
-            weights = gamma_weights(sizes, [0.0] * len(sizes))   # n_i / n
-            self.last_fraction = []   # strict: counted from the replies (round_metrics)
+        losses = self.client_losses(accepted)
+        weights = gamma_weights(sizes, losses)
+        self.last_losses = losses if sample_level(self.cfg) else []
+        # paper: the clients' reported fractions; otherwise counted from the replies
+        self.last_fraction = ([float(u.metrics[SIGNIFICANT_KEY]) for u in accepted]
+                              if self._paper() else [])
         self.last_weights = {u.partition_id: float(w) for u, w in zip(accepted, weights)}
         return weights.to(torch.float32)
 
     def round_metrics(self, record: RoundRecord) -> dict[str, float]:
         out = super().round_metrics(record)
-        if _p(self.cfg).asgp_variant == "strict" and record.accepted:
+        if not self._paper() and record.accepted:
             counts = [self._released.get((u.node_id, id(u.flat))) for u in record.accepted]
             self.last_fraction = [(int(torch.count_nonzero(u.flat)) if c is None else c)
                                   / max(u.flat.numel(), 1)
                                   for u, c in zip(record.accepted, counts)]
         if self.last_fraction:
             out["asgp-significant-fraction"] = sum(self.last_fraction) / len(self.last_fraction)
+        if self.last_losses:
+            out["asgp-proxy-loss-mean"] = sum(self.last_losses) / len(self.last_losses)
         if self.last_weights:
             w = list(self.last_weights.values())
             out["asgp-gamma-min"], out["asgp-gamma-max"] = min(w), max(w)
             out["asgp-gamma-spread"] = max(w) - min(w)
             for pid, gamma in sorted(self.last_weights.items()):
                 out[f"asgp-gamma-client-{pid}"] = gamma
-        out["asgp-round-epsilon"] = round_epsilon(self.cfg)
+        if not sample_level(self.cfg):
+            out["asgp-round-epsilon"] = round_epsilon(self.cfg)
         return out
 
 
 # -- method ------------------------------------------------------------------------------------
 
 def fedasgp_rules(cfg: RunConfig) -> None:
+    """momentum = 0 under both trainers (g = -Delta / lr); under dpsgd the server's
+    validation split (L_i's proxy) and no update-dp key away from its default."""
     need(cfg.momentum == 0, "momentum", "strategy 'fedasgp' reads the update as plain SGD's "
          "sum of gradients (g = -Delta / lr, Algorithm 1 line 19): set momentum = 0",
          cfg.momentum)
+    if not sample_level(cfg):
+        return
+    need(cfg.server_holdout >= 1, "server-holdout", "strategy 'fedasgp' under trainer=dpsgd "
+         "weighs eq. 16 by the server's validation loss of each update (L_i's public proxy): "
+         "set server-holdout >= 1 (e.g. 1000)", cfg.server_holdout)
+    if cfg.params is None:
+        return
+    default = FedASGPParams()
+    for f in fields(FedASGPParams):
+        value = getattr(cfg.params, f.name)
+        if value != getattr(default, f.name):
+            key = f.name.replace("_", "-")
+            raise ConfigError(f"run-config key '{key}': configures the update-dp Laplace / "
+                              f"sparse-vector release, which trainer=dpsgd does not use "
+                              f"(leave it at {getattr(default, f.name)!r}), got {value!r}")
 
 
 def fedasgp_privacy(cfg: RunConfig) -> MethodPrivacy:
     p = _p(cfg)
+    if sample_level(cfg):
+        return MethodPrivacy(
+            scope="DP-FedASGP over DP-SGD (sample level): g = -Delta / lr of the DP-SGD "
+                  "update, its coordinates with |g_j| >= lambda_t (eq. 14 on the noisy g) "
+                  "sent, the others 0, no further noise; eq. 16 weights from the public "
+                  "partition sizes and the server's own validation loss of w_t + Delta_i "
+                  f"({cfg.server_holdout} held-out examples no client holds) as L_i. All of it "
+                  "is post-processing of the DP-SGD output: the ledger's DP-SGD events are "
+                  "the whole release; clients send no loss and no count",
+            release="the DP-SGD update's eq. 14 significant coordinates, the rest withheld")
     weights = "aggregation weights from the public partition sizes"
     if p.asgp_variant == "paper":
         scope = (f"DP-FedASGP as published: |g'_j| + alpha >= lambda_t + beta (eq. 14's "
@@ -482,8 +650,9 @@ METHOD = Method(
     strategy=FedASGPStrategy,
     client=FedASGPClient(),
     params=FedASGPParams,
-    trainers=("update-dp",),
-    trainer_reason="DP-FedASGP perturbs the client's whole clipped update (client-level DP)",
+    trainers=("update-dp", "dpsgd"),
+    trainer_reason="DP-FedASGP perturbs the client's clipped update (client-level DP), or "
+                   "selects the significant coordinates of the DP-SGD update (sample level)",
     privacy=fedasgp_privacy,
     rules=fedasgp_rules,
 )
