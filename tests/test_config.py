@@ -68,7 +68,7 @@ def test_fedavg_requires_plain_trainer():
 # never without it; DP-SCAFFOLD's control variates are post-processing of DP-SGD outputs
 # only; AADP-FL and DP-FedSAM are client-level DP by construction.
 ACCEPTED_TRAINERS = {"fedavg": {"plain"}, "dpscaffold": {"dpsgd"}, "aadp": {"update-dp"},
-                     "dpfedsam": {"update-dp"}, "fedcompdp": {"update-dp"},
+                     "dpfedsam": {"update-dp"}, "fedcompdp": {"update-dp", "dpsgd"},
                      "fedasgp": {"update-dp"}}
 DP_TRAINERS = {"dpsgd", "update-dp"}
 
