@@ -28,6 +28,8 @@ SETUP = {"fedcompdp": {"llcm-ratio": 0.0, "server-holdout": 20},
 VARIANTS = {
     "fedcompdp": [{}, {"adpc": "raw-norm"}, {"adpc": "noisy-norm", "cra-score": "client-f1"},
                   {"adpc": "off", "cra-score": "client-f1", "client-f1-noise": 2.0}],
+    # over DP-SGD the clear and client-f1 readings are refused (tests/test_fedcompdp_dpsgd.py)
+    ("fedcompdp", "dpsgd"): [{}, {"adpc": "off", "cra": False, "sparsify": "none"}],
     "fedasgp": [{}, {"asgp-variant": "paper"}],
     ("fedasgp", "dpsgd"): [{}],   # asgp-variant is update-dp's (refused under dpsgd)
     "dpfedavg": [{}, {"report-train-loss": True}],

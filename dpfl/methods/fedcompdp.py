@@ -72,6 +72,62 @@ Privacy: one Gaussian release per client and round at the run's sigma (calibrate
 ``target-epsilon`` unless ``noise-multiplier`` is set), whatever C_t is: the ratio of noise
 to sensitivity does not depend on C_t, so the adaptively chosen C_t leaves every round's
 privacy curve fixed. Verdict ``formal`` unless raw norms or clear F1 scores are released.
+
+Over DP-SGD (``trainer=dpsgd``: sample-level DP, add-remove, Opacus with Poisson sampling,
+secret noise, the shared plan and ledger; Abadi et al., "Deep Learning with Differential
+Privacy", 2016). The client's release is DP-SGD's noised steps; everything FedCompDP adds
+is either post-processing of them or folded into the same Gaussian:
+
+- LLCM (a), eq. 1: the channel reduction is part of the model (a bias-free 1x1
+  ``nn.Conv2d``, which book-keeping clipping, ``opacus-mode=bk``, and Opacus' other modes
+  handle): DP-SGD trains W like any other weight. Nothing to change.
+- LLCM (b), eq. 2. CHOICE: the sparsification is applied to each step's NOISED gradient
+  (``MethodHooks.noisy_grad``: p.grad after Opacus' clipping, noise and division by the
+  expected batch size, before the optimizer step): post-processing, free. tau_t keeps the
+  paper's units (an entry of the mean gradient): the noise per entry is
+  sigma_g C_t / (n q), so the default tau_0 = 1e-4 zeroes few entries; a tau_0 near that
+  noise std zeroes most of them. Sparsifying only shortens each step, so the guard's DP-SGD
+  norm bound (a sum of per-step norms) still holds.
+- Eqs. 3-4. CHOICE: the local clip to C_t becomes DP-SGD's per-sample clip C_t
+  (``ClientHalf.sample_clip``, C_0 = ``max-grad-norm``): every per-sample gradient is
+  clipped to C_t before it is summed, which implies the paper's per-iteration bound on the
+  mean. ``local-grad-clip=false`` is refused (DP-SGD cannot run unclipped).
+- Eq. 8 is DP-SGD's own noise; the update is not clipped or noised again.
+- ADPC, ``private-quantile``. CHOICE: the sample-level reading of Andrew et al.: every
+  DP-SGD step also releases its count of per-sample gradients with norm <= C_t plus
+  N(0, s^2), jointly with the gradient, whose noise multiplier is raised to
+  sigma_g = (sigma^-2 - s^-2)^(-1/2) (add-remove sensitivities C_t and 1) so the pair is
+  one subsampled Gaussian of the planned sigma: plan and ledger unchanged. s =
+  ``adpc-count-stddev`` when > 0 (it must exceed every client's planned sigma: checked when
+  the partition sizes are bound), else 5 sigma of the client's own planned sigma (sigma
+  differs with the partition size under DP-SGD; the gradient noise then rises by
+  (1 - 1/25)^(-1/2), about 2 %). The reply carries the noisy fraction of unclipped
+  per-sample gradients over the round (``dpsgd-unclipped-fraction``); the server pools the
+  clients' fractions weighted by their public partition sizes (= their share of the
+  round's per-sample gradients: epochs x n_i) and sets
+  C_{t+1} = C_t exp(-eta (b~ - gamma)), the gamma-quantile of the per-sample gradient
+  norms. Needs ``opacus-mode=bk`` (its per-sample norms). ``noisy-norm`` is refused: the
+  median norm of noised updates is in update units (lr x steps x noisy mean gradient,
+  dominated by noise), not a per-sample gradient norm, so it cannot set a per-sample clip.
+  ``raw-norm`` is refused (a clear value). ``off`` keeps C_t = ``max-grad-norm``.
+- CRA: ``server-val`` is post-processing (formal), as under update DP; the norm EMA reads
+  the DP-SGD updates' norms. ``client-f1`` is refused: the local validation split is not in
+  DP-SGD's training set, so no event in the client's sample-level history covers its
+  records, and a noisy macro-F1 would need its own add-remove analysis (one record of a
+  rare class can move macro-F1 by far more than 1 / m) at a noise that swamps F1 in [0, 1]
+  at any epsilon that protects anyone. CHOICE: equal weights are replaced by FedAvg's
+  public partition sizes when ``cra=false`` (the "w/o DA" ablation over DP-SGD is then
+  DP-FedAvg's aggregation); with CRA, eq. 14's weights replace the sizes, as under update
+  DP.
+- Eqs. 16-19 are server post-processing, kept. CHOICE: rho is in units of the round's
+  largest noise-free update, lr T C_t / (1 - momentum) (T = the largest planned step count
+  of any partition): under DP-SGD the update is lr x steps x (mean of clipped per-sample
+  gradients + noise), so this is the image of C_t that a mean of clipped gradient steps
+  meets, the role C_t plays under update DP.
+
+Verdict under DP-SGD: ``formal`` (sample level, add-remove, Poisson, DP-SGD at the planned
+sigma with the unclipped count folded in); the adaptively chosen C_t leaves every step's
+privacy curve fixed (the noise is sigma_g C_t for sensitivity C_t).
 """
 
 from __future__ import annotations
@@ -85,6 +141,7 @@ import torch
 from torch import nn
 
 from dpfl.client.hooks import MethodHooks
+from dpfl.client.trainers import joint_gradient_noise
 from dpfl.config import ConfigError, RunConfig, need
 from dpfl.data import ClientData, server_validation
 from dpfl.method import ClientHalf, Method, MethodParams
@@ -93,7 +150,14 @@ from dpfl.models.evaluation import device_for, evaluate_model, macro_f1
 from dpfl.numbers import is_number
 from dpfl.privacy.events import PrivacyEvent
 from dpfl.privacy.mechanisms import GaussianMechanism, geometric_clip_update
-from dpfl.privacy.plan import UPDATE_DP_RELATION, noise_multiplier_for
+from dpfl.privacy.plan import (
+    BATCH_TAIL,
+    UNCLIPPED_FRACTION,
+    UPDATE_DP_RELATION,
+    dpsgd_sample_rate,
+    noise_multiplier_for,
+    planned_dpsgd_steps,
+)
 from dpfl.privacy.verdict import MethodPrivacy
 from dpfl.server.aggregation import server_sgd_step
 from dpfl.server.strategy import DPFLStrategy, RoundRecord
@@ -107,6 +171,9 @@ CLIP_KEY = "fedcompdp-clip"            # C_t in the round's config
 BIT_KEY = "adpc-unclipped"             # the client's noisy bit 1[||Delta|| <= C_t]
 NORM_KEY = "update-norm"               # raw-norm reading: the pre-noise norm, in the clear
 F1_KEY = "val-f1"                      # client-f1 reading: local validation macro-F1
+# DP-SGD, adpc=private-quantile with adpc-count-stddev = 0: the per-step count's noise std
+# in units of the client's planned sigma (the gradient's noise rises by (1 - 1/25)^-1/2)
+COUNT_STD_PER_SIGMA = 5.0
 
 
 @dataclass(frozen=True)
@@ -119,7 +186,8 @@ class FedCompDPParams(MethodParams):
     adpc: str = "private-quantile"     # eqs. 5-7 reading, one of ADPC
     adpc_target_quantile: float = 0.5  # gamma (Andrew et al.; Flower's default)
     adpc_lr: float = 0.2               # eta of the geometric update (Flower's default)
-    adpc_count_stddev: float = 0.0     # s_b of each client's bit noise (0 = the run's sigma)
+    adpc_count_stddev: float = 0.0     # s_b of each client's bit noise (0 = the run's sigma;
+    #                                    dpsgd: the per-step count's, 0 = 5x the client's sigma)
     adpc_min_clip: float = 1e-3
     adpc_max_clip: float = 1e3
     cra: bool = True                   # eqs. 11-15 (false: equal weights, "w/o DA")
@@ -203,6 +271,51 @@ def joint_update_noise(sigma: float, scalar_stds: Sequence[float]) -> float:
         raise ValueError(f"the scalar noise stds {list(scalar_stds)} are too small for "
                          f"sigma {sigma:g}: need sum (2 s_k)^-2 < sigma^-2")
     return rest ** -0.5
+
+
+def dpsgd_count_std(count_stddev: float, sigma: float) -> float:
+    """DP-SGD, private-quantile: the noise std s of each step's unclipped count released
+    with the gradient: ``adpc-count-stddev`` when > 0, else 5 sigma (the client's own
+    planned sigma; Andrew et al. 2021, Sec. 3, at sample level)."""
+    return count_stddev if count_stddev > 0 else COUNT_STD_PER_SIGMA * sigma
+
+
+def unclipped_fraction_range(num_examples: int, canaries: int, sample_rate: float,
+                             steps: int, count_std: float, tail: float = 10.0
+                             ) -> tuple[float, float]:
+    """The range an honest client's noisy unclipped fraction
+    b~ = (sum_t (c_t + N(0, s^2))) / (T n q) lies in, but with negligible probability:
+    0 <= c_t <= |B_t|, and Poisson sampling draws every example at every step independently,
+    so sum_t |B_t| ~ Binomial(T (n + canaries), q), bounded by its (1 - 1e-12) quantile;
+    the noise N(0, T s^2) / (T n q) stays within ``tail`` stds s / (sqrt(T) n q) (exceeded
+    w.p. < exp(-tail^2 / 2)). n is the public partition size (the client divides by its
+    canaries-included size: only closer to [0, 1])."""
+    from scipy.stats import binom
+
+    steps = max(steps, 1)
+    expected = steps * num_examples * sample_rate
+    total_max = float(binom.isf(BATCH_TAIL, steps * (num_examples + canaries),
+                                sample_rate)) + 1.0
+    noise = tail * count_std * math.sqrt(steps) / expected
+    return -noise, total_max / expected + noise
+
+
+def pooled_fraction(fractions: Sequence[float], sizes: Sequence[float]) -> float:
+    """The round's unclipped fraction over every per-sample gradient computed: the
+    clients' noisy fractions weighted by their public sizes (a client computes epochs x n_i
+    per-sample gradients in expectation), the b~ of C_{t+1} = C_t exp(-eta (b~ - gamma))
+    (Andrew et al. 2021, Alg. 1, at sample level)."""
+    total = float(sum(sizes))
+    if not fractions or total <= 0:
+        raise ValueError("no fractions, or no positive size")
+    return sum(f * n for f, n in zip(fractions, sizes)) / total
+
+
+def dpsgd_update_scale(lr: float, steps: int, clip: float, momentum: float = 0.0) -> float:
+    """The norm bound of a DP-SGD round's noise-free update, lr T C / (1 - mu): T steps of
+    a mean of per-sample gradients clipped to C (momentum mu sums them with weights up to
+    1 / (1 - mu)). Eq. 16's rho under DP-SGD is ``cd-rho`` times it."""
+    return lr * steps * clip / (1.0 - momentum)
 
 
 # -- server math (eqs. 7, 11-19) --------------------------------------------------------
@@ -297,6 +410,29 @@ def _p(cfg: RunConfig) -> FedCompDPParams:
     return cfg.params
 
 
+def check_dpsgd(cfg: RunConfig) -> None:
+    """Under DP-SGD: the readings that cannot be sample-level DP, or need the per-sample
+    norms, are refused with a ConfigError naming the key (module docstring). Called by the
+    strategy (the server refuses the run before any round) and by the guarantee (the
+    method's parameters are parsed after ``Method.rules`` run, so rules cannot read them)."""
+    if cfg.trainer != "dpsgd":
+        return
+    p = _p(cfg)
+    need(p.adpc in ("private-quantile", "off"), "adpc",
+         "under trainer=dpsgd C_t is a per-sample clip: use private-quantile (the unclipped "
+         "count released with each step) or off (noisy-norm reads update norms, raw-norm "
+         "releases them in the clear)", p.adpc)
+    need(not (p.cra and p.cra_score == "client-f1"), "cra-score",
+         "client-f1 is refused under trainer=dpsgd (the validation records are outside "
+         "DP-SGD's training set, so no sample-level event covers them): use server-val",
+         p.cra_score)
+    need(p.local_grad_clip, "local-grad-clip", "under trainer=dpsgd eqs. 3-4's clip is "
+         "DP-SGD's per-sample clip C_t, which cannot be turned off", p.local_grad_clip)
+    need(p.adpc != "private-quantile" or cfg.opacus_mode == "bk", "opacus-mode",
+         "adpc=private-quantile under trainer=dpsgd counts per-sample norms: needs bk",
+         cfg.opacus_mode)
+
+
 def scalar_stds(cfg: RunConfig, sigma: float) -> list[float]:
     """The noise stds of the scalars a client releases with its update (the bit of
     ``private-quantile``, a noisy F1)."""
@@ -314,10 +450,23 @@ class FedCompDPClient(ClientHalf):
     def round_clip(self, cfg: RunConfig, config: Mapping[str, Any]) -> float:
         return float(config.get(CLIP_KEY, cfg.clip_norm))
 
+    def sample_clip(self, cfg: RunConfig, config: Mapping[str, Any]) -> float:
+        """DP-SGD: the round's per-sample clip C_t (eqs. 3-4 at sample level)."""
+        return float(config.get(CLIP_KEY, cfg.max_grad_norm))
+
+    def unclipped_count_std(self, cfg: RunConfig, sigma: float) -> float:
+        """DP-SGD, private-quantile: the per-step count's noise std (else no count)."""
+        p = _p(cfg)
+        return dpsgd_count_std(p.adpc_count_stddev, sigma) if p.adpc == "private-quantile" \
+            else 0.0
+
     def hooks(self, cfg, msg, context, model) -> MethodHooks:
         p, config = _p(cfg), msg.content["config"]
         tau = sparsify_threshold(p.sparsify_tau, p.sparsify_decay,
                                  int(config.get("server-round", 1)))
+        if cfg.trainer == "dpsgd":   # eq. 2 on each step's noised gradient (post-processing)
+            return (MethodHooks() if p.sparsify == "none" else
+                    MethodHooks(noisy_grad=sparsify_and_clip(p.sparsify, tau, None)))
         clip = self.round_clip(cfg, config) if p.local_grad_clip else None
         if p.sparsify == "none" and clip is None:
             return MethodHooks()
@@ -380,7 +529,10 @@ class FedCompDPStrategy(DPFLStrategy):
     def __init__(self, cfg: RunConfig, adaptive: bool = False) -> None:
         super().__init__(cfg, adaptive)
         p = _p(cfg)
-        self.clip = cfg.clip_norm
+        check_dpsgd(cfg)
+        self.dpsgd = cfg.trainer == "dpsgd"
+        self.clip = cfg.max_grad_norm if self.dpsgd else cfg.clip_norm
+        self.last_fraction: float | None = None     # DP-SGD: the round's pooled b~
         self.clips: dict[int, float] = {}           # round -> C_t sent
         self.cra_state = CRAState()
         self.constraints: Constraints | None = None
@@ -404,12 +556,33 @@ class FedCompDPStrategy(DPFLStrategy):
     def bind_model(self, model: nn.Module) -> None:
         self.eval_model = copy.deepcopy(model)
 
+    def bind_partition_sizes(self, sizes: Mapping[int, int]) -> None:
+        """DP-SGD: an absolute ``adpc-count-stddev`` must exceed every partition's planned
+        sigma (the joint release needs s > sigma)."""
+        super().bind_partition_sizes(sizes)
+        p = _p(self.cfg)
+        if self.dpsgd and p.adpc == "private-quantile" and p.adpc_count_stddev > 0:
+            worst = max((self.guard.planned_event(pid, 1).sigma for pid in sizes), default=0)
+            need(p.adpc_count_stddev > worst, "adpc-count-stddev",
+                 f"must exceed every client's planned sigma under trainer=dpsgd (largest "
+                 f"{worst:.4g}; 0 = 5 sigma per client)", p.adpc_count_stddev)
+
     # -- ADPC ----------------------------------------------------------------------------
     def plan_clip(self, server_round: int) -> float | None:
         return self.clips.get(server_round, self.clip)
 
     def update_noise_scale(self, server_round: int) -> float:
-        return self.noise_scale
+        """sigma_Delta / sigma (update DP), or DP-SGD's raised gradient noise sigma_g / sigma
+        (private-quantile's count; the largest over partitions)."""
+        if not self.dpsgd:
+            return self.noise_scale
+        p = _p(self.cfg)
+        if p.adpc != "private-quantile":
+            return 1.0
+        sigmas = {self.guard.planned_event(pid, server_round).sigma
+                  for pid in self.partition_sizes}
+        return max((joint_gradient_noise(s, dpsgd_count_std(p.adpc_count_stddev, s)) / s
+                    for s in sigmas), default=1.0)
 
     def round_config(self, server_round: int) -> dict[str, Any]:
         self.clips[server_round] = self.clip
@@ -422,6 +595,12 @@ class FedCompDPStrategy(DPFLStrategy):
             clip = median_clip([_norm(u) for u in accepted])
         elif p.adpc == "raw-norm":
             clip = median_clip([float(u.metrics[NORM_KEY]) for u in accepted])
+        elif p.adpc == "private-quantile" and self.dpsgd:
+            self.last_fraction = pooled_fraction(
+                [float(u.metrics[UNCLIPPED_FRACTION]) for u in accepted],
+                [float(u.num_examples) for u in accepted])
+            clip = geometric_clip_update(clip, self.last_fraction, p.adpc_target_quantile,
+                                         p.adpc_lr)
         elif p.adpc == "private-quantile":
             fraction = sum(float(u.metrics[BIT_KEY]) for u in accepted) / len(accepted)
             clip = geometric_clip_update(clip, fraction, p.adpc_target_quantile, p.adpc_lr)
@@ -437,6 +616,8 @@ class FedCompDPStrategy(DPFLStrategy):
         (adpc=raw-norm: in the clear, verdict none), the client's F1 (cra-score=client-f1:
         with noise in the same release, or in the clear with verdict none)."""
         p, keys = _p(self.cfg), set()
+        if self.dpsgd:   # the unclipped fraction, released with DP-SGD's gradients
+            return frozenset({UNCLIPPED_FRACTION} if p.adpc == "private-quantile" else ())
         if p.adpc == "private-quantile":
             keys.add(BIT_KEY)
         if p.adpc == "raw-norm":
@@ -451,7 +632,11 @@ class FedCompDPStrategy(DPFLStrategy):
         exceeded with probability < exp(-50))."""
         p, m = _p(self.cfg), update.metrics
         needed: list[tuple[str, float, float]] = []   # key, low, high
-        if p.adpc == "private-quantile":
+        if self.dpsgd and p.adpc == "private-quantile":
+            if update.partition_id not in self.partition_sizes:
+                return f"partition {update.partition_id} has no public size"
+            needed.append((UNCLIPPED_FRACTION, *self.fraction_range(update.partition_id)))
+        elif p.adpc == "private-quantile":
             s = p.adpc_count_stddev or self.sigma
             needed.append((BIT_KEY, -10 * s, 1 + 10 * s))
         if p.adpc == "raw-norm":
@@ -466,6 +651,16 @@ class FedCompDPStrategy(DPFLStrategy):
             if not (math.isfinite(value) and low <= value <= high):
                 return f"metric '{key}' = {value!r} outside [{low:g}, {high:g}]"
         return None
+
+    def fraction_range(self, partition_id: int) -> tuple[float, float]:
+        """DP-SGD: the honest range of a partition's noisy unclipped fraction (its planned
+        sigma, rate and steps; :func:`unclipped_fraction_range`)."""
+        n = self.partition_sizes[partition_id]
+        event = self.guard.planned_event(partition_id, 1)
+        std = dpsgd_count_std(_p(self.cfg).adpc_count_stddev, event.sigma)
+        return unclipped_fraction_range(n, self.cfg.audit_canaries,
+                                        dpsgd_sample_rate(n, self.cfg.batch_size),
+                                        planned_dpsgd_steps(n, self.cfg), std)
 
     # -- CRA -----------------------------------------------------------------------------
     def client_scores(self, accepted: list[ClientUpdate]) -> list[float]:
@@ -488,8 +683,8 @@ class FedCompDPStrategy(DPFLStrategy):
 
     def aggregation_weights(self, accepted: list[ClientUpdate]) -> torch.Tensor:
         p = _p(self.cfg)
-        if not p.cra:
-            return torch.ones(len(accepted))
+        if not p.cra:   # update DP: equal (the guard's); DP-SGD: the public sizes
+            return super().aggregation_weights(accepted)
         scores = self.client_scores(accepted)
         for u, f1 in zip(accepted, scores):
             pid = u.partition_id
@@ -512,13 +707,25 @@ class FedCompDPStrategy(DPFLStrategy):
             self.constraints = Constraints.empty(len(global_flat), p.cd_max_constraints)
         direction = linearised_direction(w_tilde, global_flat)
         new = None if direction is None else self.constraints.add(direction, len(self.clips))
-        w = primal_dual_step(w_tilde, global_flat, self.constraints, p.cd_rho * self.clip,
-                             p.cd_dual_lr, new)
+        w = primal_dual_step(w_tilde, global_flat, self.constraints, self.rho(), p.cd_dual_lr,
+                             new)
         self.last_active = len(self.constraints)
         return w
 
+    def rho(self) -> float:
+        """Eq. 16's rho: ``cd-rho`` C_t (update DP), or ``cd-rho`` times DP-SGD's
+        noise-free update bound lr T C_t / (1 - mu) at the largest planned T."""
+        p = _p(self.cfg)
+        if not self.dpsgd:
+            return p.cd_rho * self.clip
+        steps = max((planned_dpsgd_steps(n, self.cfg) for n in self.partition_sizes.values()),
+                    default=1)
+        return p.cd_rho * dpsgd_update_scale(self.cfg.lr, steps, self.clip, self.cfg.momentum)
+
     def round_metrics(self, record: RoundRecord) -> dict[str, float]:
         out = super().round_metrics(record)
+        if self.dpsgd and self.last_fraction is not None:
+            out["unclipped-fraction"] = self.last_fraction
         out["clip-norm"] = float(self.clips.get(record.server_round, self.clip))
         out["next-clip-norm"] = float(self.clip)
         out["active-constraints"] = self.last_active
@@ -555,7 +762,33 @@ def fedcompdp_model(cfg: RunConfig, input_shape: tuple[int, int, int],
                           f"'{cfg.model}')") from None
 
 
+def fedcompdp_dpsgd_privacy(cfg: RunConfig) -> MethodPrivacy:
+    """Under DP-SGD everything FedCompDP adds is post-processing of the noised steps or, for
+    the unclipped count, folded into DP-SGD's Gaussian at the planned sigma (the refused
+    readings are the ones that could not be): verdict formal."""
+    check_dpsgd(cfg)
+    p = _p(cfg)
+    scope = (f"FedCompDP over DP-SGD: per-sample clip C_t (eqs. 3-4; C_0 = "
+             f"{cfg.max_grad_norm}) ")
+    scope += ("adapted each round from every step's count of unclipped per-sample gradients "
+              "released with noise jointly with the gradient (the gradient's noise raised so "
+              "the pair is one DP-SGD Gaussian at the planned sigma: Andrew et al. 2021 at "
+              "sample level)" if p.adpc == "private-quantile" else "fixed (adpc=off)")
+    if p.sparsify != "none":
+        scope += "; eq. 2 sparsification of each step's noised gradient (post-processing)"
+    if p.llcm_ratio > 0:
+        scope += f"; channel reduction r = {p.llcm_ratio:g} trained by DP-SGD"
+    if p.cra:
+        scope += ("; aggregation weights from the server's own validation split "
+                  "(post-processing)")
+    if p.cd_correction:
+        scope += "; primal-dual correction on the server (post-processing)"
+    return MethodPrivacy(scope=scope)
+
+
 def fedcompdp_privacy(cfg: RunConfig) -> MethodPrivacy:
+    if cfg.trainer == "dpsgd":
+        return fedcompdp_dpsgd_privacy(cfg)
     p, clear = _p(cfg), []
     if p.adpc == "raw-norm":
         clear.append("raw update norms released (adpc=raw-norm)")
@@ -586,8 +819,8 @@ METHOD = Method(
     strategy=FedCompDPStrategy,
     client=FedCompDPClient(),
     params=FedCompDPParams,
-    trainers=("update-dp",),
-    trainer_reason="FedCompDP clips and noises the whole update (client-level DP)",
+    trainers=("update-dp", "dpsgd"),
+    trainer_reason="client-level update DP as in the paper, or sample-level DP-SGD",
     privacy=fedcompdp_privacy,
     presets="fedcompdp",
     model=fedcompdp_model,
