@@ -88,3 +88,24 @@ def test_table_and_plot_from_records(tmp_path):
     assert "| GCFL | 3 | 85.00 ± 5.00 | +2.67 (3 seeds) |" in text
     assert "| FedAvg (no DP, ceiling) | 1 | 98.00 | — | — | ∞ | none |" in text
     assert (tmp_path / "frontier.png").stat().st_size > 10_000
+
+
+@pytest.mark.parametrize("epsilon", [1.0, 8.0])
+def test_aadp_per_round_epsilon_lets_the_mean_client_run_every_round(epsilon):
+    """AADP-FL's aadp-epsilon in a frontier cell: the mean-size client's rounds, each at the
+    sigma AADP-FL's client derives from it, fill its Rényi filter in num-rounds rounds: all
+    10 are admitted, 11 are not."""
+    from dpfl.methods.aadp import dpsgd_round_noise_multiplier
+    from dpfl.privacy.filter import RenyiFilter
+    from dpfl.privacy.mechanisms import DpsgdRelease
+    from dpfl.privacy.plan import dpsgd_sample_rate, planned_dpsgd_steps
+
+    over = frontier.run_overrides(ROOT, f"mnist-eps{epsilon:g}", "aadp", {}, 0, "x")
+    cfg = parse_run_config({**_defaults(), **over})
+    n = (20000 - 2000) // 10
+    sigma = dpsgd_round_noise_multiplier(cfg, over["aadp-epsilon"], n)
+    release = DpsgdRelease(sigma, dpsgd_sample_rate(n, cfg.batch_size),
+                           planned_dpsgd_steps(n, cfg))
+    events = [release.event(r) for r in range(1, 12)]
+    budget = RenyiFilter(epsilon, cfg.delta)
+    assert budget.admits(events[:10]) and not budget.admits(events)

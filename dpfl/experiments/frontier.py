@@ -75,7 +75,8 @@ METHODS: dict[str, dict[str, Any]] = {
                                   "cd-correction": False}, "tuned-as": "fedcompdp"},
     "fedcompdp-no-llcm": {"keys": {"strategy": "fedcompdp", "llcm-ratio": 0.0,
                                    "sparsify": "none"}, "tuned-as": "fedcompdp"},
-    "aadp": {"keys": {"strategy": "aadp"}},
+    "aadp": {"keys": {"strategy": "aadp", "aadp-noise": "calibrated"},
+             "per-cell": "aadp-epsilon"},
     "fedasgp": {"keys": {"strategy": "fedasgp"}},
 }
 # The tuned axis: the client learning rate (the step size of every method's update); three
@@ -84,6 +85,9 @@ METHODS: dict[str, dict[str, Any]] = {
 TUNING: dict[str, list[dict[str, Any]]] = {
     m: [{"lr": lr} for lr in ((0.05, 0.1, 0.2) if m == "fedavg" else (1.0, 2.0, 4.0))]
     for m in METHODS if "tuned-as" not in METHODS[m]}
+# AADP-FL's server step is Nadam, which divides every coordinate by its own running RMS: the
+# client lr barely changes the step, the server's rate does (the paper's 0.01 in the middle).
+TUNING["aadp"] = [{"server-lr": lr} for lr in (0.003, 0.01, 0.03)]
 ORDER = tuple(METHODS)
 LABELS = {
     "fedavg": "FedAvg (no DP, ceiling)", "dpfedavg": "DP-FedAvg", "dpfedprox": "DP-FedProx",
@@ -106,15 +110,37 @@ DEFAULT_CELLS = ("mnist-eps2", "mnist-ceiling", "mnist-eps4", "mnist-eps8", "mni
                  "fmnist-eps2", "fmnist-ceiling", "fmnist-eps8")
 
 
+def aadp_round_epsilon(preset: dict[str, Any], epsilon: float) -> float:
+    """AADP-FL's base per-round epsilon (eq. 2's eps, ``aadp-epsilon``) for a cell: the
+    sample-level epsilon of one DP-SGD round of the mean-size client (n = (train-subset -
+    server-holdout) / clients) at the sigma that lets all ``num-rounds`` rounds fit the
+    whole-run target under RDP (the accountant of its Rényi filter), with a 0.1 % margin so
+    the last round is admitted. A client larger than the mean gets more per round (eq. 2)
+    and may be stopped by its filter before the last round."""
+    import math as _math
+
+    from dpfl.privacy.accounting import calibrate_dpsgd_noise, dpsgd_epsilon
+
+    n = (int(preset["train-subset"]) - int(preset["server-holdout"])) // CLIENTS
+    steps = _math.ceil(n / int(preset["batch-size"])) * int(preset["local-epochs"])
+    q = 1.0 / _math.ceil(n / int(preset["batch-size"]))
+    rounds = int(preset["num-rounds"])
+    sigma = calibrate_dpsgd_noise(0.999 * epsilon, float(preset["delta"]), q, rounds * steps,
+                                  accountant="rdp")
+    return dpsgd_epsilon(q, sigma, steps, float(preset["delta"]), "rdp")
+
+
 def run_overrides(root: Path, cell: str, method: str, config: dict[str, Any],
                   seed: int, name: str) -> dict[str, Any]:
     """The run-config of one run: the dataset's preset, the method's keys, its chosen
-    configuration, the cell's epsilon, the seed."""
+    configuration, the cell's epsilon (and what the method derives from it), the seed."""
     dataset, epsilon = CELLS[cell]
-    out = {**load_preset(root, "frontier", DATASETS[dataset]), **METHODS[method]["keys"],
-           **config, "seed": seed, "run-name": name}
+    preset = load_preset(root, "frontier", DATASETS[dataset])
+    out = {**preset, **METHODS[method]["keys"], **config, "seed": seed, "run-name": name}
     if epsilon is not None:
         out["target-epsilon"] = epsilon
+        if METHODS[method].get("per-cell") == "aadp-epsilon":
+            out["aadp-epsilon"] = round(aadp_round_epsilon(preset, epsilon), 6)
     return out
 
 
