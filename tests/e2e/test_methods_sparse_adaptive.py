@@ -1,4 +1,5 @@
-"""FedCompDP (each ADPC / CRA reading), DP-FedASGP (both variants) and Fed-SMP rand-k run
+"""FedCompDP (ADPC / CRA readings, update DP and DP-SGD), DP-FedASGP (both variants, and over
+DP-SGD) and Fed-SMP rand-k run
 from `dpfl simulate` and state their verdicts; each one's mechanism read back from its run
 directory (split from test_methods.py so that two test workers share the e2e load)."""
 
@@ -11,33 +12,33 @@ from federation import simulate_digits as _simulate
 pytestmark = pytest.mark.e2e
 
 
-@pytest.mark.parametrize("adpc,cra", [
-    ("private-quantile", ["cra-score=server-val"]),
-    ("noisy-norm", ["cra-score=client-f1", "client-f1-noise=0.3"]),
-    ("raw-norm", ["cra-score=client-f1"]),
+@pytest.mark.parametrize("trainer,adpc,cra", [
+    ("update-dp", "private-quantile", ["cra-score=server-val"]),
+    ("update-dp", "raw-norm", ["cra-score=client-f1"]),
+    # sample level: each DP-SGD step releases its unclipped count with the gradient
+    ("dpsgd", "private-quantile", ["cra-score=server-val"]),
 ])
-def test_fedcompdp_readings_run_and_state_their_verdict(tmp_path, adpc, cra):
-    """FedCompDP from `dpfl simulate` with each ADPC and CRA reading (3 clients, 2 rounds):
-    every client is charged one Gaussian per round at the run's sigma whatever C_t is; C_t
-    of round 2 follows the reading (noisy-norm: the median noised norm, ~ sigma C sqrt(d) >>
-    C_1); the CRA weights sum to 1; the verdict is none exactly when raw norms or clear F1
-    scores are released."""
-    run = _simulate(tmp_path, "f", "strategy=fedcompdp", "trainer=update-dp", f"adpc={adpc}",
+def test_fedcompdp_readings_run_and_state_their_verdict(tmp_path, trainer, adpc, cra):
+    """FedCompDP from `dpfl simulate` with ADPC and CRA readings (3 clients, 2 rounds): every
+    client is charged one release per round at the run's sigma whatever C_t is (a Gaussian
+    under update DP, a DP-SGD round under dpsgd); C_t of round 2 follows the reading; the
+    CRA weights sum to 1; the verdict is none exactly when raw norms or clear F1 scores are
+    released. (noisy-norm and a noisy client F1: tests/test_fedcompdp.py.)"""
+    run = _simulate(tmp_path, "f", "strategy=fedcompdp", f"trainer={trainer}", f"adpc={adpc}",
                     "num-rounds=2", "lr=0.5", "noise-multiplier=0.3", "target-epsilon=1e6",
                     "server-holdout=100", "llcm-ratio=0.5", *cra, clients=3)
     rounds, ledger, summary, config = _read(run)
-    formal = adpc != "raw-norm" and ("cra-score=client-f1" not in cra
-                                     or "client-f1-noise=0.3" in cra)
+    formal = adpc != "raw-norm" and "cra-score=client-f1" not in cra
     assert (summary["guarantee"]["verdict"] == "formal") is formal, summary["guarantee"]
+    assert summary["guarantee"]["unit"] == ("sample" if trainer == "dpsgd" else "client")
     assert ledger["mismatches"] == []
+    mechanism = "dpsgd" if trainer == "dpsgd" else "gaussian"
     for info in ledger["clients"].values():
-        assert [(e["mechanism"], e["sigma"]) for e in info["events"]] == [("gaussian", 0.3)] * 2
+        assert [(e["mechanism"], e["sigma"]) for e in info["events"]] == [(mechanism, 0.3)] * 2
     first, second = (r["train"] for r in rounds)
     assert first["accepted"] == second["accepted"] == 3
     assert first["clip-norm"] == 1.0
-    if adpc == "noisy-norm":
-        assert second["clip-norm"] > 10.0
-    elif adpc == "raw-norm":  # the median of the norms the clients reported in round 1
+    if adpc == "raw-norm":  # the median of the norms the clients reported in round 1
         norms = sorted(c["update-norm"] for c in rounds[0]["clients"].values())
         assert second["clip-norm"] == pytest.approx(norms[1], rel=1e-6)
     else:  # exp(-0.2 (b - 0.5)) with the noisy unclipped fraction b
@@ -47,7 +48,9 @@ def test_fedcompdp_readings_run_and_state_their_verdict(tmp_path, adpc, cra):
         assert len(weights) == 3 and sum(weights) == pytest.approx(1.0)
     reported = rounds[0]["clients"]["client-0"]
     assert ("update-norm" in reported) is (adpc == "raw-norm")
-    assert ("adpc-unclipped" in reported) is (adpc == "private-quantile")
+    assert ("adpc-unclipped" in reported) is (adpc == "private-quantile"
+                                              and trainer == "update-dp")
+    assert ("dpsgd-unclipped-fraction" in reported) is (trainer == "dpsgd")
 
 
 @pytest.mark.parametrize("variant", ["strict", "paper"])
@@ -99,6 +102,29 @@ def test_fedasgp_variants_run_and_state_their_verdict(tmp_path, variant):
     assert ("asgp-loss" in reported) is (variant == "paper")
     assert all(c["epsilon"] == pytest.approx(2.0, rel=1e-9)
                for c in summary["clients"].values())
+
+
+def test_fedasgp_over_dpsgd_selects_by_eq14_and_weights_by_the_servers_proxy(tmp_path):
+    """DP-FedASGP over DP-SGD (3 clients, 2 rounds): one DP-SGD event per client and round
+    (sample level, formal); clients send no loss; the kept share of coordinates is eq. 14's
+    (T = 2: about half in round 1, a tenth in round 2); the eq. 16 weights from the server's
+    validation-loss proxy sum to 1."""
+    run = _simulate(tmp_path, "d", "strategy=fedasgp", "trainer=dpsgd", "server-holdout=100",
+                    "num-rounds=2", "lr=0.5", "target-epsilon=8.0", clients=3)
+    rounds, ledger, summary, _ = _read(run)
+    assert (summary["guarantee"]["verdict"], summary["guarantee"]["unit"]) == ("formal", "sample")
+    assert ledger["mismatches"] == []
+    for info in ledger["clients"].values():
+        assert [e["mechanism"] for e in info["events"]] == ["dpsgd"] * 2
+    for r, share in zip(rounds, (0.5, 0.1)):
+        t = r["train"]
+        assert t["accepted"] == 3
+        assert t["asgp-significant-fraction"] == pytest.approx(share, abs=1e-3)
+        weights = [v for k, v in t.items() if k.startswith("asgp-gamma-client-")]
+        assert len(weights) == 3 and sum(weights) == pytest.approx(1.0)
+        assert not any(k in c for c in r["clients"].values()
+                       for k in ("asgp-loss", "train-loss", "asgp-significant"))
+    assert summary["final"]["accuracy"] > summary["initial"]["accuracy"]
 
 
 def test_fedsmp_randk_runs_with_the_public_mask_and_the_shared_plan(tmp_path):
