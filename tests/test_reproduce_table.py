@@ -271,3 +271,26 @@ def test_pegasus_uniform_control_is_dpfedavg_at_pegasus_participation():
     assert over["strategy"] == "dpfedavg" and over["fraction-train"] == UNIFORM_FRACTION == 0.51
     assert over["noise-multiplier"] == 0.0 and over["target-epsilon"] == 8.0  # same sigma
     assert over["run-name"] == "uniform__seed3"   # the calibrated cell names runs without it
+
+
+@pytest.mark.parametrize("eps", [4, 8])
+def test_fedcompdp_control_cells_calibrate_sigma_to_a_protective_client_level_epsilon(eps):
+    """The control cells run FedCompDP's grid at sigma calibrated for the whole run (20
+    participations, replace-one Gaussian) to end at client-level epsilon 4 or 8."""
+    import tomllib
+
+    from dpfl.experiments.fedcompdp import REPRODUCTION
+    from dpfl.methods import guarantee, parse_run_config
+    from dpfl.privacy.budget import PrivacyHistory
+    from dpfl.privacy.events import PrivacyEvent
+    from dpfl.privacy.plan import noise_multiplier_for
+
+    root = Path(__file__).parent.parent
+    defaults = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["flwr"]["app"]["config"]
+    over = REPRODUCTION.overrides(root, f"mnist-dir0.5-eps{eps}", "fedcompdp", 0)
+    cfg = parse_run_config({**defaults, **over})
+    sigma = noise_multiplier_for(cfg, 1)
+    events = [PrivacyEvent.gaussian(r, sigma, relation="replace-one") for r in range(1, 21)]
+    spent = PrivacyHistory(events).epsilon(cfg.delta, cfg.accountant)
+    assert spent == pytest.approx(eps, rel=0.01) and spent <= eps
+    assert guarantee(cfg).verdict == "formal" and guarantee(cfg).unit == "client"

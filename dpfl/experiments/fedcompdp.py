@@ -46,6 +46,13 @@ CELLS: dict[str, tuple[str, str, dict[str, Any]]] = {
 # bounds every update by 8 x 0.05 x C_t < C_t, every client's bit says "unclipped" and
 # private-quantile ADPC shrinks C_t by exp(-0.1) every round (kept: it shows the coupling).
 CELLS["mnist-dir0.5-fewsteps"] = ("mnist.toml", "dir0.5", {"batch-size": 64, "lr": 0.05})
+# The control (issue 26): the same grid with sigma calibrated so that every client's whole
+# run (20 participations, replace-one, client level) ends at epsilon 4 or 8 (the preset's
+# sigma 0.01 gives ~4e5: no update there is noise-dominated, so CRA's down-weighting of
+# noise-dominated updates was never tested).
+for _eps in (4, 8):
+    CELLS[f"mnist-dir0.5-eps{_eps}"] = ("mnist.toml", "dir0.5", {
+        "noise-multiplier": 0.0, "target-epsilon": float(_eps)})
 DEFAULT_CELLS = ("mnist-dir0.5",)
 _F = {"strategy": "fedcompdp", "trainer": "update-dp"}
 METHODS: dict[str, dict[str, Any]] = {
