@@ -89,6 +89,9 @@ TUNING: dict[str, list[dict[str, Any]]] = {
 # client lr barely changes the step, the server's rate does (the paper's 0.01 in the middle).
 TUNING["aadp"] = [{"server-lr": lr} for lr in (0.003, 0.01, 0.03)]
 ORDER = tuple(METHODS)
+# the five papers' methods (and FedCompDP's ablations); the rest are baselines
+PAPER_METHODS = frozenset({"gcfl", "pegasus", "fedcompdp", "fedcompdp-no-adpc",
+                           "fedcompdp-no-cra", "fedcompdp-no-llcm", "aadp", "fedasgp"})
 LABELS = {
     "fedavg": "FedAvg (no DP, ceiling)", "dpfedavg": "DP-FedAvg", "dpfedprox": "DP-FedProx",
     "dpscaffold": "DP-SCAFFOLD", "dpfedexp": "DP-FedExP", "dpfedavgm": "DP-FedAvgM",
@@ -355,7 +358,7 @@ def build_table(results: Path, command: str) -> str:
 
 def _plot(table: dict[str, Any], path: Path) -> None:
     plt = pyplot()
-    fig, axes = plt.subplots(1, len(DATASETS), figsize=(13, 5.5), squeeze=False)
+    fig, axes = plt.subplots(1, len(DATASETS), figsize=(14, 5.5), squeeze=False)
     markers = "osD^v<>pPhX*d18"
     for ax, dataset in zip(axes[0], DATASETS):
         eps_list = EPSILONS[dataset]
@@ -363,8 +366,8 @@ def _plot(table: dict[str, Any], path: Path) -> None:
             if m == CEILING:
                 row = table.get(cell_name(dataset, None), {}).get(m)
                 if row:
-                    ax.axhline(100 * statistics.fmean(row["accuracy"]), color="black",
-                               ls="--", lw=1, label=LABELS[m])
+                    ax.axhline(100 * statistics.fmean(row["accuracy"]), color="dimgray",
+                               ls=":", lw=1.5, label=LABELS[m])
                 continue
             pts = [(e, table[c][m]["accuracy"]) for e in eps_list
                    if m in table.get(c := cell_name(dataset, e), {})]
@@ -373,8 +376,11 @@ def _plot(table: dict[str, Any], path: Path) -> None:
             xs = [e for e, _ in pts]
             ys = [100 * statistics.fmean(a) for _, a in pts]
             err = [100 * statistics.stdev(a) if len(a) > 1 else 0.0 for _, a in pts]
+            paper = m in PAPER_METHODS
             ax.errorbar(xs, ys, yerr=err, marker=markers[k % len(markers)], capsize=3,
-                        lw=2.2 if m == BASELINE else 1.2, label=LABELS[m])
+                        color="black" if m == BASELINE else plt.cm.tab20(k % 20),
+                        ls="-" if paper or m == BASELINE else "--",
+                        lw=2.6 if m == BASELINE else (1.6 if paper else 1.1), label=LABELS[m])
         ax.set_xscale("log", base=2)
         ax.set_xticks(list(eps_list), [f"{e:g}" for e in eps_list])
         ax.set_xlabel("whole-run ε per client (sample-level, δ = 1e-5)")
@@ -384,8 +390,9 @@ def _plot(table: dict[str, Any], path: Path) -> None:
         ax.grid(alpha=0.3)
     handles, labels = axes[0][0].get_legend_handles_labels()
     if handles:
-        fig.legend(handles, labels, loc="center right", fontsize=8)
-        fig.subplots_adjust(right=0.8)
+        fig.legend(handles, labels, loc="center right", fontsize=8,
+                   title="solid: the five papers' methods", title_fontsize=8)
+        fig.subplots_adjust(left=0.05, right=0.84, wspace=0.18)
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
