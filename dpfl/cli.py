@@ -49,7 +49,13 @@ import sys
 import tomllib
 from pathlib import Path
 
-from dpfl.errors import EXIT_USER_ERROR, UserError, read_json_file
+from dpfl.errors import (
+    EXIT_USER_ERROR,
+    UserError,
+    check_writable_dir,
+    read_json_file,
+    writable_dir_problem,
+)
 
 
 def _parse_value(text: str) -> object:
@@ -60,12 +66,20 @@ def _parse_value(text: str) -> object:
 
 
 def _overrides(pairs: list[str]) -> dict[str, object]:
+    """``key=value`` arguments as run-config overrides; a key given twice is refused (which
+    one should win is a guess either way: Flower's ``--run-config`` keeps the last)."""
     out: dict[str, object] = {}
+    given: dict[str, str] = {}
     for pair in pairs:
         if "=" not in pair:
             raise UserError(f"expected key=value, got {pair!r}")
         key, value = pair.split("=", 1)
-        out[key.strip()] = _parse_value(value.strip())
+        key = key.strip()
+        if key in given:
+            raise UserError(f"run-config key '{key}' is given twice ({given[key]!r} and "
+                            f"{pair!r}): give it once")
+        given[key] = pair
+        out[key] = _parse_value(value.strip())
     return out
 
 
@@ -104,13 +118,18 @@ def cmd_summary(args: argparse.Namespace) -> int:
     return 0
 
 
-def run_directory(text: str) -> Path:
-    """A run directory given on the command line, or a :class:`UserError` naming it."""
+def run_directory(text: str, writes: str = "") -> Path:
+    """A run directory given on the command line, or a :class:`UserError` naming it;
+    ``writes``: what the command writes into it (then it must be writable)."""
     path = Path(text)
     if not path.is_dir():
         raise UserError(f"{path}: no such run directory")
     if not (path / "config.json").exists():
         raise UserError(f"{path}: not a dpfl run directory (no config.json)")
+    if writes:
+        why = writable_dir_problem(path)
+        if why is not None:
+            raise UserError(f"RUN_DIR {path}: {why} (this command writes {writes} there)")
     return path
 
 
@@ -118,15 +137,22 @@ def cmd_privacy_report(args: argparse.Namespace) -> int:
     from dpfl.privacy.report import privacy_report_command
     from dpfl.server.plots import plot_epsilon
 
-    return privacy_report_command(run_directory(args.run_dir), plot=plot_epsilon)
+    run_dir = run_directory(args.run_dir)
+    why = writable_dir_problem(run_dir)
+
+    def plot(series, path, budget, title):  # a read-only run folder: the report, no plot
+        return plot_epsilon(series, path, budget, title) if why is None else \
+            f"not written ({why})"
+
+    return privacy_report_command(run_dir, plot=plot)
 
 
 def cmd_attack(args: argparse.Namespace) -> int:
     from dpfl.attacks.command import attack_run
 
-    attack_run(run_directory(args.run_dir), client=args.client, seed=args.seed,
-               reference_models=args.reference_models, shadow_epochs=args.shadow_epochs,
-               max_members=args.max_members)
+    attack_run(run_directory(args.run_dir, writes="attack/"), client=args.client,
+               seed=args.seed, reference_models=args.reference_models,
+               shadow_epochs=args.shadow_epochs, max_members=args.max_members)
     return 0
 
 
@@ -141,7 +167,8 @@ def cmd_audit(args: argparse.Namespace) -> int:
                         num_cpus=args.cpus_per_client)
 
     try:
-        report = audit(run_directory(args.run_dir), run, args.canaries, args.audit_seed)
+        report = audit(run_directory(args.run_dir, writes="audit/"), run, args.canaries,
+                       args.audit_seed)
     except RunFailed as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
@@ -163,6 +190,8 @@ def cmd_reproduce(args: argparse.Namespace) -> int:
             print(f"unknown {args.paper} {kind}(s) {unknown}; known: {list(known)}",
                   file=sys.stderr)
             return 2
+    check_writable_dir(results, "--results")
+    check_writable_dir(work, "--work-dir")
     print(paper.reproduce(root, results, work, args.cells or list(paper.default_cells),
                           args.methods or list(paper.default_methods), args.seeds,
                           args.skip_existing, command))
