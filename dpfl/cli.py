@@ -47,6 +47,7 @@ import argparse
 import signal
 import sys
 import tomllib
+from collections.abc import Callable
 from pathlib import Path
 
 from dpfl.errors import (
@@ -94,13 +95,14 @@ def app_dir() -> Path:
 def cmd_simulate(args: argparse.Namespace) -> int:
     """Invalid settings stop before any process starts (exit 2); a federation that did not
     finish exits 1, whatever files an earlier run left."""
+    overrides = _overrides(args.overrides)   # before the imports below (seconds)
     from dpfl.launch import RunFailed, simulate
     from dpfl.server.report import epsilon_table
 
     root = app_dir()
     try:
-        run_dir = simulate(root, args.clients, _overrides(args.overrides),
-                           Path(args.output_dir), num_cpus=args.cpus_per_client)
+        run_dir = simulate(root, args.clients, overrides, Path(args.output_dir),
+                           num_cpus=args.cpus_per_client)
     except RunFailed as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
@@ -134,10 +136,10 @@ def run_directory(text: str, writes: str = "") -> Path:
 
 
 def cmd_privacy_report(args: argparse.Namespace) -> int:
+    run_dir = run_directory(args.run_dir)
     from dpfl.privacy.report import privacy_report_command
     from dpfl.server.plots import plot_epsilon
 
-    run_dir = run_directory(args.run_dir)
     why = writable_dir_problem(run_dir)
 
     def plot(series, path, budget, title):  # a read-only run folder: the report, no plot
@@ -148,15 +150,16 @@ def cmd_privacy_report(args: argparse.Namespace) -> int:
 
 
 def cmd_attack(args: argparse.Namespace) -> int:
+    run_dir = run_directory(args.run_dir, writes="attack/")
     from dpfl.attacks.command import attack_run
 
-    attack_run(run_directory(args.run_dir, writes="attack/"), client=args.client,
-               seed=args.seed, reference_models=args.reference_models,
+    attack_run(run_dir, client=args.client, seed=args.seed, reference_models=args.reference_models,
                shadow_epochs=args.shadow_epochs, max_members=args.max_members)
     return 0
 
 
 def cmd_audit(args: argparse.Namespace) -> int:
+    run_dir = run_directory(args.run_dir, writes="audit/")
     from dpfl.attacks.audit import audit
     from dpfl.launch import RunFailed, simulate
 
@@ -167,8 +170,7 @@ def cmd_audit(args: argparse.Namespace) -> int:
                         num_cpus=args.cpus_per_client)
 
     try:
-        report = audit(run_directory(args.run_dir, writes="audit/"), run, args.canaries,
-                       args.audit_seed)
+        report = audit(run_dir, run, args.canaries, args.audit_seed)
     except RunFailed as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
@@ -239,6 +241,18 @@ def _on_sigterm(signum: int, frame: object) -> None:
     sys.exit(128 + signum)
 
 
+def _lazy_epilog(parser: argparse.ArgumentParser, epilog: Callable[[], str]) -> None:
+    """Compute ``parser``'s epilog only when its help is printed (``dpfl --help`` and every
+    command start without importing what the epilog needs: torch, Opacus, Flower)."""
+    format_help = parser.format_help
+
+    def with_epilog() -> str:
+        parser.epilog = epilog()
+        return format_help()
+
+    parser.format_help = with_epilog  # type: ignore[method-assign]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="dpfl", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -259,7 +273,8 @@ def main(argv: list[str] | None = None) -> int:
                        description="Run a paper's grid (cells x methods x seeds, seed-major), "
                        "one real Flower\nsimulation per run; write results/<paper>/ (per-run "
                        "JSON, table.md beside the\npaper's numbers, plots).",
-                       epilog=help_epilog(), formatter_class=argparse.RawDescriptionHelpFormatter)
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    _lazy_epilog(p, help_epilog)   # it imports every paper's module: only for its --help
     p.add_argument("paper", choices=PAPERS, help="which paper (its cells and methods below)")
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], metavar="SEED",
                    help="seeds to run (default: 0 1 2)")
