@@ -102,7 +102,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     root = app_dir()
     try:
         run_dir = simulate(root, args.clients, overrides, Path(args.output_dir),
-                           num_cpus=args.cpus_per_client)
+                           num_cpus=args.cpus_per_client, prints_summary=True)
     except RunFailed as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1

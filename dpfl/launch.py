@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Iterator
 
 from dpfl.apps.server import first_round_affordable
-from dpfl.apps.status import STATUS_ENV, read_status
+from dpfl.apps.status import STATUS_ENV, SUMMARY_ENV, read_status
 from dpfl.config import RunConfig
 from dpfl.data import check_dataset, splits_for
 from dpfl.errors import UserError, writable_dir_problem
@@ -272,7 +272,8 @@ def _outcome(status_file: Path, run_dir: Path, returncode: int, log_file: Path) 
 
 def simulate(app_dir: Path, num_clients: int | None, overrides: dict[str, object],
              output_root: Path, flwr_home: Path | None = None, num_cpus: float = 1.0,
-             timeout: float | None = None, quiet: bool = False) -> Path:
+             timeout: float | None = None, quiet: bool = False,
+             prints_summary: bool = False) -> Path:
     """Run one simulated federation; return its run directory, whose ``summary.json`` this
     run wrote. Raises :class:`UserError` for settings that cannot work (before anything
     starts) or that the ServerApp refused, :class:`RunFailed` when it did not finish.
@@ -281,7 +282,8 @@ def simulate(app_dir: Path, num_clients: int | None, overrides: dict[str, object
     the run's saved config (``config.json``) and applies only the overrides a resume may
     change (:func:`dpfl.server.runidentity.resume_overrides`). The launcher holds the run
     folder's launcher lock for its whole life (a second launch or a resume of a live run is
-    refused naming the holder's PID)."""
+    refused naming the holder's PID). ``prints_summary``: the caller prints the privacy
+    summary when the run ends, so the ServerApp does not log it too."""
     output_root = output_root.resolve()
     overrides = dict(overrides)
     overrides.setdefault("run-name", unique_run_name(str(overrides.get("strategy") or
@@ -324,18 +326,21 @@ def simulate(app_dir: Path, num_clients: int | None, overrides: dict[str, object
         raise
     try:
         return _launch(app_dir, cfg, num_clients, overrides, output_root, run_dir, flwr_home,
-                       num_cpus, timeout, quiet)
+                       num_cpus, timeout, quiet, prints_summary)
     finally:
         lock.release()
 
 
 def _launch(app_dir: Path, cfg: RunConfig, num_clients: int, overrides: dict[str, object],
             output_root: Path, run_dir: Path, flwr_home: Path | None, num_cpus: float,
-            timeout: float | None, quiet: bool) -> Path:
+            timeout: float | None, quiet: bool, prints_summary: bool = False) -> Path:
     flwr_home = (flwr_home or run_dir / ".flwr").resolve()
     env = flower_env(flwr_home, output_root)
     status_file = flwr_home / f"status-{secrets.token_hex(8)}.json"
     env[STATUS_ENV] = str(status_file)
+    env.pop(SUMMARY_ENV, None)
+    if prints_summary:
+        env[SUMMARY_ENV] = "1"
     with simulation_superlink(flwr_home, env) as address:
         write_flower_config(flwr_home, address)
         cmd = [_bin("flwr"), "run", str(app_dir), CONNECTION, "--stream",

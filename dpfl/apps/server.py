@@ -19,7 +19,7 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context
 from flwr.serverapp import Grid, ServerApp
 
-from dpfl.apps.status import write_status
+from dpfl.apps.status import launcher_prints_summary, write_status
 from dpfl.config import ConfigError, RunConfig
 from dpfl.data import label_counts, load_dataset, splits_for, test_tensors
 from dpfl.data.plots import plot_label_counts
@@ -466,8 +466,12 @@ def finish(fed: Federation) -> dict[str, Any]:
     if cfg.is_private:
         plot_epsilon(_epsilon_series(rounds), fed.run_dir.file("epsilon.png"),
                      cfg.target_epsilon)
-    for row in epsilon_table(summary).splitlines():
-        log.info("%s", row)
+    if launcher_prints_summary():   # dpfl simulate prints the table when the run ends
+        log.info("privacy summary: %s (verdict %s)", fed.run_dir.file("summary.json"),
+                 summary["guarantee"]["verdict"])
+    else:
+        for row in epsilon_table(summary).splitlines():
+            log.info("%s", row)
     return summary
 
 
