@@ -19,8 +19,9 @@
 #     STATE_DIR/runs/ (mounted into the ServerApp SuperExec).
 # down: `docker-compose down -v` (containers, network, the SuperLink's state volume).
 # The image must exist (deploy/image.sh); DOCKER_HOST is honoured.
-# Arguments, tools (docker-compose, docker), the engine and the image are checked before
-# anything is written: a problem is one line on stderr naming it, exit 2. If `up` fails
+# Arguments and STATE_DIR, then tools (docker-compose, docker), the engine and the image are
+# checked, in that order, before anything is written: a problem is one line on stderr naming
+# it, exit 2 (so a bad argument is named even where docker-compose is not installed). If `up` fails
 # after that, it takes down the containers it had started.
 set -euo pipefail
 me=deploy/compose.sh
@@ -173,8 +174,8 @@ ENV
   echo "federation up: project $project, Fleet API 127.0.0.1:$fleet, Control API on the SuperLink's loopback only; state in $state"
   ;;
 run)
-  require_tools docker-compose docker
   load_state
+  require_tools docker-compose docker
   require_engine
   map_arg=()   # replies charged by the sender's registered key (a later --run-config may override)
   if [ -s "$state/node-partitions" ] && [ -n "$(cat "$state/node-partitions")" ]; then
@@ -183,14 +184,14 @@ run)
   operator run /app superlink --stream "${map_arg[@]}" "$@"
   ;;
 logs)
-  require_tools docker-compose
   load_state
+  require_tools docker-compose
   compose logs --no-color "$@"
   ;;
 down)
   [ $# = 0 ] || die 2 "unknown argument '$1' (down STATE_DIR)"
-  require_tools docker-compose docker
   load_state
+  require_tools docker-compose docker
   require_engine
   compose down -v --remove-orphans --timeout 20
   echo "federation down"

@@ -47,9 +47,16 @@ import argparse
 import signal
 import sys
 import tomllib
+from collections.abc import Callable
 from pathlib import Path
 
-from dpfl.errors import EXIT_USER_ERROR, UserError, read_json_file
+from dpfl.errors import (
+    EXIT_USER_ERROR,
+    UserError,
+    check_writable_dir,
+    read_json_file,
+    writable_dir_problem,
+)
 
 
 def _parse_value(text: str) -> object:
@@ -60,12 +67,20 @@ def _parse_value(text: str) -> object:
 
 
 def _overrides(pairs: list[str]) -> dict[str, object]:
+    """``key=value`` arguments as run-config overrides; a key given twice is refused (which
+    one should win is a guess either way: Flower's ``--run-config`` keeps the last)."""
     out: dict[str, object] = {}
+    given: dict[str, str] = {}
     for pair in pairs:
         if "=" not in pair:
             raise UserError(f"expected key=value, got {pair!r}")
         key, value = pair.split("=", 1)
-        out[key.strip()] = _parse_value(value.strip())
+        key = key.strip()
+        if key in given:
+            raise UserError(f"run-config key '{key}' is given twice ({given[key]!r} and "
+                            f"{pair!r}): give it once")
+        given[key] = pair
+        out[key] = _parse_value(value.strip())
     return out
 
 
@@ -80,13 +95,14 @@ def app_dir() -> Path:
 def cmd_simulate(args: argparse.Namespace) -> int:
     """Invalid settings stop before any process starts (exit 2); a federation that did not
     finish exits 1, whatever files an earlier run left."""
+    overrides = _overrides(args.overrides)   # before the imports below (seconds)
     from dpfl.launch import RunFailed, simulate
     from dpfl.server.report import epsilon_table
 
     root = app_dir()
     try:
-        run_dir = simulate(root, args.clients, _overrides(args.overrides),
-                           Path(args.output_dir), num_cpus=args.cpus_per_client)
+        run_dir = simulate(root, args.clients, overrides, Path(args.output_dir),
+                           num_cpus=args.cpus_per_client, prints_summary=True)
     except RunFailed as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
@@ -104,33 +120,46 @@ def cmd_summary(args: argparse.Namespace) -> int:
     return 0
 
 
-def run_directory(text: str) -> Path:
-    """A run directory given on the command line, or a :class:`UserError` naming it."""
+def run_directory(text: str, writes: str = "") -> Path:
+    """A run directory given on the command line, or a :class:`UserError` naming it;
+    ``writes``: what the command writes into it (then it must be writable)."""
     path = Path(text)
     if not path.is_dir():
         raise UserError(f"{path}: no such run directory")
     if not (path / "config.json").exists():
         raise UserError(f"{path}: not a dpfl run directory (no config.json)")
+    if writes:
+        why = writable_dir_problem(path)
+        if why is not None:
+            raise UserError(f"RUN_DIR {path}: {why} (this command writes {writes} there)")
     return path
 
 
 def cmd_privacy_report(args: argparse.Namespace) -> int:
+    run_dir = run_directory(args.run_dir)
     from dpfl.privacy.report import privacy_report_command
     from dpfl.server.plots import plot_epsilon
 
-    return privacy_report_command(run_directory(args.run_dir), plot=plot_epsilon)
+    why = writable_dir_problem(run_dir)
+
+    def plot(series, path, budget, title):  # a read-only run folder: the report, no plot
+        return plot_epsilon(series, path, budget, title) if why is None else \
+            f"not written ({why})"
+
+    return privacy_report_command(run_dir, plot=plot)
 
 
 def cmd_attack(args: argparse.Namespace) -> int:
+    run_dir = run_directory(args.run_dir, writes="attack/")
     from dpfl.attacks.command import attack_run
 
-    attack_run(run_directory(args.run_dir), client=args.client, seed=args.seed,
-               reference_models=args.reference_models, shadow_epochs=args.shadow_epochs,
-               max_members=args.max_members)
+    attack_run(run_dir, client=args.client, seed=args.seed, reference_models=args.reference_models,
+               shadow_epochs=args.shadow_epochs, max_members=args.max_members)
     return 0
 
 
 def cmd_audit(args: argparse.Namespace) -> int:
+    run_dir = run_directory(args.run_dir, writes="audit/")
     from dpfl.attacks.audit import audit
     from dpfl.launch import RunFailed, simulate
 
@@ -141,7 +170,7 @@ def cmd_audit(args: argparse.Namespace) -> int:
                         num_cpus=args.cpus_per_client)
 
     try:
-        report = audit(run_directory(args.run_dir), run, args.canaries, args.audit_seed)
+        report = audit(run_dir, run, args.canaries, args.audit_seed)
     except RunFailed as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
@@ -163,6 +192,8 @@ def cmd_reproduce(args: argparse.Namespace) -> int:
             print(f"unknown {args.paper} {kind}(s) {unknown}; known: {list(known)}",
                   file=sys.stderr)
             return 2
+    check_writable_dir(results, "--results")
+    check_writable_dir(work, "--work-dir")
     print(paper.reproduce(root, results, work, args.cells or list(paper.default_cells),
                           args.methods or list(paper.default_methods), args.seeds,
                           args.skip_existing, command))
@@ -210,6 +241,18 @@ def _on_sigterm(signum: int, frame: object) -> None:
     sys.exit(128 + signum)
 
 
+def _lazy_epilog(parser: argparse.ArgumentParser, epilog: Callable[[], str]) -> None:
+    """Compute ``parser``'s epilog only when its help is printed (``dpfl --help`` and every
+    command start without importing what the epilog needs: torch, Opacus, Flower)."""
+    format_help = parser.format_help
+
+    def with_epilog() -> str:
+        parser.epilog = epilog()
+        return format_help()
+
+    parser.format_help = with_epilog  # type: ignore[method-assign]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="dpfl", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -230,7 +273,8 @@ def main(argv: list[str] | None = None) -> int:
                        description="Run a paper's grid (cells x methods x seeds, seed-major), "
                        "one real Flower\nsimulation per run; write results/<paper>/ (per-run "
                        "JSON, table.md beside the\npaper's numbers, plots).",
-                       epilog=help_epilog(), formatter_class=argparse.RawDescriptionHelpFormatter)
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    _lazy_epilog(p, help_epilog)   # it imports every paper's module: only for its --help
     p.add_argument("paper", choices=PAPERS, help="which paper (its cells and methods below)")
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], metavar="SEED",
                    help="seeds to run (default: 0 1 2)")

@@ -35,6 +35,9 @@ TRUSTS = ("local", "central", "distributed")
 # stays finite but may be huge: reproductions switch the budget off with 1e15.
 MAX_EPSILON = 1e15
 MAX_NORM = 1e6
+# A million rounds: no run reaches it (a Flower round takes a second or more, so 10^6 rounds
+# is 12 days of nothing but rounds; the papers dpfl reproduces run at most a few thousand),
+# yet it leaves room for any real schedule. num-rounds=1e12 is a typo, refused at start.
 MAX_ROUNDS = 1_000_000
 MAX_RUN_NAME = 100   # characters (and at most 255 bytes in UTF-8: one folder name)
 

@@ -56,7 +56,7 @@ def append_line(path: Path, line: str) -> None:
 def read_lines(path: Path) -> tuple[list[str], str | None]:
     """The complete lines of an append-only file and the partial last line a kill left
     (None when the file ends with a newline)."""
-    text = path.read_text() if path.exists() else ""
+    text = path.read_text(encoding="utf-8") if path.exists() else ""
     if not text:
         return [], None
     lines = text.split("\n")

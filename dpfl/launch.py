@@ -27,13 +27,19 @@ from pathlib import Path
 from typing import Iterator
 
 from dpfl.apps.server import first_round_affordable
-from dpfl.apps.status import STATUS_ENV, read_status
+from dpfl.apps.status import STATUS_ENV, SUMMARY_ENV, read_status
 from dpfl.config import RunConfig
 from dpfl.data import check_dataset, splits_for
-from dpfl.errors import UserError
+from dpfl.errors import UserError, writable_dir_problem
 from dpfl.methods import DEFAULT_METHOD, build_strategy, configured, parse_run_config
 from dpfl.runlock import LAUNCHER_LOCK, WRITER_LOCK, RunLock, check_unlocked
-from dpfl.server.rundir import RunDir, check_run_dir, run_dir_path, unique_run_name
+from dpfl.server.rundir import (
+    RunDir,
+    check_run_dir,
+    resolve_output_dir,
+    run_dir_path,
+    unique_run_name,
+)
 from dpfl.server.runidentity import NUM_CLIENTS, resume_overrides
 from dpfl.watchdog import alive, descendants, die_with_parent
 
@@ -218,8 +224,9 @@ def preflight(cfg: RunConfig, num_clients: int, run_dir: Path, num_cpus: float =
     """Settings that cannot work stop here, before any process starts (one-line
     :class:`UserError` each): no clients, more ``min-train-nodes`` than clients (the server
     would wait for nodes that never come), a new run on an existing run directory, a resume
-    of a directory that is not there, a dataset or data-dir that is not there, a budget
-    that one round at an explicit ``noise-multiplier`` already exceeds."""
+    of a directory that is not there or whose ledger or round log is damaged, a dataset or
+    data-dir that is not there, a budget that one round at an explicit ``noise-multiplier``
+    already exceeds."""
     if num_clients < 1:
         raise UserError(f"--clients must be at least 1, got {num_clients}")
     check_cpus_per_client(num_cpus)
@@ -228,6 +235,8 @@ def preflight(cfg: RunConfig, num_clients: int, run_dir: Path, num_cpus: float =
                         f"needed but --clients is {num_clients}: the server would wait for "
                         "nodes that never come")
     check_run_dir(run_dir, cfg.resume)
+    if cfg.resume:   # its ledger and round log, as the ServerApp would read them
+        RunDir(run_dir).check_resumable()
     check_dataset(cfg.dataset, cfg.data_dir, cfg.download)
     if cfg.is_private and cfg.noise_multiplier > 0 and not cfg.resume:
         # an explicit sigma: is one round affordable? (calibrated sigmas are by construction;
@@ -263,7 +272,8 @@ def _outcome(status_file: Path, run_dir: Path, returncode: int, log_file: Path) 
 
 def simulate(app_dir: Path, num_clients: int | None, overrides: dict[str, object],
              output_root: Path, flwr_home: Path | None = None, num_cpus: float = 1.0,
-             timeout: float | None = None, quiet: bool = False) -> Path:
+             timeout: float | None = None, quiet: bool = False,
+             prints_summary: bool = False) -> Path:
     """Run one simulated federation; return its run directory, whose ``summary.json`` this
     run wrote. Raises :class:`UserError` for settings that cannot work (before anything
     starts) or that the ServerApp refused, :class:`RunFailed` when it did not finish.
@@ -272,15 +282,20 @@ def simulate(app_dir: Path, num_clients: int | None, overrides: dict[str, object
     the run's saved config (``config.json``) and applies only the overrides a resume may
     change (:func:`dpfl.server.runidentity.resume_overrides`). The launcher holds the run
     folder's launcher lock for its whole life (a second launch or a resume of a live run is
-    refused naming the holder's PID)."""
+    refused naming the holder's PID). ``prints_summary``: the caller prints the privacy
+    summary when the run ends, so the ServerApp does not log it too."""
     output_root = output_root.resolve()
     overrides = dict(overrides)
     overrides.setdefault("run-name", unique_run_name(str(overrides.get("strategy") or
                                                          DEFAULT_METHOD)))
+    output_key = "run-config key 'output-dir'" if "output-dir" in overrides else "--output-dir"
     overrides.setdefault("output-dir", str(output_root))
     defaults = tomllib.loads((app_dir / "pyproject.toml").read_text())["tool"]["flwr"]["app"]
     cfg = parse_run_config({**defaults["config"], **overrides})
     run_dir = run_dir_path(cfg, output_root)  # where the ServerApp will put it
+    why = writable_dir_problem(run_dir)   # before the lock below creates the folder
+    if why is not None:
+        raise UserError(f"{output_key} {resolve_output_dir(cfg, output_root)}: {why}")
     for name in (LAUNCHER_LOCK, WRITER_LOCK):   # a live run first: name its process
         check_unlocked(run_dir, name)
     check_run_dir(run_dir, cfg.resume)
@@ -311,18 +326,21 @@ def simulate(app_dir: Path, num_clients: int | None, overrides: dict[str, object
         raise
     try:
         return _launch(app_dir, cfg, num_clients, overrides, output_root, run_dir, flwr_home,
-                       num_cpus, timeout, quiet)
+                       num_cpus, timeout, quiet, prints_summary)
     finally:
         lock.release()
 
 
 def _launch(app_dir: Path, cfg: RunConfig, num_clients: int, overrides: dict[str, object],
             output_root: Path, run_dir: Path, flwr_home: Path | None, num_cpus: float,
-            timeout: float | None, quiet: bool) -> Path:
+            timeout: float | None, quiet: bool, prints_summary: bool = False) -> Path:
     flwr_home = (flwr_home or run_dir / ".flwr").resolve()
     env = flower_env(flwr_home, output_root)
     status_file = flwr_home / f"status-{secrets.token_hex(8)}.json"
     env[STATUS_ENV] = str(status_file)
+    env.pop(SUMMARY_ENV, None)
+    if prints_summary:
+        env[SUMMARY_ENV] = "1"
     with simulation_superlink(flwr_home, env) as address:
         write_flower_config(flwr_home, address)
         cmd = [_bin("flwr"), "run", str(app_dir), CONNECTION, "--stream",

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from dpfl.cli import main
@@ -75,3 +77,119 @@ def test_a_new_run_never_reuses_a_finished_run_directory(tmp_path, capsys):
     (tmp_path / "old" / "summary.json").write_text("{}")
     _fails(capsys, ["simulate", "--output-dir", str(tmp_path), "run-name=old"],
            str(tmp_path / "old"), "already exists")
+
+
+# -- issue 28, item 6: no traceback, and nothing started, on bad input -----------------------
+
+
+@pytest.mark.parametrize("argv,named", [
+    (["noise-multiplier=inf"], ["run-config key 'noise-multiplier'", "finite number, got inf"]),
+    (["target-epsilon=inf"], ["run-config key 'target-epsilon'", "finite number, got inf"]),
+    (["lr=nan"], ["run-config key 'lr'", "finite number, got nan"]),
+    (["num-rounds=1e12"], ["run-config key 'num-rounds'", "must be in [1, 1000000]"]),
+    (["num-rounds=2.5"], ["run-config key 'num-rounds'", "expected an integer, got 2.5"]),
+    (["local-epochs=inf"], ["run-config key 'local-epochs'", "expected an integer, got inf"]),
+    (["seed=1", "seed=2"], ["run-config key 'seed' is given twice ('seed=1' and 'seed=2')"]),
+    (["seed=1", "num-rounds=2", "seed=1"], ["run-config key 'seed' is given twice"]),
+])
+def test_bad_values_are_refused_before_anything_starts(tmp_path, capsys, argv, named):
+    _fails(capsys, ["simulate", "--output-dir", str(tmp_path), *argv], *named)
+    assert not any(tmp_path.iterdir())
+
+
+def test_every_numeric_key_refuses_infinite_and_nan():
+    """Every int and float key, global or a method's own, goes through the same finite
+    check: no setting means "infinite" (inf and nan are typos), whichever method runs."""
+    import dataclasses
+    import math
+
+    from dpfl.config import RunConfig
+    from dpfl.methods import METHODS, ConfigError, parse_run_config
+
+    numeric = [f for f in dataclasses.fields(RunConfig) if str(f.type) in ("int", "float")]
+    for method in METHODS.values():
+        if method.params is not None:
+            numeric += [f for f in dataclasses.fields(method.params)
+                        if str(f.type) in ("int", "float")]
+    keys = sorted({f.name.replace("_", "-") for f in numeric})
+    assert {"num-rounds", "target-epsilon", "noise-multiplier", "lr"} <= set(keys)
+    assert len(keys) > 40
+    for key in keys:
+        for value in (math.inf, -math.inf, math.nan):
+            with pytest.raises(ConfigError, match=f"run-config key '{key}': expected an? "):
+                parse_run_config({key: value})
+
+
+def test_an_output_folder_that_cannot_be_written_is_refused(tmp_path, capsys):
+    """--output-dir and the output-dir key: one line naming the option and why, exit 2,
+    before the launcher creates anything (no traceback from mkdir)."""
+    if Path("/proc/self").is_dir():   # Linux: a pseudo file system where mkdir fails
+        _fails(capsys, ["simulate", "--output-dir", "/proc/x"],
+               "error: --output-dir /proc/x: cannot create a folder in /proc: ")
+        assert not Path("/proc/x").exists()
+    (tmp_path / "file").write_text("x")
+    out = tmp_path / "file" / "runs"
+    _fails(capsys, ["simulate", "--output-dir", str(out)],
+           f"error: --output-dir {out}: {tmp_path / 'file'} exists and is not a directory")
+    _fails(capsys, ["simulate", f"output-dir={out}"],
+           f"error: run-config key 'output-dir' {out}: {tmp_path / 'file'} exists and is not")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]
+
+
+def test_path_options_go_through_the_same_writability_check(tmp_path, capsys, monkeypatch):
+    (tmp_path / "file").write_text("x")
+    bad = tmp_path / "file" / "sub"
+    _fails(capsys, ["reproduce", "gcfl", "--results", str(bad)],
+           f"error: --results {bad}: {tmp_path / 'file'} exists and is not a directory")
+    _fails(capsys, ["reproduce", "gcfl", "--results", str(tmp_path / "r"), "--work-dir",
+                    str(bad)], f"error: --work-dir {bad}: ")
+    # a run folder the command cannot write into (read-only mount; root ignores chmod, so
+    # the write fails here by hand)
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.json").write_text("{}")
+
+    def read_only(*args, **kwargs):
+        raise OSError(30, "Read-only file system")
+
+    monkeypatch.setattr("dpfl.errors.tempfile.mkstemp", read_only)
+    _fails(capsys, ["attack", str(run)], f"error: RUN_DIR {run}: cannot write in {run}: "
+           "Read-only file system (this command writes attack/ there)")
+    _fails(capsys, ["audit", str(run)], f"error: RUN_DIR {run}: cannot write in {run}: ",
+           "audit/")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file", "run"]
+    assert [p.name for p in run.iterdir()] == ["config.json"]
+
+
+def _saved_run(tmp_path: Path) -> Path:
+    """A run folder as a run that stopped after starting leaves it: config.json (the
+    ServerApp writes it first) and the files a test damages."""
+    import json
+    import tomllib
+
+    from dpfl.methods import parse_run_config
+    from dpfl.server.runidentity import NUM_CLIENTS
+
+    root = Path(__file__).resolve().parents[1]
+    defaults = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["flwr"]["app"]
+    cfg = parse_run_config({**defaults["config"], "run-name": "r",
+                            "output-dir": str(tmp_path)})
+    run = tmp_path / "r"
+    run.mkdir()
+    (run / "config.json").write_text(json.dumps({**cfg.to_dict(), NUM_CLIENTS: 4}))
+    return run
+
+
+@pytest.mark.parametrize("name,what", [("ledger.json", "privacy ledger"),
+                                       ("rounds.jsonl", "round log"),
+                                       ("config.json", "run config")])
+def test_a_resume_over_records_that_are_not_utf8(tmp_path, capsys, name, what):
+    """Bytes that are not UTF-8 in a record a resume reads: the same one line and exit 2 as
+    every other damaged record, found by the launcher before the SuperLink starts."""
+    run = _saved_run(tmp_path)
+    if name != "ledger.json":
+        (run / "ledger.json").write_text('{"delta": 1e-05, "accountant": "pld", "clients": {}}')
+    (run / name).write_bytes(b'{"delta": 1e-05, "accountant": "pld", "clients": {"\xff": 1}}\n')
+    _fails(capsys, ["simulate", "--output-dir", str(tmp_path), "resume=true", "run-name=r"],
+           f"error: {run / name}: {what} is damaged (not UTF-8 text: byte 0xff at offset ")
+    assert not (run / ".flwr").exists()   # no SuperLink was started

@@ -273,3 +273,19 @@ def test_damaged_round_log_and_summary_are_named(run):
         "verdict": "formal", "scope": "s", "relation": "r", "sampling": "none"}}))
     with pytest.raises(UserError, match=r"summary\.json: not a run summary \(no 'clients'"):
         privacy_report(run)
+
+
+def test_a_read_only_run_folder_gets_its_report_without_the_plot(run, capsys, monkeypatch):
+    """privacy-report writes privacy-report.png into RUN_DIR; where it cannot (a read-only
+    copy of a run: root ignores chmod, so the write check fails here by hand) it still
+    prints the report and says why there is no plot."""
+    def read_only(*args, **kwargs):
+        raise OSError(30, "Read-only file system")
+
+    monkeypatch.setattr("dpfl.errors.tempfile.mkstemp", read_only)
+    assert main(["privacy-report", str(run)]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("verdict: formal\n")
+    assert (f"plot: not written (cannot write in {run}: Read-only file system)"
+            in " ".join(out.split()))   # the report's console wraps long lines
+    assert not (run / "privacy-report.png").exists()

@@ -97,3 +97,20 @@ def test_secret_entropy_appears_in_no_reply_and_no_log(monkeypatch, caplog):
     for blob in blobs:
         assert not any(w in blob for w in windows)
         assert not any(t.encode() in blob for t in texts)
+
+
+def test_the_randomness_scope_names_only_what_the_mechanism_draws():
+    """Update-level DP samples nothing (every client's whole update, every round): its
+    guarantee must not speak of Poisson sampling; DP-SGD's and the central server's do."""
+    from dpfl.methods import guarantee, run_config
+
+    def randomness_of(**kw):
+        return guarantee(run_config(**kw)).scope.split("randomness: ")[1]
+
+    assert randomness_of(trainer="update-dp").startswith("noise comes from a PRNG")
+    assert "Poisson" not in guarantee(run_config(trainer="update-dp")).scope
+    assert randomness_of(trainer="dpsgd").startswith("noise and Poisson sampling come from")
+    assert randomness_of(trainer="update-dp", trust="central").startswith(
+        "the server's noise and Poisson client sampling come from")
+    assert randomness_of(trainer="update-dp", trust="distributed").startswith(
+        "the clients' noise shares come from")

@@ -19,7 +19,7 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context
 from flwr.serverapp import Grid, ServerApp
 
-from dpfl.apps.status import write_status
+from dpfl.apps.status import launcher_prints_summary, write_status
 from dpfl.config import ConfigError, RunConfig
 from dpfl.data import label_counts, load_dataset, splits_for, test_tensors
 from dpfl.data.plots import plot_label_counts
@@ -42,7 +42,7 @@ from dpfl.privacy.trust import (
     share_limit,
 )
 from dpfl.privacy.verdict import Guarantee
-from dpfl.server.evaluation import classification_metrics
+from dpfl.server.evaluation import classification_metrics, divergence
 from dpfl.server.exchange import ReplyExchange
 from dpfl.server.observer import UpdateObserver
 from dpfl.server.phases import PhaseClock
@@ -85,6 +85,7 @@ class Federation:
     initial: dict[str, float] = field(default_factory=dict)
     resume_config: dict[str, Any] = field(default_factory=dict)  # next round only
     saved_config: dict[str, Any] | None = None   # config.json of the run a resume continues
+    diverged: int | None = None   # the round the run was first seen diverging (logged once)
 
 
 def _federated_evaluation(strategy: DPFLStrategy, grid: Grid, rnd: int, arrays: ArrayRecord,
@@ -346,6 +347,7 @@ def run_round(fed: Federation, rnd: int) -> RoundRecord:
     central = (_central_metrics(fed) if rnd % cfg.evaluate_every == 0 or rnd == cfg.num_rounds
                else None)
     clock.lap("evaluate")
+    _report_divergence(fed, rnd, central, record)
     epsilons = ledger.epsilons() if cfg.is_private else {}
     clock.lap("accounting")
     line = {
@@ -374,6 +376,19 @@ def run_round(fed: Federation, rnd: int) -> RoundRecord:
              len(record.rejected), f"{max(eps.values()):.3f}" if eps else "-",
              line["seconds"], eta)
     return record
+
+
+def _report_divergence(fed: Federation, rnd: int, central: dict[str, float] | None,
+                       record: RoundRecord) -> None:
+    """A run whose loss explodes says so, in one line, the first time (see
+    :func:`dpfl.server.evaluation.divergence`)."""
+    if fed.diverged is not None:
+        return
+    why = divergence(fed.initial.get("loss"), central.get("loss") if central else None,
+                     [r.reason for r in record.rejected], fed.cfg.lr)
+    if why is not None:
+        fed.diverged = rnd
+        log.warning("round %d: %s", rnd, why)
 
 
 def central_budget_spent(fed: Federation, rnd: int) -> bool:
@@ -466,8 +481,12 @@ def finish(fed: Federation) -> dict[str, Any]:
     if cfg.is_private:
         plot_epsilon(_epsilon_series(rounds), fed.run_dir.file("epsilon.png"),
                      cfg.target_epsilon)
-    for row in epsilon_table(summary).splitlines():
-        log.info("%s", row)
+    if launcher_prints_summary():   # dpfl simulate prints the table when the run ends
+        log.info("privacy summary: %s (verdict %s)", fed.run_dir.file("summary.json"),
+                 summary["guarantee"]["verdict"])
+    else:
+        for row in epsilon_table(summary).splitlines():
+            log.info("%s", row)
     return summary
 
 

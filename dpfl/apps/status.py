@@ -6,6 +6,10 @@ status file in ``$DPFL_STATUS_FILE`` for each launch; the ServerApp writes it on
 end: ``{"status": "ok", "run-dir": ...}`` or ``{"status": "error", "user-error": bool,
 "message": ...}``. No file means the ServerApp never finished (crashed or was killed).
 Without the variable (e.g. a deployment's ``flwr run``) nothing is written.
+
+``$DPFL_LAUNCHER_PRINTS_SUMMARY=1``: the launcher prints the privacy summary itself when the
+run ends (``dpfl simulate``), so the ServerApp does not log it as well (it would appear
+twice); without it (a deployment, ``dpfl audit``) the ServerApp's log is where it appears.
 """
 
 from __future__ import annotations
@@ -18,6 +22,12 @@ from typing import Any
 from dpfl.durable import atomic_write_text
 
 STATUS_ENV = "DPFL_STATUS_FILE"
+SUMMARY_ENV = "DPFL_LAUNCHER_PRINTS_SUMMARY"
+
+
+def launcher_prints_summary() -> bool:
+    """True when the command that launched this ServerApp prints the privacy summary."""
+    return os.environ.get(SUMMARY_ENV, "") == "1"
 
 
 def status_path() -> Path | None:

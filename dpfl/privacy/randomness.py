@@ -34,10 +34,18 @@ import torch
 # cached normal samples (40 bytes).
 _MT_WORDS = 624
 _MT_HEADER = struct.Struct("<QiiQ")
-SCOPE = ("noise and Poisson sampling come from a PRNG (Mersenne Twister on CPU, Philox on "
-         "CUDA) whose whole state is drawn from OS entropy per client and round, never "
-         "logged or stored; not a CSPRNG (torchcsprng is unavailable), and floating-point "
-         "attacks on the Gaussian sampler (Mironov 2012) are not addressed")
+def scope(draws: str = "noise and Poisson sampling come") -> str:
+    """The randomness part of a guarantee's scope; ``draws``: what the mechanism draws,
+    with its verb (DP-SGD: "noise and Poisson sampling come"; update-level DP: "noise
+    comes")."""
+    return (f"{draws} from a PRNG (Mersenne "
+            "Twister on CPU, Philox on CUDA) whose whole state is drawn from OS entropy per "
+            "client and round, never logged or stored; not a CSPRNG (torchcsprng is "
+            "unavailable), and floating-point attacks on the Gaussian sampler (Mironov 2012) "
+            "are not addressed")
+
+
+SCOPE = scope()
 REPRODUCIBLE_VERDICT = "DP noise seeded from public values (reproducible mode)"
 
 

@@ -8,7 +8,7 @@ from dataclasses import asdict, dataclass
 from dpfl.config import RunConfig
 from dpfl.privacy.plan import UPDATE_DP_RELATION
 from dpfl.privacy.randomness import REPRODUCIBLE_VERDICT
-from dpfl.privacy.randomness import SCOPE as RANDOMNESS_SCOPE
+from dpfl.privacy.randomness import scope as randomness_scope
 from dpfl.privacy.trust import CENTRAL_RELATION, DISTRIBUTED_RELATION, trust_scope
 
 
@@ -87,8 +87,14 @@ def guarantee_for(cfg: RunConfig, method: MethodPrivacy = MethodPrivacy()) -> Gu
                 if cfg.trust == "central" else
                 "the server charges every update it receives (accepted, rejected or late) "
                 "at no less than the planned cost")
+    # what the mechanism draws: update-level DP samples nothing (every client's whole
+    # update, every round), so its guarantee must not speak of Poisson sampling
+    draws = {"central": "the server's noise and Poisson client sampling come",
+             "distributed": "the clients' noise shares come"}.get(
+                 cfg.trust, "noise and Poisson sampling come" if cfg.trainer == "dpsgd"
+                 else "noise comes")
     scope += ("; " + charging + "; randomness: "
               + ("seeded from public values (run-config seed, partition, round)"
-                 if cfg.reproducible else RANDOMNESS_SCOPE))
+                 if cfg.reproducible else randomness_scope(draws)))
     verdict = "formal" if not clear else "none: " + "; ".join(clear)
     return Guarantee(verdict, unit, relation, sampling, cfg.delta, cfg.accountant, scope)

@@ -24,7 +24,7 @@ import torch
 
 from dpfl.config import RunConfig
 from dpfl.durable import append_line, atomic_write, atomic_write_text, read_lines
-from dpfl.errors import UserError, read_json_file
+from dpfl.errors import UserError, damaged_text, read_json_file, writable_dir_problem
 from dpfl.logs import get_logger
 from dpfl.privacy.ledger import Ledger
 from dpfl.runlock import LOCK_FILES, WRITER_LOCK, RunLock
@@ -88,6 +88,14 @@ def existing_run_files(path: Path) -> list[str]:
     return sorted(p.name for p in path.iterdir() if p.name not in LAUNCHER_FILES)
 
 
+def _read_lines(path: Path, what: str) -> tuple[list[str], str | None]:
+    """:func:`dpfl.durable.read_lines`, a file that is not UTF-8 text a :class:`UserError`."""
+    try:
+        return read_lines(path)
+    except UnicodeDecodeError as exc:
+        raise UserError(damaged_text(path, what, exc)) from exc
+
+
 def check_run_dir(path: Path, resume: bool) -> None:
     """``resume=true`` needs a run in ``path``; a new run needs ``path`` unused."""
     if not resume:
@@ -132,6 +140,9 @@ class RunDir:
         never reuses one; ``resume=true`` needs one."""
         path = run_dir_path(cfg)
         check_run_dir(path, cfg.resume)   # before creating anything
+        why = writable_dir_problem(path)   # e.g. a deployment's output-dir under /proc
+        if why is not None:
+            raise UserError(f"run-config key 'output-dir' {resolve_output_dir(cfg)}: {why}")
         lock = RunLock(path, WRITER_LOCK, "dpfl ServerApp").acquire()
         try:
             check_run_dir(path, cfg.resume)   # again, now that nobody else can write
@@ -164,7 +175,7 @@ class RunDir:
         path = self.file(RESUMES_FILE)
         if not path.exists():
             return []
-        lines, _ = read_lines(path)
+        lines, _ = _read_lines(path, "resume log")
         out = []
         for line in lines:
             try:
@@ -186,12 +197,13 @@ class RunDir:
     def append_round(self, record: dict[str, Any]) -> None:
         append_line(self.file("rounds.jsonl"), json.dumps(_jsonable(record)))
 
-    def read_rounds(self) -> list[dict[str, Any]]:
+    def read_rounds(self, warn: bool = True) -> list[dict[str, Any]]:
         """The complete round lines; a partial last line (a kill mid-append) is dropped
-        with a warning, a damaged line elsewhere is a :class:`UserError`."""
+        (with a warning unless ``warn`` is false), a damaged line elsewhere, or a file that
+        is not UTF-8, is a :class:`UserError`."""
         path = self.file("rounds.jsonl")
-        lines, partial = read_lines(path)
-        if partial is not None:
+        lines, partial = _read_lines(path, "round log")
+        if partial is not None and warn:
             log.warning("%s: dropping a partial last line left by an interruption", path)
         out = []
         for number, line in enumerate(lines, 1):
@@ -200,6 +212,16 @@ class RunDir:
             except json.JSONDecodeError as exc:
                 raise UserError(f"{path}: line {number} is damaged ({exc.msg})") from exc
         return out
+
+    def check_resumable(self) -> None:
+        """What a resume reads first, checked before a launcher starts anything: a damaged
+        ``ledger.json`` (invalid JSON, not UTF-8, not a ledger) or ``rounds.jsonl`` is the
+        same one-line :class:`UserError` the ServerApp's :meth:`resume_point` would raise
+        after the federation had started."""
+        ledger = self.file("ledger.json")
+        if ledger.exists():
+            Ledger.load(ledger)
+        self.read_rounds(warn=False)   # the ServerApp warns about a partial line, once
 
     def truncate_rounds(self, last_round: int,
                         rounds: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -9,7 +9,7 @@ rules, no default bridge), builds the base image locally with debootstrap (no re
 reachable) and the dpfl image once (deploy/image.sh), and stops the daemon by PID at the end.
 
 Without root and the tools below a test skips, or fails under CI=true naming what is
-missing (see ``requirements.py``; .ci/run installs them).
+missing (see ``tests/requirements.py``; .ci/run installs them).
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ node and no new run. From the SuperLink's namespace the operator's ``flwr list``
 ``flwr supernode list`` and ``flwr run`` (a no-op app: no training round) succeed.
 
 They need root, iproute2 with network namespaces, openssl and ssh-keygen: without them a
-test skips, or fails under CI=true (see ``requirements.py``)."""
+test skips, or fails under CI=true (see ``tests/requirements.py``)."""
 
 import json
 import os

@@ -3,7 +3,7 @@ Fleet API over TLS with SuperNode authentication, a real DP strategy for two rou
 SuperNode with an unregistered key, and one without the CA, are refused.
 
 They need root, iproute2 with network namespaces, openssl and ssh-keygen: without them a
-test skips, or fails under CI=true (see ``requirements.py``)."""
+test skips, or fails under CI=true (see ``tests/requirements.py``)."""
 
 import json
 import os
@@ -61,7 +61,7 @@ def test_missing_tool_is_a_failed_test_under_ci(tmp_path, ci, outcome):
         "def test_needs_tool():\n"
         "    require(tools=('dpfl-no-such-tool',), what='the probe test')\n")
     env = {k: v for k, v in os.environ.items() if k != "CI"}
-    env["PYTHONPATH"] = str(Path(__file__).parent)
+    env["PYTHONPATH"] = str(Path(__file__).parents[1])  # tests/: requirements.py
     if ci is not None:
         env["CI"] = ci
     proc = subprocess.run([sys.executable, "-m", "pytest", "-rfs", "-p", "no:cacheprovider",

@@ -62,6 +62,8 @@ def test_dpsgd_federation_runs_end_to_end(tmp_path):
         assert info["epsilon"] <= 8.0
         assert [e["round"] for e in info["events"]] == [1, 2]
     assert "privacy per client" in proc.stdout and "client-2" in proc.stdout
+    # printed once, by dpfl simulate (the ServerApp's log names summary.json instead)
+    assert proc.stdout.count("privacy per client") == 1, proc.stdout[-3000:]
     # every received update was charged, each at its plan
     charges = [c for r in rounds for c in r["charges"]]
     assert len(charges) == 6 and all(c["note"] == "reported = plan" for c in charges)
