@@ -22,7 +22,7 @@ from dpfl.data import ClientData
 from dpfl.models import build_model
 from dpfl.privacy.events import PrivacyEvent
 from dpfl.privacy.mechanisms import GaussianMechanism
-from dpfl.privacy.plan import UNCLIPPED_FRACTION, UPDATE_DP_RELATION  # noqa: F401 (re-export)
+from dpfl.privacy.plan import UPDATE_DP_RELATION
 from dpfl.privacy.verdict import MethodPrivacy
 from dpfl.server.strategy import DPFLStrategy
 

@@ -28,6 +28,12 @@ def unflatten(flat: torch.Tensor, template: StateDict) -> "OrderedDict[str, torc
     return out
 
 
+def largest_magnitude_indices(t: torch.Tensor, k: int) -> torch.Tensor:
+    """The flat indices of the k largest |t_j|, sorted (one ``torch.topk``; ties broken by
+    it)."""
+    return torch.topk(t.reshape(-1).abs(), k, sorted=False).indices.sort().values
+
+
 def state_difference(new: StateDict, old: StateDict) -> "OrderedDict[str, torch.Tensor]":
     """new - old, key by key (the client's update)."""
     return OrderedDict((k, (new[k].detach().float() - old[k].detach().float())) for k in old)

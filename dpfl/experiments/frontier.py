@@ -123,13 +123,13 @@ def aadp_round_epsilon(preset: dict[str, Any], epsilon: float) -> float:
     whole-run target under RDP (the accountant of its Rényi filter), with a 0.1 % margin so
     the last round is admitted. A client larger than the mean gets more per round (eq. 2)
     and may be stopped by its filter before the last round."""
-    import math as _math
-
     from dpfl.privacy.accounting import calibrate_dpsgd_noise, dpsgd_epsilon
+    from dpfl.privacy.plan import dpsgd_sample_rate, steps_per_epoch
 
     n = (int(preset["train-subset"]) - int(preset["server-holdout"])) // CLIENTS
-    steps = _math.ceil(n / int(preset["batch-size"])) * int(preset["local-epochs"])
-    q = 1.0 / _math.ceil(n / int(preset["batch-size"]))
+    batch = int(preset["batch-size"])
+    steps = steps_per_epoch(n, batch) * int(preset["local-epochs"])
+    q = dpsgd_sample_rate(n, batch)
     rounds = int(preset["num-rounds"])
     sigma = calibrate_dpsgd_noise(0.999 * epsilon, float(preset["delta"]), q, rounds * steps,
                                   accountant="rdp")

@@ -84,6 +84,18 @@ class DPFedSAMParams(MethodParams):
              "must be a finite number > 0", self.sam_rho)
 
 
+def sam_perturbation(grads: list[torch.Tensor], rho: float) -> list[torch.Tensor] | None:
+    """e = rho g / ||g||_2 with one norm over all tensors of g (None when ||g|| is 0 or
+    not finite: no perturbation)."""
+    if not grads:
+        return None
+    norm = float(torch.linalg.vector_norm(torch.stack(
+        [torch.linalg.vector_norm(g) for g in grads])))
+    if not (math.isfinite(norm) and norm > 0.0):
+        return None
+    return [g * (rho / norm) for g in grads]
+
+
 def sam_step(model: nn.Module, opt: torch.optim.Optimizer, criterion: nn.Module,
              x: torch.Tensor, y: torch.Tensor, rho: float) -> torch.Tensor:
     """One SAM step on the batch (x, y) (a :data:`~dpfl.client.trainers.LocalStep`):
@@ -102,14 +114,13 @@ def sam_step(model: nn.Module, opt: torch.optim.Optimizer, criterion: nn.Module,
     loss.backward()
     with torch.no_grad():
         params = [p for p in model.parameters() if p.grad is not None]
-        norm = (float(torch.linalg.vector_norm(torch.stack(
-            [torch.linalg.vector_norm(p.grad) for p in params]))) if params else 0.0)
-        if not (math.isfinite(norm) and norm > 0.0):
+        e = sam_perturbation([p.grad for p in params], rho)
+        if e is None:
             opt.step()
             return loss.detach()
         saved = [p.detach().clone() for p in params]
-        for p in params:
-            p.add_(p.grad, alpha=rho / norm)
+        for p, step in zip(params, e):
+            p.add_(step)
     opt.zero_grad(set_to_none=True)
     criterion(model(x), y).backward()
     with torch.no_grad():
@@ -117,18 +128,6 @@ def sam_step(model: nn.Module, opt: torch.optim.Optimizer, criterion: nn.Module,
             p.copy_(w)
     opt.step()
     return loss.detach()
-
-
-def sam_perturbation(grads: list[torch.Tensor], rho: float) -> list[torch.Tensor] | None:
-    """e = rho g / ||g||_2 with one norm over all tensors of g (None when ||g|| is 0 or
-    not finite: no perturbation)."""
-    if not grads:
-        return None
-    norm = float(torch.linalg.vector_norm(torch.stack(
-        [torch.linalg.vector_norm(g) for g in grads])))
-    if not (math.isfinite(norm) and norm > 0.0):
-        return None
-    return [g * (rho / norm) for g in grads]
 
 
 class NoisyGradientSAM:

@@ -147,7 +147,7 @@ from dpfl.privacy.plan import UPDATE_DP_RELATION
 from dpfl.privacy.verdict import MethodPrivacy
 from dpfl.server.strategy import DPFLStrategy, RoundRecord
 from dpfl.server.validation import ClientUpdate
-from dpfl.tensors import flatten, unflatten
+from dpfl.tensors import flatten, largest_magnitude_indices, unflatten
 
 VARIANTS = ("paper", "strict")
 NOISE = ("calibrated", "paper")
@@ -240,9 +240,7 @@ def significant_indices(g: torch.Tensor, server_round: int, num_rounds: int) -> 
     """The significant coordinates of a noisy (DP-SGD) g without alpha or beta: eq. 14's
     lambda_t and Algorithm 1 line 23's test |g_j| >= lambda_t, i.e. the m_t largest |g_j|
     (:func:`kept_count`; ties at lambda_t broken by ``torch.topk``), sorted."""
-    flat = g.reshape(-1).abs()
-    m = kept_count(flat.numel(), server_round, num_rounds)
-    return torch.topk(flat, m, sorted=False).indices.sort().values
+    return largest_magnitude_indices(g, kept_count(g.numel(), server_round, num_rounds))
 
 
 def dpsgd_release(update: torch.Tensor, lr: float, server_round: int,

@@ -73,6 +73,7 @@ from dpfl.privacy.verdict import MethodPrivacy
 from dpfl.server.aggregation import weighted_mean
 from dpfl.server.strategy import DPFLStrategy, RoundRecord
 from dpfl.server.validation import ClientUpdate
+from dpfl.tensors import largest_magnitude_indices
 
 MASKS = ("randk", "topk")
 MASK_TAG = 0x46534D50             # "FSMP": separates the mask's stream from any other seed
@@ -119,8 +120,8 @@ def randk_indices(dim: int, k: int, seed: int, server_round: int) -> torch.Tenso
 
 
 def topk_indices(update: torch.Tensor, k: int) -> torch.Tensor:
-    """The indices of the k largest |update_j| (flattened), sorted."""
-    return torch.topk(update.reshape(-1).abs(), k, sorted=False).indices.sort().values
+    """Fed-SMP-top_k's mask: the indices of the k largest |update_j| (flattened), sorted."""
+    return largest_magnitude_indices(update, k)
 
 
 def kept_indices(cfg: RunConfig, update: torch.Tensor, server_round: int) -> torch.Tensor:
