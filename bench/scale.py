@@ -57,15 +57,17 @@ def _tree_rss(pid: int) -> int:
 
 
 def run_federation(clients: int, rounds: int, trust: str, out: Path,
-                   extra: list[str]) -> tuple[Path, int]:
-    """One simulation; (run directory, peak RSS bytes of its process tree)."""
-    name = f"scale-{trust}-{clients}"
+                   extra: list[str], engine: str = "indexed") -> tuple[Path, int]:
+    """One simulation; (run directory, peak RSS bytes of its process tree). ``engine``:
+    "indexed" (dpfl.server.node_index, the default) or "flower" (Flower's own scan)."""
+    name = f"scale-{trust}-{clients}-{engine}"
+    env = {**os.environ, "DPFL_FLOWER_NODE_INDEX": "1" if engine == "indexed" else "0"}
     cmd = [sys.executable, "-m", "dpfl.cli", "simulate", "--clients", str(clients),
            "--output-dir", str(out), f"run-name={name}", "trainer=update-dp",
            f"trust={trust}", "fraction-train=0.1", f"num-rounds={rounds}",
            "target-epsilon=8", *extra]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
+                            stderr=subprocess.DEVNULL, env=env)
     peak = 0
     done = threading.Event()
 
@@ -113,34 +115,52 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--trust", default="central")
     parser.add_argument("--actors", type=int, default=2, help="Ray actors (one per CPU)")
+    parser.add_argument("--engine", nargs="+", choices=("indexed", "flower"),
+                        default=["indexed"],
+                        help="Flower's instruction lookup: dpfl's per-node index, Flower's "
+                             "own scan, or both (interleaved per size, with their ratio)")
     parser.add_argument("extra", nargs="*", help="run-config overrides key=value")
     args = parser.parse_args()
-    print(f"{'clients':>8} {'peak GiB':>9} {'cycle s':>8} {'compute s':>10} "
+    print(f"{'clients':>8} {'engine':>8} {'peak GiB':>9} {'cycle s':>8} {'compute s':>10} "
           f"{'exchange s':>11} {'Flower ovh':>11} {'round ovh':>10} {'server s':>9} "
           f"{'sampled':>8} {'state B':>8}")
     with tempfile.TemporaryDirectory() as tmp:
         for n in args.clients:
-            run, peak = run_federation(n, args.rounds, args.trust, Path(tmp), args.extra)
-            rounds = [json.loads(line) for line in
-                      (run / "rounds.jsonl").read_text().splitlines()]
-            later = rounds[1:] or rounds
-            starts = [r["started"] for r in rounds]
-            cycle = (statistics.mean(b - a for a, b in zip(starts[1:], starts[2:]))
-                     if len(starts) > 2 else statistics.mean(r["seconds"] for r in later))
-            exchange = statistics.mean(r["phase-seconds"]["exchange"] for r in later)
-            server = statistics.mean(sum(v for k, v in r["phase-seconds"].items()
-                                         if k not in ("select", "exchange")) for r in later)
-            sampled = statistics.mean(len(r["sampled-nodes"]) for r in later)
-            compute = client_compute_seconds(n, args.extra) * sampled / args.actors
-            state = max((c.get("node-state-bytes", 0) for r in rounds
-                         for c in r["clients"].values()), default=0)
-            print(f"{n:>8} {peak / 2 ** 30:>9.2f} {cycle:>8.2f} {compute:>10.2f} "
-                  f"{exchange:>11.2f} {1 - compute / exchange:>11.0%} "
-                  f"{1 - compute / cycle:>10.0%} {server:>9.2f} {sampled:>8.1f} {state:>8}",
-                  flush=True)
-            print("          phases (s/round): " + ", ".join(
-                f"{k} {statistics.mean(r['phase-seconds'][k] for r in later):.2f}"
-                for k in later[0]["phase-seconds"]), flush=True)
+            cycles: dict[str, tuple[float, float]] = {}
+            for engine in args.engine:
+                cycles[engine] = _measure(n, engine, args, Path(tmp))
+            if len(cycles) == 2:
+                (fc, fe), (ic, ie) = cycles["flower"], cycles["indexed"]
+                print(f"{n:>8} indexed / flower: cycle {ic / fc:.2f}x, exchange "
+                      f"{ie / fe:.2f}x", flush=True)
+
+
+def _measure(n: int, engine: str, args: argparse.Namespace,
+             tmp: Path) -> tuple[float, float]:
+    """Run one size with one engine, print its row; (cycle s, exchange s)."""
+    run, peak = run_federation(n, args.rounds, args.trust, tmp, args.extra, engine)
+    rounds = [json.loads(line) for line in
+              (run / "rounds.jsonl").read_text().splitlines()]
+    later = rounds[1:] or rounds
+    starts = [r["started"] for r in rounds]
+    cycle = (statistics.mean(b - a for a, b in zip(starts[1:], starts[2:]))
+             if len(starts) > 2 else statistics.mean(r["seconds"] for r in later))
+    exchange = statistics.mean(r["phase-seconds"]["exchange"] for r in later)
+    server = statistics.mean(sum(v for k, v in r["phase-seconds"].items()
+                                 if k not in ("select", "exchange")) for r in later)
+    sampled = statistics.mean(len(r["sampled-nodes"]) for r in later)
+    compute = client_compute_seconds(n, args.extra) * sampled / args.actors
+    state = max((c.get("node-state-bytes", 0) for r in rounds
+                 for c in r["clients"].values()), default=0)
+    print(f"{n:>8} {engine:>8} {peak / 2 ** 30:>9.2f} {cycle:>8.2f} {compute:>10.2f} "
+          f"{exchange:>11.2f} {1 - compute / exchange:>11.0%} "
+          f"{1 - compute / cycle:>10.0%} {server:>9.2f} {sampled:>8.1f} {state:>8}",
+          flush=True)
+    print("          phases (s/round): " + ", ".join(
+        f"{k} {statistics.mean(r['phase-seconds'][k] for r in later):.2f}"
+        for k in later[0]["phase-seconds"]), flush=True)
+    return cycle, exchange
+
 
 if __name__ == "__main__":
     main()

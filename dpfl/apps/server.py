@@ -44,6 +44,7 @@ from dpfl.privacy.trust import (
 from dpfl.privacy.verdict import Guarantee
 from dpfl.server.evaluation import classification_metrics, divergence
 from dpfl.server.exchange import ReplyExchange
+from dpfl.server.node_index import index_instructions_by_node
 from dpfl.server.observer import UpdateObserver
 from dpfl.server.phases import PhaseClock
 from dpfl.server.plots import plot_accuracy, plot_epsilon
@@ -140,12 +141,24 @@ def budgets_exhausted(record, num_nodes: int) -> bool:
             and all(r.kind == "refused" for r in record.rejected))
 
 
+def _speed_up_simulation_engine(grid: Grid) -> None:
+    """In a simulation, index Flower's pending instructions by node (dpfl.server.node_index):
+    the engine's per-node polling then reads one node's messages, not all of them.
+    ``DPFL_FLOWER_NODE_INDEX=0`` keeps Flower's own scan (the bench's A/B)."""
+    if os.environ.get("DPFL_FLOWER_NODE_INDEX", "1") == "0":
+        return
+    state = getattr(grid, "state", None)   # InMemoryGrid (simulation) only
+    if state is not None and index_instructions_by_node(state):
+        log.info("Flower's simulation state indexes its instructions by node")
+
+
 def setup(grid: Grid, cfg: RunConfig) -> Federation:
     """Check the run directory, build the strategy and model, wait for the nodes, bind the
     public partition sizes, check that a fresh run's first round fits the budget, create
     the run directory and a fresh ledger."""
     t_start = time.time()
     cfg = configured(cfg)
+    _speed_up_simulation_engine(grid)
     run_dir = RunDir.open(cfg)   # locked: one writer per run folder
     try:
         return _set_up(grid, cfg, run_dir, t_start)

@@ -1,0 +1,167 @@
+"""The per-node instruction index (dpfl.server.node_index) answers exactly as Flower 1.39's
+own InMemoryLinkState: two real states, built as Flower's simulation builds them, get the
+same pushes and queries, and must return the same messages in the same order."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from dpfl.server import node_index
+
+flwr_linkstate = pytest.importorskip("flwr.server.superlink.linkstate.in_memory_linkstate")
+
+
+def _federation(num_nodes: int, indexed: bool, run_ids: tuple[int, ...] = (7,)):
+    """A real in-memory LinkState with ``num_nodes`` registered nodes and the given runs,
+    as flwr.simulation.run_simulation._main_loop sets it up, plus one InMemoryGrid per
+    run."""
+    from flwr.proto.task_pb2 import Task  # pylint: disable=E0611
+    from flwr.server.superlink.fleet.vce.vce_api import _register_nodes
+    from flwr.server.superlink.linkstate import LinkStateFactory
+    from flwr.supercore.constant import FLWR_IN_MEMORY_DB_NAME, NOOP_FEDERATION_ID
+    from flwr.supercore.object_store import ObjectStoreFactory
+    from flwr.supercore.run import Run
+    from flwr.superlink.federation import NoOpFederationManager
+    from flwr.superlink.grid import InMemoryGrid
+
+    factory = LinkStateFactory(FLWR_IN_MEMORY_DB_NAME, NoOpFederationManager(),
+                               ObjectStoreFactory())
+    state = factory.state()
+    grids = {}
+    for run_id in run_ids:
+        run = Run.create_empty(run_id=run_id)
+        run.primary_task_id = 100 + run_id
+        run.federation_id = NOOP_FEDERATION_ID
+        state.run_ids[run_id] = flwr_linkstate.RunRecord(run=run)
+        state.task_store[100 + run_id] = Task(task_id=100 + run_id, run_id=run_id)
+        grid = InMemoryGrid(state_factory=factory)
+        grid.set_run(run)
+        grids[run_id] = grid
+    nodes = sorted(_register_nodes(num_nodes, factory))
+    if indexed:
+        assert node_index.index_instructions_by_node(state)
+    return state, grids, nodes
+
+
+@pytest.fixture(autouse=True)
+def _task_identity(monkeypatch):
+    """Flower's Message reads the process's run id from TaskIdentity (set by Flower's
+    ServerApp process); each test sets it and gets the original back."""
+    from flwr.supercore.task_identity import TaskIdentity
+    for name in ("_run_id", "_node_id", "_task_id"):
+        monkeypatch.setattr(TaskIdentity, name, getattr(TaskIdentity, name))
+
+
+def _push(grid, dst: int, tag: str, ttl: float | None = None) -> str:
+    from flwr.app import Message, RecordDict
+    from flwr.common.constant import SUPERLINK_NODE_ID
+    from flwr.supercore.task_identity import TaskIdentity
+    TaskIdentity.run_id = grid.run.run_id
+    TaskIdentity.node_id = SUPERLINK_NODE_ID
+    TaskIdentity.task_id = grid.run.primary_task_id
+    (msg_id,) = grid.push_messages([Message(RecordDict(), dst, "train", ttl=ttl,
+                                            group_id=tag)])
+    return msg_id
+
+
+def test_pinned_flower_sources_unchanged():
+    """Fails loudly when the installed Flower's InMemoryLinkState methods the index
+    replaces or relies on are not the ones it was written against."""
+    assert node_index.why_not_patchable() is None, (
+        "Flower's InMemoryLinkState changed: re-read it, then update "
+        "dpfl/server/node_index.py (PATCHED_SOURCE_SHA256)")
+
+
+def test_same_answers_as_flower_on_a_random_schedule():
+    """Random pushes to 30 nodes and 2 runs, random queries (limit 1, 2, None; with and
+    without run_id), a deletion: the indexed state returns the same group ids in the same
+    order as Flower's, and marks the same messages delivered."""
+    rng = random.Random(3)
+    plain, plain_grids, plain_nodes = _federation(30, indexed=False, run_ids=(7, 8))
+    fast, fast_grids, fast_nodes = _federation(30, indexed=True, run_ids=(7, 8))
+    assert type(fast).__name__ == "NodeIndexedLinkState"
+    assert type(plain) is flwr_linkstate.InMemoryLinkState
+    ids: dict[str, tuple[str, str]] = {}
+    for step in range(600):
+        action = rng.random()
+        k = rng.randrange(30)
+        if action < 0.5:
+            run_id = rng.choice((7, 8))
+            tag = f"g{step}"
+            ids[tag] = (_push(plain_grids[run_id], plain_nodes[k], tag),
+                        _push(fast_grids[run_id], fast_nodes[k], tag))
+        elif action < 0.95:
+            limit = rng.choice((1, 2, None))
+            run_id = rng.choice((None, 7, 8))
+            a = plain.get_message_ins(plain_nodes[k], limit, run_id=run_id)
+            b = fast.get_message_ins(fast_nodes[k], limit, run_id=run_id)
+            assert [m.metadata.group_id for m in a] == [m.metadata.group_id for m in b]
+            assert all(m.metadata.delivered_at for m in b)
+        elif ids:
+            tag = rng.choice(sorted(ids))
+            plain.delete_messages({ids[tag][0]})
+            fast.delete_messages({ids[tag][1]})
+    for k in range(30):  # drain: both have the same undelivered rest
+        a = plain.get_message_ins(plain_nodes[k], None)
+        b = fast.get_message_ins(fast_nodes[k], None)
+        assert [m.metadata.group_id for m in a] == [m.metadata.group_id for m in b]
+        assert fast.get_message_ins(fast_nodes[k], None) == []
+
+
+def test_a_query_reads_only_its_own_node():
+    """With 200 nodes and one instruction each, a query checks one message, not 200 (the
+    O(nodes x instructions) sweep is what the index removes)."""
+    state, grids, nodes = _federation(200, indexed=True)
+    for i, node in enumerate(nodes):
+        _push(grids[7], node, f"m{i}")
+    checked: list[set[str]] = []
+    original = type(state)._check_stored_messages
+
+    def counting(self, message_ids, run_id=None):
+        checked.append(set(message_ids))
+        return original(self, message_ids, run_id)
+
+    type(state)._check_stored_messages = counting
+    try:
+        (msg,) = state.get_message_ins(nodes[123], limit=1)
+    finally:
+        type(state)._check_stored_messages = original
+    assert msg.metadata.group_id == "m123"
+    assert len(checked) == 1
+
+
+def test_expired_instruction_is_dropped_like_flower_does():
+    """An instruction past its TTL is deleted on query and never returned, as in Flower."""
+    import time
+    for indexed in (False, True):
+        state, grids, nodes = _federation(2, indexed=indexed)
+        _push(grids[7], nodes[0], "short", ttl=0.05)
+        _push(grids[7], nodes[0], "long")
+        time.sleep(0.1)
+        got = state.get_message_ins(nodes[0], None)
+        assert [m.metadata.group_id for m in got] == ["long"]
+        assert len(state.message_ins_store) == 1
+
+
+def test_existing_instructions_are_indexed_on_install():
+    """Instructions stored before the swap are found after it, in store order."""
+    state, grids, nodes = _federation(3, indexed=False)
+    for tag in ("a", "b", "c"):
+        _push(grids[7], nodes[1], tag)
+    state.get_message_ins(nodes[1], 1)  # "a" delivered before the swap
+    assert node_index.index_instructions_by_node(state)
+    assert node_index.index_instructions_by_node(state)  # idempotent
+    got = state.get_message_ins(nodes[1], None)
+    assert [m.metadata.group_id for m in got] == ["b", "c"]
+
+
+def test_other_states_are_left_alone():
+    """A state that is not exactly Flower's in-memory one (SQLite, a deployment's) is not
+    touched."""
+    class Other:
+        pass
+    other = Other()
+    assert node_index.index_instructions_by_node(other) is False
+    assert type(other) is Other
