@@ -1,7 +1,9 @@
 """Cross-device scale: a real `dpfl simulate` (Flower's Ray backend) at 100 / 300 / 1,000
-clients, central DP-FedAvg (trust=central, Poisson q = 0.1) on MNIST.
+clients (and 10,000 at q = 0.01), central DP-FedAvg (trust=central, Poisson q = 0.1) on
+MNIST.
 
-    python bench/scale.py [--clients 100 300 1000] [--rounds 4] [--trust central] [...]
+    python bench/scale.py [--clients 100 300 1000] [--rounds 4] [--trust central]
+        [--fraction-train 0.1] [--engine indexed flower] [key=value ...]
 
 Prints per federation size: the peak resident memory of the whole simulation (every
 process of the run's tree, read from /proc every 0.5 s); the round's cycle time (between
@@ -57,14 +59,16 @@ def _tree_rss(pid: int) -> int:
 
 
 def run_federation(clients: int, rounds: int, trust: str, out: Path,
-                   extra: list[str], engine: str = "indexed") -> tuple[Path, int]:
+                   extra: list[str], engine: str = "indexed",
+                   fraction: float = 0.1) -> tuple[Path, int]:
     """One simulation; (run directory, peak RSS bytes of its process tree). ``engine``:
     "indexed" (dpfl.server.node_index, the default) or "flower" (Flower's own scan)."""
     name = f"scale-{trust}-{clients}-{engine}"
     env = {**os.environ, "DPFL_FLOWER_NODE_INDEX": "1" if engine == "indexed" else "0"}
     cmd = [sys.executable, "-m", "dpfl.cli", "simulate", "--clients", str(clients),
            "--output-dir", str(out), f"run-name={name}", "trainer=update-dp",
-           f"trust={trust}", "fraction-train=0.1", f"num-rounds={rounds}",
+           f"trust={trust}", f"fraction-train={fraction:g}",
+           f"num-rounds={rounds}",
            "target-epsilon=8", *extra]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL, env=env)
@@ -115,6 +119,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--trust", default="central")
     parser.add_argument("--actors", type=int, default=2, help="Ray actors (one per CPU)")
+    parser.add_argument("--fraction-train", type=float, default=0.1,
+                        help="Poisson q (0.01 at 10,000 clients: ~100 a round)")
     parser.add_argument("--engine", nargs="+", choices=("indexed", "flower"),
                         default=["indexed"],
                         help="Flower's instruction lookup: dpfl's per-node index, Flower's "
@@ -138,7 +144,8 @@ def main() -> None:
 def _measure(n: int, engine: str, args: argparse.Namespace,
              tmp: Path) -> tuple[float, float]:
     """Run one size with one engine, print its row; (cycle s, exchange s)."""
-    run, peak = run_federation(n, args.rounds, args.trust, tmp, args.extra, engine)
+    run, peak = run_federation(n, args.rounds, args.trust, tmp, args.extra, engine,
+                               args.fraction_train)
     rounds = [json.loads(line) for line in
               (run / "rounds.jsonl").read_text().splitlines()]
     later = rounds[1:] or rounds

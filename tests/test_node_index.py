@@ -14,32 +14,7 @@ flwr_linkstate = pytest.importorskip("flwr.server.superlink.linkstate.in_memory_
 
 
 def _federation(num_nodes: int, indexed: bool, run_ids: tuple[int, ...] = (7,)):
-    """A real in-memory LinkState with ``num_nodes`` registered nodes and the given runs,
-    as flwr.simulation.run_simulation._main_loop sets it up, plus one InMemoryGrid per
-    run."""
-    from flwr.proto.task_pb2 import Task  # pylint: disable=E0611
-    from flwr.server.superlink.fleet.vce.vce_api import _register_nodes
-    from flwr.server.superlink.linkstate import LinkStateFactory
-    from flwr.supercore.constant import FLWR_IN_MEMORY_DB_NAME, NOOP_FEDERATION_ID
-    from flwr.supercore.object_store import ObjectStoreFactory
-    from flwr.supercore.run import Run
-    from flwr.superlink.federation import NoOpFederationManager
-    from flwr.superlink.grid import InMemoryGrid
-
-    factory = LinkStateFactory(FLWR_IN_MEMORY_DB_NAME, NoOpFederationManager(),
-                               ObjectStoreFactory())
-    state = factory.state()
-    grids = {}
-    for run_id in run_ids:
-        run = Run.create_empty(run_id=run_id)
-        run.primary_task_id = 100 + run_id
-        run.federation_id = NOOP_FEDERATION_ID
-        state.run_ids[run_id] = flwr_linkstate.RunRecord(run=run)
-        state.task_store[100 + run_id] = Task(task_id=100 + run_id, run_id=run_id)
-        grid = InMemoryGrid(state_factory=factory)
-        grid.set_run(run)
-        grids[run_id] = grid
-    nodes = sorted(_register_nodes(num_nodes, factory))
+    state, grids, nodes = node_index.simulation_state(num_nodes, run_ids)
     if indexed:
         assert node_index.index_instructions_by_node(state)
     return state, grids, nodes
@@ -48,22 +23,13 @@ def _federation(num_nodes: int, indexed: bool, run_ids: tuple[int, ...] = (7,)):
 @pytest.fixture(autouse=True)
 def _task_identity(monkeypatch):
     """Flower's Message reads the process's run id from TaskIdentity (set by Flower's
-    ServerApp process); each test sets it and gets the original back."""
+    ServerApp process); each test gets the original back."""
     from flwr.supercore.task_identity import TaskIdentity
     for name in ("_run_id", "_node_id", "_task_id"):
         monkeypatch.setattr(TaskIdentity, name, getattr(TaskIdentity, name))
 
 
-def _push(grid, dst: int, tag: str, ttl: float | None = None) -> str:
-    from flwr.app import Message, RecordDict
-    from flwr.common.constant import SUPERLINK_NODE_ID
-    from flwr.supercore.task_identity import TaskIdentity
-    TaskIdentity.run_id = grid.run.run_id
-    TaskIdentity.node_id = SUPERLINK_NODE_ID
-    TaskIdentity.task_id = grid.run.primary_task_id
-    (msg_id,) = grid.push_messages([Message(RecordDict(), dst, "train", ttl=ttl,
-                                            group_id=tag)])
-    return msg_id
+_push = node_index.push_instruction
 
 
 def test_pinned_flower_sources_unchanged():

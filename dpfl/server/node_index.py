@@ -147,3 +147,47 @@ def index_instructions_by_node(state: Any) -> bool:
         state.pending_by_node = build_index(state)
         state.__class__ = node_indexed_class()
     return True
+
+
+def simulation_state(num_nodes: int, run_ids: tuple[int, ...] = (7,)) -> tuple[Any, dict, list]:
+    """A real in-memory LinkState with ``num_nodes`` registered nodes and the given runs,
+    set up as ``flwr.simulation.run_simulation._main_loop`` does, and an InMemoryGrid per
+    run: (state, {run id: grid}, node ids). For the tests and the engine bench."""
+    from flwr.proto.task_pb2 import Task  # pylint: disable=E0611
+    from flwr.server.superlink.fleet.vce.vce_api import _register_nodes
+    from flwr.server.superlink.linkstate import LinkStateFactory
+    from flwr.server.superlink.linkstate.in_memory_linkstate import RunRecord
+    from flwr.supercore.constant import FLWR_IN_MEMORY_DB_NAME, NOOP_FEDERATION_ID
+    from flwr.supercore.object_store import ObjectStoreFactory
+    from flwr.supercore.run import Run
+    from flwr.superlink.federation import NoOpFederationManager
+    from flwr.superlink.grid import InMemoryGrid
+
+    factory = LinkStateFactory(FLWR_IN_MEMORY_DB_NAME, NoOpFederationManager(),
+                               ObjectStoreFactory())
+    state = factory.state()
+    grids = {}
+    for run_id in run_ids:
+        run = Run.create_empty(run_id=run_id)
+        run.primary_task_id = 100 + run_id
+        run.federation_id = NOOP_FEDERATION_ID
+        state.run_ids[run_id] = RunRecord(run=run)
+        state.task_store[100 + run_id] = Task(task_id=100 + run_id, run_id=run_id)
+        grid = InMemoryGrid(state_factory=factory)
+        grid.set_run(run)
+        grids[run_id] = grid
+    return state, grids, sorted(_register_nodes(num_nodes, factory))
+
+
+def push_instruction(grid: Any, dst: int, group_id: str, ttl: float | None = None) -> str:
+    """Push one empty "train" instruction to ``dst`` through ``grid``, as the ServerApp's
+    process would (Flower's Message reads the run and sender from TaskIdentity)."""
+    from flwr.app import Message, RecordDict
+    from flwr.common.constant import SUPERLINK_NODE_ID
+    from flwr.supercore.task_identity import TaskIdentity
+    TaskIdentity.run_id = grid.run.run_id
+    TaskIdentity.node_id = SUPERLINK_NODE_ID
+    TaskIdentity.task_id = grid.run.primary_task_id
+    (msg_id,) = grid.push_messages([Message(RecordDict(), dst, "train", ttl=ttl,
+                                            group_id=group_id)])
+    return msg_id
