@@ -268,8 +268,10 @@ run)
   if [ -s "$state/node-partitions" ] && [ -n "$(cat "$state/node-partitions")" ]; then
     map_arg=(--run-config "node-partitions='$(cat "$state/node-partitions")'")
   fi
+  # the FAB's files only: `flwr run REPO` would first walk every file of the checkout (.venv)
+  app=$(python -m dpfl.fab "$repo" "$state/app") || die 1 "could not stage the app from $repo"
   FLWR_HOME=$state/flwr-home DPFL_OUTPUT_ROOT=$state ip netns exec "$prefix-link" \
-    flwr run "$repo" netns --stream "${map_arg[@]}" "$@"
+    flwr run "$app" netns --stream "${map_arg[@]}" "$@"
   ;;
 restart-superlink)
   [ $# = 0 ] || die 2 "unknown argument '$1' (restart-superlink STATE_DIR)"

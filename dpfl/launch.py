@@ -31,6 +31,7 @@ from dpfl.apps.status import STATUS_ENV, SUMMARY_ENV, read_status
 from dpfl.config import RunConfig
 from dpfl.data import check_dataset, splits_for
 from dpfl.errors import UserError, writable_dir_problem
+from dpfl.fab import stage_app
 from dpfl.methods import DEFAULT_METHOD, build_strategy, configured, parse_run_config
 from dpfl.runlock import LAUNCHER_LOCK, WRITER_LOCK, RunLock, check_unlocked
 from dpfl.server.rundir import (
@@ -341,9 +342,10 @@ def _launch(app_dir: Path, cfg: RunConfig, num_clients: int, overrides: dict[str
     env.pop(SUMMARY_ENV, None)
     if prints_summary:
         env[SUMMARY_ENV] = "1"
+    app = stage_app(app_dir, flwr_home / "app")  # flwr run would walk the whole checkout
     with simulation_superlink(flwr_home, env) as address:
         write_flower_config(flwr_home, address)
-        cmd = [_bin("flwr"), "run", str(app_dir), CONNECTION, "--stream",
+        cmd = [_bin("flwr"), "run", str(app), CONNECTION, "--stream",
                "--run-config", run_config_arg(overrides),
                "--federation-config",
                f"num-supernodes={num_clients} client-resources-num-cpus={_num(num_cpus)}"]
