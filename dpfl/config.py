@@ -267,11 +267,15 @@ KEY_HELP: dict[str, str] = {
                   "histories), `rdp` (Opacus / dp-accounting RDP), `prv` (Opacus PRV, DP-SGD "
                   "only); adaptive histories (AADP-FL) are bounded by a Rényi filter "
                   "whatever this says",
-    "opacus-mode": "how DP-SGD forms the clipped sum: `bk` (book-keeping clipping, Bu et al. "
-                   "ICML 2023: per-sample norms and the clipped sum from one backward pass; "
-                   "Conv2d, Linear and GroupNorm layers, others refused by name; Opacus' "
-                   "optimizer, Poisson loader and accountant, so noise and ε are unchanged), "
-                   "or Opacus' `ghost`, `hooks`, `functorch`, `ew`",
+    "opacus-mode": "how DP-SGD forms the clipped sum: `bk` (book-keeping clipping: Bu, Wang, "
+                   "Zha & Karypis, \"Differentially Private Optimization on Large Model at "
+                   "Small Cost\", ICML 2023; `dpfl/client/bookkeeping.py`: per-sample norms and the "
+                   "clipped sum from one backward pass; Conv2d, Linear and GroupNorm layers "
+                   "(every registered model), others refused by name; Opacus' ghost-mode "
+                   "optimizer, Poisson loader and accountant, so noise and ε are unchanged; "
+                   "equal to `hooks` to float tolerance; 1.6× Opacus' `ghost` on the idle "
+                   "machine, `results/speed/README.md`), or Opacus' `ghost`, `hooks`, "
+                   "`functorch`, `ew`",
     "fraction-train": "client sampling per round (`trust=central`: the Poisson sampling rate "
                       "q, with amplification accounted)",
     "min-train-nodes": "the fewest clients a round trains on",
