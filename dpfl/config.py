@@ -269,8 +269,9 @@ KEY_HELP: dict[str, str] = {
                   "whatever this says",
     "opacus-mode": "how DP-SGD forms the clipped sum: `bk` (book-keeping clipping: Bu, Wang, "
                    "Zha & Karypis, \"Differentially Private Optimization on Large Model at "
-                   "Small Cost\", ICML 2023; `dpfl/client/bookkeeping.py`: per-sample norms and the "
-                   "clipped sum from one backward pass; Conv2d, Linear and GroupNorm layers "
+                   "Small Cost\", ICML 2023; `dpfl/client/bookkeeping.py`: per-sample norms "
+                   "and the clipped sum from one backward pass; Conv2d, Linear and GroupNorm "
+                   "layers "
                    "(every registered model), others refused by name; Opacus' ghost-mode "
                    "optimizer, Poisson loader and accountant, so noise and ε are unchanged; "
                    "equal to `hooks` to float tolerance; 1.6× Opacus' `ghost` on the idle "
