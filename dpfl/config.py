@@ -28,6 +28,8 @@ OPACUS_MODES = ("ghost", "hooks", "functorch", "ew", "bk")
 # who adds the noise (dpfl.privacy.trust): each client (local), a trusted server (central)
 # or every client a share under secure aggregation (distributed)
 TRUSTS = ("local", "central", "distributed")
+# central: dpfl's own mechanism, or Flower's server-side DP wrapper for a side-by-side
+CENTRAL_IMPLS = ("dpfl", "flower")
 
 
 # Upper ends of the sensible ranges (a value above them is a typo or an attack on the
@@ -202,6 +204,152 @@ class RunConfig:
         return validate(dataclasses.replace(self, **changes))
 
 
+# The allowed values of the global string keys (``strategy`` and ``model`` come from the
+# registries: dpfl.methods, dpfl.models).
+KEY_CHOICES: dict[str, tuple[str, ...]] = {
+    "trainer": TRAINERS,
+    "dataset": DATASETS,
+    "partitioning": PARTITIONINGS,
+    "accountant": ACCOUNTANTS,
+    "opacus-mode": OPACUS_MODES,
+    "trust": TRUSTS,
+    "central-impl": CENTRAL_IMPLS,
+}
+
+# One line per global key: the generated run-config reference (docs/run-config.md) and the
+# CLI read these; a method's own keys are described by its MethodParams.HELP.
+KEY_HELP: dict[str, str] = {
+    "strategy": "the method (see the Methods pages); `fedavg` is the non-private reference "
+                "and needs `trainer=plain`",
+    "trainer": "`dpsgd` (sample-level DP-SGD, Opacus), `update-dp` (client-level: clip the "
+               "whole update + Gaussian noise), `plain` (no DP)",
+    "dataset": "the dataset; MNIST, Fashion-MNIST and digits load offline, CIFAR-10/100 and "
+               "SVHN through torchvision from `data-dir`",
+    "data-dir": "where torchvision-format files live (\"\" = the bundled or system copy); a "
+                "folder you set that lacks the dataset is an error, never a silent fall-back",
+    "download": "let torchvision download into `data-dir` (only when `true`)",
+    "partitioning": "how training examples are split among clients: `iid`, `dirichlet` "
+                    "(`dirichlet-alpha`), `shards` (`labels-per-client`), `size` (client i's "
+                    "share ∝ i+1), `gcfl-contiguous` (GCFL's contiguous label groups), "
+                    "`noniid-fraction` (`noniid-fraction`), "
+                    "`class-grouped` (label-sorted, cut into uneven contiguous shares: "
+                    "FedCompDP's SVHN split)",
+    "dirichlet-alpha": "`partitioning=dirichlet`: concentration α of the label distribution "
+                       "(smaller = more skewed)",
+    "labels-per-client": "`partitioning=shards`: labels per client",
+    "noniid-fraction": "`partitioning=noniid-fraction`: AADP-FL's non-IID share f: a "
+                       "fraction f of the training set is label-sorted and dealt in "
+                       "contiguous blocks, the rest split IID (0 = IID, 1 = label-sorted)",
+    "val-fraction": "local validation hold-out per client",
+    "server-holdout": "training examples kept from every client as the server's own "
+                      "validation split (FedCompDP's `cra-score=server-val`, DP-FedASGP "
+                      "over DP-SGD; never the test set); 0 = none",
+    "train-subset": "partition only this many training examples (a seeded sample; 0 = all): "
+                    "quick grids",
+    "model": "the network every client trains and the server evaluates (`*-gn`: ResNets "
+             "with GroupNorm, made out-of-place so DP-SGD runs on them)",
+    "num-rounds": "federated rounds (at most 10^6)",
+    "local-epochs": "local epochs per round",
+    "batch-size": "local batch size (DP-SGD: the expected Poisson batch; part of the "
+                  "privacy accounting, not a device setting)",
+    "lr": "local learning rate (the default 2.0 is DP-SGD's, whose gradients are clipped "
+          "and noised; plain SGD diverges at it: use e.g. 0.1)",
+    "momentum": "local SGD momentum",
+    "max-grad-norm": "DP-SGD per-sample clipping bound C (≤ 10^6)",
+    "clip-norm": "update-DP clipping bound C on the whole update (≤ 10^6)",
+    "noise-multiplier": "σ; 0 = calibrate so a client taking part in every round ends at "
+                        "`target-epsilon`",
+    "target-epsilon": "each client's ε budget (≤ 10^15); a client refuses a round that would "
+                      "exceed it",
+    "delta": "δ of every client's (ε, δ) guarantee",
+    "accountant": "`pld` (dp-accounting's privacy-loss distributions, both units; the "
+                  "tightest, with a coarser grid or RDP as a logged fallback for very long "
+                  "histories), `rdp` (Opacus / dp-accounting RDP), `prv` (Opacus PRV, DP-SGD "
+                  "only); adaptive histories (AADP-FL) are bounded by a Rényi filter "
+                  "whatever this says",
+    "opacus-mode": "how DP-SGD forms the clipped sum: `bk` (book-keeping clipping: Bu, Wang, "
+                   "Zha & Karypis, \"Differentially Private Optimization on Large Model at "
+                   "Small Cost\", ICML 2023; `dpfl/client/bookkeeping.py`: per-sample norms "
+                   "and the clipped sum from one backward pass; Conv2d, Linear and GroupNorm "
+                   "layers "
+                   "(every registered model), others refused by name; Opacus' ghost-mode "
+                   "optimizer, Poisson loader and accountant, so noise and ε are unchanged; "
+                   "equal to `hooks` to float tolerance; 1.6× Opacus' `ghost` on the idle "
+                   "machine, `results/speed/README.md`), or Opacus' `ghost`, `hooks`, "
+                   "`functorch`, `ew`",
+    "fraction-train": "client sampling per round (`trust=central`: the Poisson sampling rate "
+                      "q, with amplification accounted)",
+    "min-train-nodes": "the fewest clients a round trains on",
+    "fraction-evaluate": "client-side evaluation (releases validation metrics in the clear)",
+    "evaluate-every": "central evaluation (the server's test set) after every k-th round and "
+                      "the run's last; other rounds' lines in `rounds.jsonl` have no "
+                      "`central`",
+    "server-lr": "server step size η on the averaged update",
+    "max-update-norm": "extra L2 bound on accepted updates (0 = off)",
+    "round-timeout": "seconds a round waits for replies",
+    "seed": "seeds model initialisation, partitioning and evaluation (never DP noise unless "
+            "`reproducible=true`)",
+    "reproducible": "`true`: DP noise and sampling seeded from `seed` (bit-identical reruns, "
+                    "verdict `none`); `false`: secret OS entropy per client and round",
+    "output-dir": "the folder that holds run directories",
+    "run-name": "the run directory's name (\"\" = automatic: a timestamp with ms, the method "
+                "and a random suffix; a new run never reuses a directory); one plain folder "
+                "name",
+    "resume": "continue the run in `run-name` with its saved settings (only `num-rounds`, "
+              "`round-timeout`, `evaluate-every`, `report-train-loss`, `node-partitions` may "
+              "change)",
+    "resume-without-checkpoint": "with `resume=true` when `checkpoint.pt` is lost or "
+                                 "damaged: train a fresh model after the ledger's last "
+                                 "round, every recorded spend kept charged (without it such "
+                                 "a resume is refused)",
+    "report-train-loss": "send the local train loss (in the clear: the verdict becomes "
+                         "`none`)",
+    "audit-canaries": "an audit run (`dpfl audit`): clients 0..m−1 are canary clients; each, "
+                      "with a secret coin, replaces its update by the canary vector c·u_i "
+                      "before its method's release, and the server writes each canary "
+                      "reply's score ⟨update, u_i⟩ to `audit.jsonl` (under `trainer=dpsgd` "
+                      "the canaries are examples added to the clients' data)",
+    "audit-seed": "the auditor's secret seed of the canaries' coins and directions",
+    "audit-canary-norm": "the canary vector's norm c (0 = `clip-norm`)",
+    "audit-canary-support": "> 0: sparse canaries on that many secret coordinates (the "
+                            "auditor also scores the overlap of each reply's non-zero "
+                            "pattern with the canary's support); 0 = dense",
+    "record-updates": "keep the last update the server received from clients 0..k−1 "
+                      "(`updates/client-<i>.pt`, with the global model it started from) for "
+                      "`dpfl attack`",
+    "trust": "who adds the noise (see Trust models): `local` (each client), `central` (a "
+             "trusted server; `fraction-train` becomes a Poisson rate and amplification is "
+             "accounted), `distributed` (Skellam shares under Flower's SecAgg+); `central` "
+             "and `distributed` need `trainer=update-dp` and a method that only uses the "
+             "mean of the updates",
+    "adaptive-clip": "`trust=central`: adapt C towards a quantile of the update norms "
+                     "(Andrew et al. 2021); the noisy count is charged",
+    "clip-target-quantile": "`adaptive-clip`: the target quantile γ of the update norms",
+    "clip-lr": "`adaptive-clip`: the geometric update's step η",
+    "clip-count-stddev": "`adaptive-clip`: the noise std of the clipped count (0 = expected "
+                         "clients per round / 20)",
+    "central-impl": "`trust=central`: `dpfl`, or `flower` to run the same round through "
+                    "Flower's `DifferentialPrivacyServerSide{Adaptive,Fixed}Clipping` "
+                    "wrapper (fixed-size sampling; its ε charged without amplification) for "
+                    "a side-by-side",
+    "secagg-min-survivors": "`trust=distributed`: n_min, the guaranteed minimum of "
+                            "surviving clients per round (0 = every sampled client); each "
+                            "adds 1/n_min of the noise variance, fewer survivors discard "
+                            "the round",
+    "secagg-num-shares": "`trust=distributed`: SecAgg+ neighbourhood size (0 = all sampled "
+                         "clients, else ≥ 3)",
+    "secagg-threshold": "`trust=distributed`: the fraction of a neighbourhood needed to "
+                        "reconstruct a dropped client's masks",
+    "secagg-scale": "`trust=distributed`: integer units per unit of C (quantisation scale s)",
+    "secagg-drop-partition": "fault injection for tests: this partition drops out of SecAgg+ "
+                             "after sharing its keys (−1 = none)",
+    "node-partitions": "deployment: the operator's binding `\"<node-id>:<partition-id>,...\"`; "
+                       "each reply is charged to its node's partition, and a node outside "
+                       "it or claiming another partition is refused (`deploy/netns.sh run` "
+                       "and `dpfl deploy` pass it)",
+}
+
+
 def coerce(key: str, value: Any, kind: type) -> Any:
     if kind is bool:
         if isinstance(value, bool):
@@ -325,7 +473,7 @@ def validate(cfg: RunConfig) -> RunConfig:
     need(0.0 < cfg.clip_target_quantile < 1.0, "clip-target-quantile", "must be in (0, 1)",
          cfg.clip_target_quantile)
     need(cfg.clip_lr > 0, "clip-lr", "must be > 0", cfg.clip_lr)
-    need(cfg.central_impl in ("dpfl", "flower"), "central-impl", "must be dpfl or flower",
+    need(cfg.central_impl in CENTRAL_IMPLS, "central-impl", f"must be one of {CENTRAL_IMPLS}",
          cfg.central_impl)
     need(cfg.clip_count_stddev >= 0, "clip-count-stddev", "must be >= 0 (0 = m / 20)",
          cfg.clip_count_stddev)

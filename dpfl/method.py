@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field, fields
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, ClassVar, Mapping
 
 import torch
 from flwr.app import Context, Message
@@ -34,7 +34,13 @@ ModelFor = Callable[[RunConfig, tuple[int, int, int], int], torch.nn.Module]
 @dataclass(frozen=True)
 class MethodParams:
     """Base of a method's own run-config keys: a frozen dataclass whose field names are the
-    keys with dashes as underscores (e.g. ``gcfl_references`` <-> ``gcfl-references``)."""
+    keys with dashes as underscores (e.g. ``gcfl_references`` <-> ``gcfl-references``).
+    ``HELP`` describes every key in one line and ``CHOICES`` lists the allowed values of its
+    string keys (both keyed by run-config name): the generated run-config reference
+    (``docs/run-config.md``) reads them."""
+
+    HELP: ClassVar[Mapping[str, str]] = {}
+    CHOICES: ClassVar[Mapping[str, tuple[str, ...]]] = {}
 
     @classmethod
     def keys(cls) -> tuple[str, ...]:

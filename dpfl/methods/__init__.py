@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Mapping
 
-from dpfl.config import ConfigError, RunConfig, need, parse_global
+from dpfl.config import KEY_CHOICES, KEY_HELP, ConfigError, RunConfig, need, parse_global
 from dpfl.method import Method
 from dpfl.methods import (
     aadp,
@@ -93,8 +93,56 @@ def guarantee(cfg: RunConfig) -> Guarantee:
     return guarantee_for(cfg, METHODS[cfg.strategy].privacy(cfg))
 
 
-__all__ = ["METHODS", "ConfigError", "build_strategy", "configured", "guarantee", "run_config",
-           "method_for", "parse_run_config"]
+@dataclasses.dataclass(frozen=True)
+class KeyDoc:
+    """One run-config key as the reference documents it."""
+
+    key: str
+    default: Any
+    type: str                       # bool | int | float | str
+    choices: tuple[str, ...]        # allowed values of a string key (empty: free text)
+    methods: tuple[str, ...]        # the methods that read it (empty: global, every method)
+    help: str
+
+
+def key_reference() -> list[KeyDoc]:
+    """Every run-config key: the global ones (``RunConfig``, described by
+    ``dpfl.config.KEY_HELP``), then each method's own (its ``MethodParams``, described by its
+    ``HELP``), with default, type and allowed values. Raises ValueError when a key has no
+    description or a description names no key, so the generated reference cannot drift."""
+    out: list[KeyDoc] = []
+    problems: list[str] = []
+    registries = {"strategy": tuple(METHODS), "model": tuple(MODELS)}
+    globals_ = [f for f in dataclasses.fields(RunConfig) if f.name != "params"]
+    problems += [f"'{k}' is described but is no global key" for k in
+                 set(KEY_HELP) - {f.name.replace("_", "-") for f in globals_}]
+    for f in globals_:
+        key = f.name.replace("_", "-")
+        default = DEFAULT_METHOD if key == "strategy" and not f.default else f.default
+        if key not in KEY_HELP:
+            problems.append(f"global key '{key}' has no description in dpfl.config.KEY_HELP")
+        choices = KEY_CHOICES.get(key, registries.get(key, ()))
+        out.append(KeyDoc(key, default, str(f.type), choices, (), KEY_HELP.get(key, "")))
+    for method in METHODS.values():
+        if method.params is None:
+            continue
+        params = method.params
+        problems += [f"{params.__name__}.HELP describes '{k}', which is not its key"
+                     for k in set(params.HELP) - set(params.keys())]
+        for f in dataclasses.fields(params):
+            key = f.name.replace("_", "-")
+            if key not in params.HELP:
+                problems.append(f"method key '{key}' has no description in "
+                                f"{params.__name__}.HELP")
+            out.append(KeyDoc(key, f.default, str(f.type), tuple(params.CHOICES.get(key, ())),
+                              (method.name,), params.HELP.get(key, "")))
+    if problems:
+        raise ValueError("run-config reference: " + "; ".join(sorted(problems)))
+    return out
+
+
+__all__ = ["METHODS", "ConfigError", "KeyDoc", "build_strategy", "configured", "guarantee",
+           "key_reference", "method_for", "parse_run_config", "run_config"]
 
 
 def run_config(**fields: Any) -> RunConfig:

@@ -87,6 +87,20 @@ class AADPParams(MethodParams):
     aadp_gamma: float = 1e-8         # gamma inside the Nadam square root
     aadp_noise: str = "calibrated"   # one of AADP_NOISE
 
+    HELP = {
+        "aadp-epsilon": "base per-round ε of eq. 2 (the mean per-round budget)",
+        "aadp-rho": "ρ of eq. 3: a raise multiplies every client's per-round ε by 1/ρ",
+        "aadp-eps-max": "ε_max of eq. 3: no raise past it",
+        "aadp-threshold": "moment-stability threshold l of eq. 3 (max-norm of the Nadam "
+                          "moments' change; also the paper's noise variance)",
+        "aadp-gamma": "γ inside the Nadam square root",
+        "aadp-noise": "`calibrated`: Gaussian for sensitivity S and the round's (ε_i, δ); "
+                      "`paper`: the published variance S⁴l/(|w|ε²), an ablation with verdict "
+                      "none (the ledger charges the noise actually added); `update-dp` only "
+                      "(refused under `dpsgd`, which always calibrates)",
+    }
+    CHOICES = {"aadp-noise": AADP_NOISE}
+
     def validate(self) -> None:
         need(self.aadp_epsilon > 0, "aadp-epsilon", "must be > 0", self.aadp_epsilon)
         need(0 < self.aadp_rho < 1, "aadp-rho", "must be in (0, 1)", self.aadp_rho)

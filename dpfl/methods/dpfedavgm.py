@@ -29,6 +29,8 @@ from dpfl.server.strategy import DPFLStrategy
 class MomentumParams(MethodParams):
     server_momentum: float = 0.9     # beta of the server's heavy-ball momentum
 
+    HELP = {"server-momentum": "heavy-ball momentum β of the server step (0 = DP-FedAvg)"}
+
     def validate(self) -> None:
         need(0.0 <= self.server_momentum < 1.0, "server-momentum", "must be in [0, 1)",
              self.server_momentum)

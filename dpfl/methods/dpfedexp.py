@@ -31,6 +31,8 @@ from dpfl.server.validation import ClientUpdate
 class FedExPParams(MethodParams):
     fedexp_epsilon: float = 1e-3      # FedExP's small constant in eq. 9
 
+    HELP = {"fedexp-epsilon": "FedExP's small constant ε in the step-size denominator (eq. 9)"}
+
     def validate(self) -> None:
         need(self.fedexp_epsilon > 0, "fedexp-epsilon", "must be > 0", self.fedexp_epsilon)
 

@@ -26,6 +26,8 @@ from dpfl.server.strategy import DPFLStrategy
 class ProxParams(MethodParams):
     prox_mu: float = 0.01      # mu of the proximal term
 
+    HELP = {"prox-mu": "proximal weight μ of the local objective's (μ/2)‖w − w_t‖² term"}
+
     def validate(self) -> None:
         need(self.prox_mu >= 0, "prox-mu", "must be >= 0", self.prox_mu)
 

@@ -79,6 +79,9 @@ class DPFedSAMParams(MethodParams):
 
     sam_rho: float = 0.5
 
+    HELP = {"sam-rho": "SAM perturbation radius ρ (> 0; the authors' runs use 0.5, as ASAM's "
+                       "radius: with plain SAM try 0.05-0.1 if local training stalls)"}
+
     def validate(self) -> None:
         need(math.isfinite(self.sam_rho) and self.sam_rho > 0, "sam-rho",
              "must be a finite number > 0", self.sam_rho)

@@ -168,6 +168,25 @@ class FedASGPParams(MethodParams):
     asgp_threshold: float = 0.01       # strict: public lambda in units of C
     asgp_noise: str = "calibrated"     # strict: one of NOISE
 
+    HELP = {
+        "asgp-variant": "`paper` (as published: non-significant coordinates and the loss "
+                        "sent in the clear, verdict none, the ledger charges the nominal ε) "
+                        "or `strict` (sparse vector with cutoff c and a public threshold, "
+                        "the rest withheld, formal); needs `momentum=0`. The `asgp-*` keys "
+                        "configure the update-dp release: under `trainer=dpsgd` a "
+                        "non-default value is refused, and `server-holdout` ≥ 1 is required",
+        "asgp-epsilon": "ε = ε₁ + ε₂ + ε₃ per round",
+        "asgp-eps3-share": "ε₃ = share·ε",
+        "asgp-q": "q: ε₁ : ε₂ = q^(2/3) : 1; the paper's Laplace scales are q·C/ε_k (q = 2: "
+                  "eq. 11's 2ΔS/ε with ΔS = C)",
+        "asgp-max-coords": "`strict`: cutoff c (at most c coordinates released per round)",
+        "asgp-threshold": "`strict`: public threshold λ, in units of C",
+        "asgp-noise": "`strict`: `calibrated` (scales from ε: the round costs exactly "
+                      "`asgp-epsilon`) or `paper` (the paper's scales q·C/ε_k, charged what "
+                      "they cost: ε₂/q + 2cε₁/q + 2√c·ε₃/q)",
+    }
+    CHOICES = {"asgp-variant": VARIANTS, "asgp-noise": NOISE}
+
     def validate(self) -> None:
         need(self.asgp_variant in VARIANTS, "asgp-variant", f"must be one of {VARIANTS}",
              self.asgp_variant)

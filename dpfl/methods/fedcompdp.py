@@ -201,6 +201,47 @@ class FedCompDPParams(MethodParams):
     cd_dual_lr: float = 0.5            # eta_lambda of eq. 19
     cd_max_constraints: int = 10
 
+    HELP = {
+        "llcm-ratio": "LLCM channel reduction C′ = ⌈rC⌉ after the first conv block (r of "
+                      "eq. 1; 0 = off)",
+        "sparsify": "eq. 2's gradient sparsification reading: `small` zeroes |g| < τ_t, "
+                    "`large` zeroes |g| > τ_t, `none` is off",
+        "sparsify-tau": "τ₀ of eq. 2 (τ_t = τ₀·decay^(t−1))",
+        "sparsify-decay": "the decay of τ_t per round",
+        "local-grad-clip": "clip the gradient norm to C_t after every local step (eqs. 3-4; "
+                           "required under `dpsgd`)",
+        "adpc": "the clip C_{t+1} (eqs. 5-7): `private-quantile` (Andrew et al. 2021, each "
+                "client's noisy unclipped bit released with its update as one Gaussian), "
+                "`noisy-norm` (median of the noised norms), `raw-norm` (median of raw "
+                "norms, verdict none), `off` (C = `clip-norm`); `trainer=dpsgd`: C_t is the "
+                "per-sample clip (C_0 = `max-grad-norm`), `private-quantile` or `off` only",
+        "adpc-target-quantile": "target quantile γ of the geometric update "
+                                "C ← C·exp(−η(b − γ))",
+        "adpc-lr": "step η of the geometric update",
+        "adpc-count-stddev": "each client's bit noise s_b (0 = σ; must exceed σ/2); `dpsgd`: "
+                             "the per-step count's noise (0 = 5σ of each client's planned "
+                             "σ, else > every client's σ)",
+        "adpc-min-clip": "lower bound of C_t",
+        "adpc-max-clip": "upper bound of C_t",
+        "cra": "reliability weights, eqs. 11-15 (false = equal weights, the paper's "
+               "'w/o DA'; under `dpsgd` public partition sizes)",
+        "cra-score": "the F1 behind the weights: the server's holdout (`server-val`, needs "
+                     "`server-holdout`) or the clients' (`client-f1`: in the clear unless "
+                     "`client-f1-noise` > 0; refused under `dpsgd`)",
+        "cra-ema": "EMA β of eqs. 11-12",
+        "cra-norm-weight": "κ of eq. 13: the weight of the relative update norm in the score",
+        "cra-temperature": "softmax temperature T of eq. 14",
+        "client-f1-noise": "`cra-score=client-f1`: noise s_f on the clients' F1, folded into "
+                           "the update's Gaussian release (0 = in the clear, verdict none)",
+        "cd-correction": "the CD-norm trust region ‖w − w_{t−1}‖ ≤ ρ·C_t and its single "
+                         "primal–dual step (eqs. 16-19)",
+        "cd-rho": "ρ of the trust region, in units of C_t (`dpsgd`: of "
+                  "lr·T·C_t/(1 − momentum))",
+        "cd-dual-lr": "dual step size η_λ of eq. 19",
+        "cd-max-constraints": "the most linearised constraints kept active",
+    }
+    CHOICES = {"sparsify": SPARSIFY, "adpc": ADPC, "cra-score": CRA_SCORES}
+
     def validate(self) -> None:
         need(0 <= self.llcm_ratio <= 1, "llcm-ratio", "must be in [0, 1] (0 = off)",
              self.llcm_ratio)

@@ -87,6 +87,19 @@ class FedSMPParams(MethodParams):
     fedsmp_ratio: float = 0.1          # k / d
     fedsmp_rescale: bool = True        # randk: the server scales the mean by d / k
 
+    HELP = {
+        "fedsmp-mask": "which k = round(ratio·d) update coordinates are kept: `randk` (a mask "
+                       "from public randomness, run-config `seed` and round, shared by the "
+                       "round's clients: formal) or `topk` (the client's own largest |Δ_j|: "
+                       "their positions are released, verdict none); they are clipped to C "
+                       "and get N(0, σ²C²). Under `trainer=dpsgd` the DP-SGD update is "
+                       "sparsified instead (post-processing: both masks formal)",
+        "fedsmp-ratio": "the kept share k/d",
+        "fedsmp-rescale": "`randk`: the server scales the mean by d/k (the paper's unbiased "
+                          "rand_k)",
+    }
+    CHOICES = {"fedsmp-mask": MASKS}
+
     def validate(self) -> None:
         need(self.fedsmp_mask in MASKS, "fedsmp-mask", f"must be one of {MASKS}",
              self.fedsmp_mask)

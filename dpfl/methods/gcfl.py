@@ -48,6 +48,9 @@ from dpfl.server.strategy import DPFLStrategy
 class GCFLParams(MethodParams):
     gcfl_references: int = 1     # size of the random reference subset R per round
 
+    HELP = {"gcfl-references": "size of the random reference subset R per round (GCFL's "
+                                  "projection targets)"}
+
     def validate(self) -> None:
         need(self.gcfl_references >= 1, "gcfl-references", "must be >= 1",
              self.gcfl_references)

@@ -257,7 +257,8 @@ class DPGuard:
           charged to this node. A holder that is gone (a restarted simulation or an
           unauthenticated SuperNode that re-registered: new node ids) leaves the partition
           to the next node that claims it: without an operator's map, identity is only as
-          good as the first claim of a connected node (see README, "The privacy record").
+          good as the first claim of a connected node (see docs/privacy.md, "The privacy
+          record").
         """
         pinned = self.node_partition.get(node)
         if pinned is not None:
