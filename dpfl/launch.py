@@ -89,8 +89,9 @@ def free_port() -> int:
 
 
 def flower_env(flwr_home: Path, output_root: Path | None = None) -> dict[str, str]:
-    """Environment for every Flower process: private FLWR_HOME, no telemetry, no update
-    checks, no runtime `uv sync` of the app's dependencies, venv bin/ on PATH."""
+    """Environment for every Flower process: private FLWR_HOME, no telemetry (Flower's nor
+    Ray's usage stats), no update checks, no runtime `uv sync` of the app's dependencies,
+    venv bin/ on PATH."""
     env = os.environ.copy()
     env.update({
         "FLWR_HOME": str(flwr_home),
@@ -98,6 +99,7 @@ def flower_env(flwr_home: Path, output_root: Path | None = None) -> dict[str, st
         "FLWR_DISABLE_UPDATE_CHECK": "1",
         "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
         "RAY_DEDUP_LOGS": "0",
+        "RAY_USAGE_STATS_ENABLED": "0",
         "PYTHONWARNINGS": "ignore",
     })
     env["PATH"] = str(Path(sys.executable).parent) + os.pathsep + env.get("PATH", "")
