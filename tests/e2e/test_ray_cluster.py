@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import shutil
 import signal
 import subprocess
@@ -71,17 +72,27 @@ def _netns_pids(ns: str) -> list[int]:
     return [int(p) for p in out if p.isdigit() and alive(int(p))]
 
 
+def _cmdline(pid: int) -> str:
+    try:
+        raw = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return "?"
+    return raw.replace(b"\0", b" ").decode(errors="replace").strip()
+
+
 class TwoNodeCluster:
     """Two namespaces joined by a veth link, a Ray head in the first and a worker node in
     the second; :meth:`stop` stops what it started by PID and returns what was left."""
 
     def __init__(self, work: Path) -> None:
-        tag = f"dr{os.getpid() % 100000}"
+        tag = f"dr{os.getpid() % 10000}{secrets.token_hex(2)}"   # + h/w: <= 15 characters
         self.head_ns, self.worker_ns = f"{tag}h", f"{tag}w"
         self.work = work
         # Ray's sockets live under --temp-dir: a short path (AF_UNIX paths <= 107 bytes)
         self.ray_tmp = Path(tempfile.mkdtemp(prefix=f"{tag}-", dir="/tmp"))
         self.procs: list[subprocess.Popen] = []
+        self.pgids: set[int] = set()
+        self.sigkilled: list[str] = []   # what SIGTERM did not stop within its grace
         self.env = _env()
 
     def run_in_head(self, *cmd: str, timeout: float) -> subprocess.CompletedProcess:
@@ -108,6 +119,7 @@ class TwoNodeCluster:
                  str(OBJECT_STORE), "--disable-usage-stats", *args],
                 env=self.env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
         self.procs.append(proc)
+        self.pgids.add(proc.pid)
         deadline = time.monotonic() + 120
         while "Ray runtime started" not in log.read_text():
             assert proc.poll() is None, f"ray start ({name}) exited:\n{log.read_text()[-3000:]}"
@@ -123,20 +135,37 @@ class TwoNodeCluster:
                    "--node-ip-address", WORKER_IP)
 
     def stop(self) -> list[str]:
-        """Stop both nodes (process group and descendants, SIGTERM then SIGKILL), then
-        SIGKILL anything still in the namespaces (and report it), then delete them."""
-        from dpfl.launch import stop_process_group
+        """Stop both nodes at once (SIGTERM to each ``ray start`` process group and to every
+        descendant, SIGKILL after 10 s: after a run the head's ``ray start``, GCS and
+        autoscaler monitor were seen still there 20 s after SIGTERM), then SIGKILL anything
+        still in the namespaces (and report it), then delete them."""
+        from dpfl.watchdog import alive, descendants
 
-        for proc in reversed(self.procs):   # the worker first
-            stop_process_group(proc, grace=15.0)
+        pids = [p for proc in self.procs for p in (proc.pid, *descendants(proc.pid))]
+        for sig, grace in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 5.0)):
+            living = [p for p in pids if alive(p)]   # never signal a PID that has exited
+            if sig == signal.SIGKILL:
+                self.sigkilled = [_cmdline(p)[:100] for p in living]
+            groups = self.pgids if sig == signal.SIGTERM else set()
+            for kill, target in [(os.killpg, g) for g in groups] + [(os.kill, p) for p in living]:
+                try:
+                    kill(target, sig)
+                except (ProcessLookupError, PermissionError):
+                    pass
+            deadline = time.monotonic() + grace
+            while any(alive(p) for p in pids) and time.monotonic() < deadline:
+                for proc in self.procs:
+                    proc.poll()   # reap the `ray start` processes
+                time.sleep(0.2)
+        for proc in self.procs:
+            proc.wait(timeout=5)
         left = []
         for ns in (self.head_ns, self.worker_ns):
             deadline = time.monotonic() + 10
             while _netns_pids(ns) and time.monotonic() < deadline:
                 time.sleep(0.5)
             for pid in _netns_pids(ns):
-                cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")
-                left.append(f"{ns}: {pid} {cmd.decode(errors='replace')[:120]}")
+                left.append(f"{ns}: {pid} {_cmdline(pid)[:120]}")
                 try:
                     os.kill(pid, signal.SIGKILL)
                 except ProcessLookupError:
@@ -151,13 +180,6 @@ import collections, json, sys, time
 import ray
 ray.init(address=sys.argv[1], logging_level="ERROR", log_to_driver=False)
 nodes = sorted(n["NodeManagerAddress"] for n in ray.nodes() if n["Alive"])
-if sys.argv[2] == "nodes":
-    deadline = time.monotonic() + 60
-    while len(nodes) < 2 and time.monotonic() < deadline:
-        time.sleep(0.5)
-        nodes = sorted(n["NodeManagerAddress"] for n in ray.nodes() if n["Alive"])
-    print(json.dumps(nodes))
-    sys.exit(0)
 # task events reach the GCS about once a second: wait for every ClientApp run
 deadline = time.monotonic() + 20
 while True:
@@ -170,9 +192,11 @@ print(json.dumps({"nodes": nodes, "runs": runs}))
 """
 
 
-def _probe(cluster: TwoNodeCluster, what: str) -> object:
-    proc = cluster.run_in_head(sys.executable, "-c", PROBE, f"{HEAD_IP}:{GCS_PORT}", what,
-                               timeout=120)
+def _probe(cluster: TwoNodeCluster, runs: int) -> dict:
+    """The cluster's live nodes and, per node IP, its ClientAppActor.run tasks (waiting up
+    to 20 s for ``runs`` of them to be reported)."""
+    proc = cluster.run_in_head(sys.executable, "-c", PROBE, f"{HEAD_IP}:{GCS_PORT}",
+                               str(runs), timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
@@ -184,15 +208,18 @@ def test_simulation_spreads_clients_over_two_ray_nodes(tmp_path):
                         lambda: _ray_cli() is not None},
             what="the Ray-cluster test")
     cluster = TwoNodeCluster(tmp_path)
+    phases, start = {}, time.monotonic()
     try:
+        # `ray start` says "Ray runtime started" once its raylet is registered with the GCS
         cluster.start()
-        assert _probe(cluster, "nodes") == [HEAD_IP, WORKER_IP]
+        phases["two nodes up"] = time.monotonic() - start
         out = tmp_path / "runs"
         proc = cluster.run_in_head(
             sys.executable, "-m", "dpfl.cli", "simulate", "--clients", str(CLIENTS),
             "--output-dir", str(out), "--ray-address", f"{HEAD_IP}:{GCS_PORT}",
             "dataset=digits", "num-rounds=1", "batch-size=32", "target-epsilon=8.0",
             "run-name=cluster", timeout=600)
+        phases["dpfl simulate"] = time.monotonic() - start - sum(phases.values())
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
         run = out / "cluster"
         summary = json.loads((run / "summary.json").read_text())
@@ -204,10 +231,14 @@ def test_simulation_spreads_clients_over_two_ray_nodes(tmp_path):
             assert [e["round"] for e in info["events"]] == [1], name
         assert ledger["mismatches"] == []
         # Ray's record: one ClientApp run per client, on both nodes
-        seen = _probe(cluster, str(CLIENTS))
+        seen = _probe(cluster, CLIENTS)
+        phases["timeline probe"] = time.monotonic() - start - sum(phases.values())
         assert seen["nodes"] == [HEAD_IP, WORKER_IP], seen
         assert sum(seen["runs"].values()) == CLIENTS, seen
         assert set(seen["runs"]) == {HEAD_IP, WORKER_IP}, seen
     finally:
         left = cluster.stop()
+        phases["teardown"] = time.monotonic() - start - sum(phases.values())
+        print("phases (s):", {k: round(v, 1) for k, v in phases.items()},
+              "; needed SIGKILL:", cluster.sigkilled)
     assert left == [], f"processes left in the test's namespaces: {left}"
