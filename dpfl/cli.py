@@ -102,7 +102,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     root = app_dir()
     try:
         run_dir = simulate(root, args.clients, overrides, Path(args.output_dir),
-                           num_cpus=args.cpus_per_client, prints_summary=True)
+                           num_cpus=args.cpus_per_client, prints_summary=True,
+                           ray_address=args.ray_address)
     except RunFailed as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
@@ -262,6 +263,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="simulated SuperNodes (default 4; a resume: the run's)")
     p.add_argument("--output-dir", default="runs")
     p.add_argument("--cpus-per-client", type=float, default=1.0)
+    p.add_argument("--ray-address", metavar="HOST:PORT", help="run the clients on this Ray "
+                   "cluster (its head's `ray start --head --port`; docs/ray-cluster.md)")
     p.add_argument("overrides", nargs="*", help="run-config key=value overrides")
     p.set_defaults(func=cmd_simulate)
     p = sub.add_parser("summary", help="print a run's privacy table")

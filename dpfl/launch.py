@@ -6,6 +6,13 @@ outlives the run and whose PID is not reported. This launcher instead starts
 writes a Flower config (``$FLWR_HOME/config.toml``) pointing at it, calls
 ``flwr run <app> dpfl-sim --stream``, and stops the SuperLink (and the simulation
 processes it spawned) by PID afterwards, whatever happened.
+
+Ray: by default the simulation starts a private Ray instance of its own (``RAY_ADDRESS=local``
+in the simulation's environment, so that ``ray.init()`` never attaches to a cluster someone
+started on this machine with ``ray start``). ``ray_address`` (``dpfl simulate --ray-address
+HOST:PORT``) instead runs the ClientApps on that running Ray cluster: Flower 1.39's federation
+config has no Ray address field, so the launcher sets ``RAY_ADDRESS`` for the SuperLink and the
+``flwr-simulation`` process it spawns, whose ``ray.init()`` reads it (docs/ray-cluster.md).
 """
 
 from __future__ import annotations
@@ -83,8 +90,9 @@ def free_port() -> int:
 
 
 def flower_env(flwr_home: Path, output_root: Path | None = None) -> dict[str, str]:
-    """Environment for every Flower process: private FLWR_HOME, no telemetry, no update
-    checks, no runtime `uv sync` of the app's dependencies, venv bin/ on PATH."""
+    """Environment for every Flower process: private FLWR_HOME, no telemetry (Flower's nor
+    Ray's usage stats), no update checks, no runtime `uv sync` of the app's dependencies,
+    venv bin/ on PATH."""
     env = os.environ.copy()
     env.update({
         "FLWR_HOME": str(flwr_home),
@@ -92,6 +100,7 @@ def flower_env(flwr_home: Path, output_root: Path | None = None) -> dict[str, st
         "FLWR_DISABLE_UPDATE_CHECK": "1",
         "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
         "RAY_DEDUP_LOGS": "0",
+        "RAY_USAGE_STATS_ENABLED": "0",
         "PYTHONWARNINGS": "ignore",
     })
     env["PATH"] = str(Path(sys.executable).parent) + os.pathsep + env.get("PATH", "")
@@ -207,30 +216,61 @@ def run_config_arg(overrides: dict[str, object]) -> str:
     return " ".join(parts)
 
 
+def check_ray_address(address: str, timeout: float = 5.0) -> str:
+    """``--ray-address``: ``HOST:PORT`` of a running Ray cluster's head (the GCS port given to
+    ``ray start --head --port``) that accepts a TCP connection from here within ``timeout``
+    seconds; else a one-line :class:`UserError` (Ray itself would retry for minutes, then
+    fail in a traceback). Returns the address as Ray will read it."""
+    text = address.strip()
+    host, sep, port = text.rpartition(":")
+    if "://" in text:
+        raise UserError(f"--ray-address {address!r}: give the head's HOST:PORT (the GCS "
+                        "address of `ray start --head --port`), not a URL (Ray Client "
+                        "ray:// addresses are not supported)")
+    if not (sep and host.strip("[]") and port.isdigit() and 0 < int(port) < 65536):
+        raise UserError(f"--ray-address {address!r}: expected HOST:PORT of the Ray head, "
+                        "e.g. 10.0.0.1:6379")
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout):
+            pass
+    except OSError as exc:
+        raise UserError(f"--ray-address {text}: no Ray head answers there "
+                        f"({exc.strerror or type(exc).__name__}); start one with `ray start "
+                        f"--head --port {port}` on that host") from None
+    return text
+
+
 class RunFailed(RuntimeError):
     """The federation did not finish (the ServerApp crashed, was killed, or Flower failed)."""
 
 
-def check_cpus_per_client(num_cpus: float) -> None:
+def check_cpus_per_client(num_cpus: float, cluster: bool = False) -> None:
     """``--cpus-per-client``: a finite number in (0, the machine's CPUs] (Ray would wait
-    forever for a client it cannot place, and refuses 0 or less in a traceback)."""
+    forever for a client it cannot place, and refuses 0 or less in a traceback). On a Ray
+    cluster (``cluster``) another node may have more CPUs than this machine: only > 0."""
+    if cluster:
+        if not (math.isfinite(num_cpus) and num_cpus > 0):
+            raise UserError(f"--cpus-per-client must be a number > 0, got {num_cpus:g}")
+        return
     available = os.cpu_count() or 1
     if not (math.isfinite(num_cpus) and 0 < num_cpus <= available):
         raise UserError(f"--cpus-per-client must be in (0, {available}] (the CPUs of this "
                         f"machine), got {num_cpus:g}")
 
 
-def preflight(cfg: RunConfig, num_clients: int, run_dir: Path, num_cpus: float = 1.0
-              ) -> None:
+def preflight(cfg: RunConfig, num_clients: int, run_dir: Path, num_cpus: float = 1.0,
+              ray_address: str | None = None) -> None:
     """Settings that cannot work stop here, before any process starts (one-line
     :class:`UserError` each): no clients, more ``min-train-nodes`` than clients (the server
     would wait for nodes that never come), a new run on an existing run directory, a resume
     of a directory that is not there or whose ledger or round log is damaged, a dataset or
     data-dir that is not there, a budget that one round at an explicit ``noise-multiplier``
-    already exceeds."""
+    already exceeds, a ``ray_address`` that is malformed or where nothing answers."""
     if num_clients < 1:
         raise UserError(f"--clients must be at least 1, got {num_clients}")
-    check_cpus_per_client(num_cpus)
+    check_cpus_per_client(num_cpus, cluster=ray_address is not None)
+    if ray_address is not None:
+        check_ray_address(ray_address)
     if cfg.min_train_nodes > num_clients:
         raise UserError(f"run-config key 'min-train-nodes': {cfg.min_train_nodes} nodes "
                         f"needed but --clients is {num_clients}: the server would wait for "
@@ -274,7 +314,7 @@ def _outcome(status_file: Path, run_dir: Path, returncode: int, log_file: Path) 
 def simulate(app_dir: Path, num_clients: int | None, overrides: dict[str, object],
              output_root: Path, flwr_home: Path | None = None, num_cpus: float = 1.0,
              timeout: float | None = None, quiet: bool = False,
-             prints_summary: bool = False) -> Path:
+             prints_summary: bool = False, ray_address: str | None = None) -> Path:
     """Run one simulated federation; return its run directory, whose ``summary.json`` this
     run wrote. Raises :class:`UserError` for settings that cannot work (before anything
     starts) or that the ServerApp refused, :class:`RunFailed` when it did not finish.
@@ -284,7 +324,8 @@ def simulate(app_dir: Path, num_clients: int | None, overrides: dict[str, object
     change (:func:`dpfl.server.runidentity.resume_overrides`). The launcher holds the run
     folder's launcher lock for its whole life (a second launch or a resume of a live run is
     refused naming the holder's PID). ``prints_summary``: the caller prints the privacy
-    summary when the run ends, so the ServerApp does not log it too."""
+    summary when the run ends, so the ServerApp does not log it too. ``ray_address``: run
+    the clients on that Ray cluster (HOST:PORT of its head) instead of a private Ray."""
     output_root = output_root.resolve()
     overrides = dict(overrides)
     overrides.setdefault("run-name", unique_run_name(str(overrides.get("strategy") or
@@ -314,7 +355,7 @@ def simulate(app_dir: Path, num_clients: int | None, overrides: dict[str, object
     try:
         lock.acquire()
         check_unlocked(run_dir, WRITER_LOCK)
-        preflight(cfg, num_clients, run_dir, num_cpus)
+        preflight(cfg, num_clients, run_dir, num_cpus, ray_address)
     except BaseException:
         lock.release()
         if created:   # leave no empty run folder behind a refused launch
@@ -327,16 +368,19 @@ def simulate(app_dir: Path, num_clients: int | None, overrides: dict[str, object
         raise
     try:
         return _launch(app_dir, cfg, num_clients, overrides, output_root, run_dir, flwr_home,
-                       num_cpus, timeout, quiet, prints_summary)
+                       num_cpus, timeout, quiet, prints_summary, ray_address)
     finally:
         lock.release()
 
 
 def _launch(app_dir: Path, cfg: RunConfig, num_clients: int, overrides: dict[str, object],
             output_root: Path, run_dir: Path, flwr_home: Path | None, num_cpus: float,
-            timeout: float | None, quiet: bool, prints_summary: bool = False) -> Path:
+            timeout: float | None, quiet: bool, prints_summary: bool = False,
+            ray_address: str | None = None) -> Path:
     flwr_home = (flwr_home or run_dir / ".flwr").resolve()
     env = flower_env(flwr_home, output_root)
+    # read by ray.init() in flwr-simulation: the cluster, else never one found on this machine
+    env["RAY_ADDRESS"] = ray_address.strip() if ray_address else "local"
     status_file = flwr_home / f"status-{secrets.token_hex(8)}.json"
     env[STATUS_ENV] = str(status_file)
     env.pop(SUMMARY_ENV, None)
