@@ -10,7 +10,8 @@ The checks are cheap and never change the machine: versions come from the instal
 packages' metadata, tools from ``PATH``, the Docker engine from one ``GET /_ping`` on its
 socket, namespace rights from the effective uid and ``ip netns list``, datasets from their
 files (MNIST's archive sha256-checked, as ``dpfl simulate`` does before a run). Only the CUDA
-check imports torch; it runs last, after the cheap lines are printed.
+check imports torch, and only where a GPU driver exists (the import takes 2-15 s here); it
+runs last, after the cheap lines are printed.
 
 ``dpfl --version`` (:func:`version_line`) reads package metadata only: no torch import.
 """
@@ -105,10 +106,17 @@ def check_torch() -> Check:
                     needed=True)
 
 
+GPU_DRIVERS = (Path("/proc/driver/nvidia/version"), Path("/dev/kfd"))   # NVIDIA, ROCm
+
+
 def check_cuda() -> Check:
-    """The only check that imports torch (it asks the CUDA runtime)."""
+    """The only check that imports torch (it asks the CUDA runtime), and only when a GPU
+    driver is there: without one torch cannot see a GPU, and the import costs seconds."""
     if installed_version("torch") is None:
         return Check("cuda", False, "torch not installed", "GPU training")
+    if not any(driver.exists() for driver in GPU_DRIVERS):
+        return Check("cuda", False, "no GPU driver here (no /proc/driver/nvidia, no /dev/kfd)",
+                     "GPU training (runs use the CPU)")
     import torch
 
     built = torch.version.cuda
@@ -280,7 +288,7 @@ CHECKS: tuple[Callable[[], Check], ...] = (
     check_python, check_flwr, check_superlink, check_ray, check_opacus, check_dp_accounting,
     check_torch, check_torchvision, check_mnist, check_fashion_mnist, check_docker_sdk,
     check_docker_engine, check_compose, check_debootstrap, check_netns,
-    check_cuda,   # last: the only check that imports torch
+    check_cuda,   # last: the only check that may import torch
 )
 
 

@@ -157,3 +157,11 @@ def test_docker_engine_running_or_not(monkeypatch, tmp_path, fake_engine):
     stopped = doctor.check_docker_engine()
     assert not stopped.ok and "no socket there" in stopped.detail
     assert "disables dpfl deploy" in stopped.line()
+
+
+def test_cuda_check_imports_torch_only_where_a_gpu_driver_exists(monkeypatch, tmp_path):
+    monkeypatch.setattr(doctor, "GPU_DRIVERS", (tmp_path / "nvidia" / "version",))
+    monkeypatch.setitem(sys.modules, "torch", None)   # an import would raise
+    cuda = doctor.check_cuda()
+    assert not cuda.ok and cuda.detail.startswith("no GPU driver here")
+    assert "disables GPU training (runs use the CPU)" in cuda.line()
