@@ -35,6 +35,12 @@
       verdict, then per-client unit, relation, sampling, delta, epsilon (recomputed from the
       ledger), rounds and verdict; cross-checks the ledger against summary.json and
       rounds.jsonl; writes RUN_DIR/privacy-report.png (epsilon by round).
+  dpfl doctor
+      what is installed and usable here (torch, CUDA, Opacus, flwr, datasets, Docker,
+      docker-compose, debootstrap, network namespaces), one verdict per item; exit 1 when
+      the default demo cannot run.
+  dpfl --version
+      dpfl's version and those of flwr, Opacus, torch and Python.
 
 Exit codes: 0 done; 1 the run or command failed; 2 a user error (one line names the key,
 argument or file); 3 privacy-report found the run's records inconsistent; 4 privacy-report
@@ -231,6 +237,26 @@ def cmd_deploy(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_doctor(args: argparse.Namespace) -> int:
+    from dpfl.doctor import doctor
+
+    return doctor()
+
+
+class _VersionAction(argparse.Action):
+    """``--version``: computed only when asked (it reads package metadata)."""
+
+    def __init__(self, option_strings, dest=argparse.SUPPRESS, default=argparse.SUPPRESS,
+                 help="print dpfl's version and those of flwr, opacus, torch and python"):
+        super().__init__(option_strings, dest, nargs=0, default=default, help=help)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        from dpfl.doctor import version_line
+
+        print(version_line())
+        parser.exit()
+
+
 def argv_is_cli() -> bool:
     return len(sys.argv) > 1 and sys.argv[1] == "reproduce"
 
@@ -257,6 +283,7 @@ def _lazy_epilog(parser: argparse.ArgumentParser, epilog: Callable[[], str]) -> 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="dpfl", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action=_VersionAction)
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("simulate", help="run a simulated federation")
     p.add_argument("--clients", type=int, default=None,
@@ -324,6 +351,8 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("privacy-report", help="per-client privacy table and epsilon plot")
     p.add_argument("run_dir")
     p.set_defaults(func=cmd_privacy_report)
+    p = sub.add_parser("doctor", help="what is installed and usable here")
+    p.set_defaults(func=cmd_doctor)
     args, extra = parser.parse_known_args(argv)
     if args.command == "deploy":  # `dpfl deploy run ... -- <flwr run options>`
         args.flwr_args = extra

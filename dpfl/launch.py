@@ -17,21 +17,24 @@ config has no Ray address field, so the launcher sets ``RAY_ADDRESS`` for the Su
 
 from __future__ import annotations
 
+import io
 import json
 import logging
 import math
 import os
+import re
 import secrets
 import shutil
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import tomllib
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
+from typing import IO, Iterator
 
 from dpfl.apps.server import first_round_affordable
 from dpfl.apps.status import STATUS_ENV, SUMMARY_ENV, read_status
@@ -39,6 +42,7 @@ from dpfl.config import RunConfig
 from dpfl.data import check_dataset, splits_for
 from dpfl.errors import UserError, writable_dir_problem
 from dpfl.fab import stage_app
+from dpfl.logs import known_warnings_option
 from dpfl.methods import DEFAULT_METHOD, build_strategy, configured, parse_run_config
 from dpfl.runlock import LAUNCHER_LOCK, WRITER_LOCK, RunLock, check_unlocked
 from dpfl.server.rundir import (
@@ -92,7 +96,7 @@ def free_port() -> int:
 def flower_env(flwr_home: Path, output_root: Path | None = None) -> dict[str, str]:
     """Environment for every Flower process: private FLWR_HOME, no telemetry (Flower's nor
     Ray's usage stats), no update checks, no runtime `uv sync` of the app's dependencies,
-    venv bin/ on PATH."""
+    venv bin/ on PATH, the known harmless warnings filtered."""
     env = os.environ.copy()
     env.update({
         "FLWR_HOME": str(flwr_home),
@@ -101,7 +105,9 @@ def flower_env(flwr_home: Path, output_root: Path | None = None) -> dict[str, st
         "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
         "RAY_DEDUP_LOGS": "0",
         "RAY_USAGE_STATS_ENABLED": "0",
-        "PYTHONWARNINGS": "ignore",
+        # the known harmless third-party warnings, each by message, category and module
+        # (dpfl.logs.KNOWN_WARNINGS); every other warning is still printed
+        "PYTHONWARNINGS": known_warnings_option(os.environ.get("PYTHONWARNINGS", "")),
     })
     env["PATH"] = str(Path(sys.executable).parent) + os.pathsep + env.get("PATH", "")
     if output_root is not None:
@@ -393,10 +399,15 @@ def _launch(app_dir: Path, cfg: RunConfig, num_clients: int, overrides: dict[str
                "--run-config", run_config_arg(overrides),
                "--federation-config",
                f"num-supernodes={num_clients} client-resources-num-cpus={_num(num_cpus)}"]
-        out = subprocess.DEVNULL if quiet else None
+        out = subprocess.DEVNULL if quiet else subprocess.PIPE
         proc = subprocess.Popen(cmd, env=env, stdout=out, cwd=str(app_dir),
                                 preexec_fn=die_with_parent)
         _active[proc.pid] = "flwr run"
+        relay = None
+        if not quiet:   # flwr run's stream, minus Flower's misleading lines
+            relay = threading.Thread(target=relay_stream, args=(proc.stdout,), daemon=True,
+                                     name="flwr-run-stream")
+            relay.start()
         try:
             _check_terminated()
             returncode = proc.wait(timeout=timeout)
@@ -406,8 +417,43 @@ def _launch(app_dir: Path, cfg: RunConfig, num_clients: int, overrides: dict[str
             raise
         finally:
             _active.pop(proc.pid, None)
+            if relay is not None:   # the stream ends with flwr run (a grandchild holding
+                relay.join(timeout=5.0)   # the pipe open cannot hold the launcher up)
     _check_terminated()
     return _outcome(status_file, run_dir, returncode, flwr_home / "superlink.log")
+
+
+# Lines of `flwr run --stream` the launcher does not relay, each matched whole (colours
+# removed). Flower 1.39's simulation process logs "Since flwr 1.32, default simulated
+# SuperNodes changed from 10 to 2." at the start of every simulation, unconditionally
+# (flwr/simulation/app.py, flwr_simulation), before any app code runs: dpfl always sets
+# num-supernodes (--federation-config, the size asked for), so the line is only misleading.
+# (Setting options.num-supernodes in the connection's config.toml would not stop it, and
+# flwr 1.39 deprecates those options with a warning of its own.)
+# "Manually terminating ClientAppActor" (each Ray actor, at a normal end) is dropped where it
+# is logged, in the actors (dpfl.logs.RoutineFlowerRecords), and here too, for an actor that
+# never loaded the ClientApp.
+DROPPED_FLOWER_LINES = (
+    re.compile(r"WARNING\s*:\s*Since flwr 1\.32, default simulated SuperNodes changed from 10 "
+               r"to 2\.\s*"),
+    re.compile(r"(\(ClientAppActor pid=\d+\)\s*)?WARNING\s*:\s*Manually terminating "
+               r"ClientAppActor\s*"),
+)
+_ANSI_COLOUR = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def relay_stream(stream: IO[bytes], out: IO[bytes] | None = None) -> None:
+    """Copy ``stream`` line by line to ``out`` (default: this process's stdout), without
+    the lines of :data:`DROPPED_FLOWER_LINES`."""
+    if out is None:
+        out = getattr(sys.stdout, "buffer", None) or sys.stdout  # type: ignore[assignment]
+    binary = not isinstance(out, io.TextIOBase)
+    for raw in iter(stream.readline, b""):
+        text = raw.decode(errors="replace")
+        if any(p.fullmatch(_ANSI_COLOUR.sub("", text)) for p in DROPPED_FLOWER_LINES):
+            continue
+        out.write(raw if binary else text)  # type: ignore[arg-type]
+        out.flush()
 
 
 def _num(value: float) -> int | float:

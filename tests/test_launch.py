@@ -101,3 +101,28 @@ def test_outcome_trusts_only_this_launchs_status(tmp_path):
     (run / "summary.json").unlink()
     with pytest.raises(RunFailed, match="wrote no"):
         _outcome(status, run, 0, log)
+
+
+def test_the_launcher_relays_flwr_runs_stream_without_flowers_misleading_line():
+    """Flower 1.39 logs "default simulated SuperNodes changed" at every simulation's start,
+    whatever its size, and each Ray actor "Manually terminating ClientAppActor" at a normal
+    end: those exact lines (coloured or not) are dropped, everything else kept."""
+    import io
+
+    from dpfl.launch import relay_stream
+
+    noise = "WARNING :   Since flwr 1.32, default simulated SuperNodes changed from 10 to 2.\n"
+    coloured = noise.replace("WARNING ", "\x1b[93mWARNING \x1b[0m")
+    kept = ["\x1b[92mINFO \x1b[0m:      Starting Flower Simulation\n",
+            "WARNING :   round 1: no valid update; the global model is unchanged\n",
+            noise.replace("to 2.", "to 2. (and more)"), "last line without newline"]
+    actor = ("\x1b[36m(ClientAppActor pid=24784)\x1b[0m \x1b[93mWARNING \x1b[0m:   Manually "
+             "terminating ClientAppActor\n")
+    stream = io.BytesIO("".join([kept[0], coloured, kept[1], noise, actor, kept[2], kept[3]]
+                                ).encode())
+    out = io.BytesIO()
+    relay_stream(stream, out)
+    assert out.getvalue().decode() == "".join(kept)
+    text = io.StringIO()
+    relay_stream(io.BytesIO(b"x\n" + noise.encode()), text)
+    assert text.getvalue() == "x\n"

@@ -68,3 +68,102 @@ def test_only_flwr_dpfl_names():
 
     with pytest.raises(ValueError):
         get_logger("dpfl.server")
+
+
+# -- the known third-party warnings: filtered precisely, the same everywhere ------------------
+
+
+def _examples():
+    """(message, category, module) of each known warning as its library emits it."""
+    from dpfl.logs import KNOWN_WARNINGS
+
+    for known in KNOWN_WARNINGS:
+        text = (known.example or known.message) + " (the rest of the message)"
+        for module in known.modules or ("dpfl.client.trainers",):   # none: the caller's
+            yield text, known.category, module
+
+
+def test_pyproject_filters_each_known_warning_and_nothing_broader():
+    """pytest's filterwarnings (pyproject) ignore each of dpfl.logs.KNOWN_WARNINGS, and each
+    filter there is an ``ignore`` of a message with a category (no blanket ignore)."""
+    import re
+    import tomllib
+
+    from _pytest.config import parse_warning_filter
+
+    lines = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["pytest"][
+        "ini_options"]["filterwarnings"]
+    filters = [parse_warning_filter(line, escape=False) for line in lines]
+    for action, message, category, module, _ in filters:
+        assert action == "ignore" and len(message) >= 10 and category is not Warning, \
+            (message, category)
+
+    def ignored(text: str, cat: type[Warning], mod: str) -> bool:
+        return any(re.match(message, text, re.I) and issubclass(cat, category)
+                   and re.match(module or "", mod) for _, message, category, module, _ in filters)
+
+    for text, category, module in _examples():
+        assert ignored(text, category, module), (text, module)
+        assert not ignored(text, category, "somewhere.else") or module == "dpfl.client.trainers"
+        assert not ignored("Some other message", category, module)
+    assert len(filters) == len(lines)
+
+
+def test_the_known_warnings_are_filtered_and_nothing_else():
+    """In this process (quiet_known_warnings) and in a child through PYTHONWARNINGS
+    (known_warnings_option, as the launcher sets it): each known warning is silenced where
+    its library emits it; the same text from another module, and any other warning, shows."""
+    import os
+    import warnings
+
+    from dpfl.logs import known_warnings_option, quiet_known_warnings
+
+    cases = [(text, category.__name__, module) for text, category, module in _examples()]
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.resetwarnings()
+        warnings.simplefilter("always")
+        quiet_known_warnings()
+        for text, category, module in _examples():
+            warnings.warn_explicit(text, category, "f.py", 1, module=module)
+            if module != "dpfl.client.trainers":
+                warnings.warn_explicit(text, category, "f.py", 2, module=module + "x")
+        warnings.warn_explicit("an unknown warning", UserWarning, "f.py", 3, module="opacus")
+    shown = sorted(str(w.message) for w in seen)
+    expected = sorted([text for text, _, module in cases if module != "dpfl.client.trainers"]
+                      + ["an unknown warning"])
+    assert shown == expected
+    code = ("import warnings, builtins\n"
+            f"for text, cat, mod in {cases!r}:\n"
+            "    warnings.warn_explicit(text, getattr(builtins, cat), 'f.py', 1, module=mod)\n"
+            "warnings.warn_explicit('an unknown warning', UserWarning, 'f.py', 3, module='x')\n")
+    env = {**os.environ, "PYTHONWARNINGS": known_warnings_option("always")}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=60, env=env)
+    assert done.returncode == 0 and "Invalid -W option" not in done.stderr, done.stderr
+    assert [line for line in done.stderr.splitlines() if "Warning: " in line] == \
+        ["f.py:3: UserWarning: an unknown warning"]
+
+
+def test_flowers_routine_actor_termination_record_is_dropped_and_nothing_else(caplog):
+    import logging
+
+    from dpfl.logs import RoutineFlowerRecords, quiet_routine_flower_records
+
+    flower = logging.getLogger("flwr")
+    saved = list(flower.filters)   # dpfl.apps may have installed it already
+    try:
+        flower.filters[:] = [f for f in saved if not isinstance(f, RoutineFlowerRecords)]
+        quiet_routine_flower_records()
+        quiet_routine_flower_records()
+        assert sum(isinstance(f, RoutineFlowerRecords) for f in flower.filters) == 1
+        with caplog.at_level(logging.INFO, logger="flwr"):
+            flower.warning("Manually terminating %s", "ClientAppActor")
+            flower.warning("Manually terminating %s", "OtherActor")
+            flower.info("Manually terminating %s", "ClientAppActor")
+            flower.warning("fraction_train is set to 0.0.")
+        assert [(r.levelname, r.getMessage()) for r in caplog.records] == [
+            ("WARNING", "Manually terminating OtherActor"),
+            ("INFO", "Manually terminating ClientAppActor"),
+            ("WARNING", "fraction_train is set to 0.0.")]
+    finally:
+        flower.filters[:] = saved

@@ -143,3 +143,19 @@ def test_a_server_release_is_charged_through_the_guard_to_the_clients_it_covers(
     assert eps["client-1"] == pytest.approx(own, rel=1e-9)
     assert eps["client-0"] == pytest.approx(both, rel=1e-9) == eps["client-2"]
     assert both > own
+
+
+@pytest.mark.parametrize("fraction", [0.0, 0.5])
+def test_flowers_fraction_evaluate_warning_does_not_fire(caplog, fraction):
+    """Flower's FedAvg warns "fraction_evaluate is set to 0.0" when built with 0.0 (dpfl's
+    default: evaluation is central): dpfl's strategy is built so it does not fire, and ends
+    with the values Flower would have set (no federated evaluation at 0.0)."""
+    import logging
+
+    with caplog.at_level(logging.WARNING, logger="flwr"):
+        strategy = build_strategy(RunConfig(fraction_evaluate=fraction))
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
+    assert strategy.fraction_evaluate == fraction
+    assert strategy.min_evaluate_nodes == (0 if fraction == 0.0 else 1)
+    if fraction == 0.0:   # Flower's own check: no evaluation is configured
+        assert list(strategy.configure_evaluate(1, GLOBAL, ConfigRecord(), None)) == []

@@ -36,7 +36,7 @@ from dpfl.client.secure import (
 from dpfl.client.trainers import train_dpsgd, train_plain
 from dpfl.config import RunConfig
 from dpfl.data import ClientData, client_data
-from dpfl.logs import get_logger
+from dpfl.logs import get_logger, quiet_known_warnings, quiet_routine_flower_records
 from dpfl.method import TRAIN_LOSS, ClientHalf
 from dpfl.methods import method_for, parse_run_config
 from dpfl.models.evaluation import device_for, evaluate_model
@@ -53,6 +53,11 @@ from dpfl.privacy.trust import (
 from dpfl.tensors import flatten, state_difference, unflatten
 
 log = get_logger("flwr.dpfl.client")
+# the known harmless third-party warnings and Flower's routine records logged as warnings,
+# filtered precisely wherever this app runs (a deployment's SuperNode or SuperExec too, and
+# the Ray actors of a simulation)
+quiet_known_warnings()
+quiet_routine_flower_records()
 # SecAgg+ messages (trust=distributed) go through Flower's own secaggplus_mod
 app = ClientApp(mods=[secure_aggregation_mod])
 

@@ -24,7 +24,7 @@ from dpfl.config import ConfigError, RunConfig
 from dpfl.data import label_counts, load_dataset, splits_for, test_tensors
 from dpfl.data.plots import plot_label_counts
 from dpfl.errors import UserError
-from dpfl.logs import get_logger
+from dpfl.logs import get_logger, quiet_known_warnings, quiet_routine_flower_records
 from dpfl.methods import (
     build_strategy,
     configured,
@@ -56,6 +56,11 @@ from dpfl.server.strategy import DPFLStrategy, RoundRecord
 from dpfl.tensors import flatten
 
 log = get_logger("flwr.dpfl.server")
+# the known harmless third-party warnings and Flower's routine records logged as warnings,
+# filtered precisely wherever this app runs (a deployment's SuperNode or SuperExec too, and
+# the Ray actors of a simulation)
+quiet_known_warnings()
+quiet_routine_flower_records()
 # After the last round, how long the server waits for replies still in flight (each is a
 # release that must be charged); only spent when some instruction is still unanswered.
 LATE_REPLY_WAIT = 60.0

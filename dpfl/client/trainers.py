@@ -6,7 +6,6 @@ The math is in plain functions; the ClientApp (``dpfl.apps.client``) wires them 
 from __future__ import annotations
 
 import math
-import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Callable, Iterator, Protocol
@@ -18,14 +17,13 @@ from torch.utils.data import DataLoader, Dataset
 from dpfl.client.bookkeeping import BookKeeper
 from dpfl.config import RunConfig
 from dpfl.data import ClientData
+from dpfl.logs import quiet_known_warnings
 from dpfl.privacy.plan import steps_per_epoch
 
-# Known, harmless warnings that would otherwise flood every round's log:
-# torch 2.14 + Opacus hooks; secure_mode needs torchcsprng, which cannot be installed here
-# (stated in the README); the RDP order range note from Opacus' accountant.
-for _message in ("Full backward hook is firing", "Secure RNG turned off",
-                 "Optimal order is the largest alpha"):
-    warnings.filterwarnings("ignore", message=f".*{_message}.*")
+# Known, harmless warnings that would otherwise flood every round's log (torch 2.14 on
+# Opacus' hooks, Opacus without secure_mode, its RDP order range): each by message, category
+# and module (dpfl.logs.KNOWN_WARNINGS says why each is harmless); any other one shows.
+quiet_known_warnings()
 
 
 @dataclass
@@ -235,16 +233,14 @@ def train_dpsgd(model: nn.Module, data: ClientData, cfg: RunConfig, noise_multip
     model.to(device).train()
     engine = PrivacyEngine(accountant="rdp")
     criterion = nn.CrossEntropyLoss()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        made = engine.make_private(
-            module=model, optimizer=_optimizer(model, cfg), criterion=criterion,
-            data_loader=_loader(data, cfg.batch_size, sampling_rng,
-                                None if public_examples is None else
-                                steps_per_epoch(public_examples, cfg.batch_size)),
-            noise_multiplier=gradient_noise, max_grad_norm=clip,
-            poisson_sampling=True, grad_sample_mode=mode, noise_generator=noise_rng,
-        )
+    made = engine.make_private(
+        module=model, optimizer=_optimizer(model, cfg), criterion=criterion,
+        data_loader=_loader(data, cfg.batch_size, sampling_rng,
+                            None if public_examples is None else
+                            steps_per_epoch(public_examples, cfg.batch_size)),
+        noise_multiplier=gradient_noise, max_grad_norm=clip,
+        poisson_sampling=True, grad_sample_mode=mode, noise_generator=noise_rng,
+    )
     if mode == "ghost":
         dp_model, opt, dp_criterion, loader = made
     else:
@@ -271,8 +267,7 @@ def train_dpsgd(model: nn.Module, data: ClientData, cfg: RunConfig, noise_multip
         counts.add_(unclipped + count_std * torch.randn(
             (), generator=noise_rng, device=device, dtype=torch.float64))
 
-    with warnings.catch_warnings(), _removed_after(keeper):
-        warnings.simplefilter("ignore")  # "Full backward hook is firing..." on torch 2.14
+    with _removed_after(keeper):
         for _ in range(cfg.local_epochs):
             for x, y in loader:
                 opt.zero_grad(set_to_none=True)

@@ -100,13 +100,21 @@ class DPFLStrategy(FedAvg):
     """Base of every dpfl strategy (weighted FedAvg of updates + server SGD step)."""
 
     def __init__(self, cfg: RunConfig, adaptive: bool = False) -> None:
+        # Flower's FedAvg logs "fraction_evaluate is set to 0.0. Federated evaluation will be
+        # skipped." whenever it is built with 0.0 (flwr/serverapp/strategy/fedavg.py): in
+        # dpfl that is the default, not news (the model is evaluated centrally, and federated
+        # evaluation is outside the DP guarantee). So it is built with 1.0 and given the real
+        # value after, with what Flower's constructor would have set for it.
         super().__init__(
             fraction_train=cfg.fraction_train,
-            fraction_evaluate=cfg.fraction_evaluate,
+            fraction_evaluate=cfg.fraction_evaluate or 1.0,
             min_train_nodes=cfg.min_train_nodes,
             min_evaluate_nodes=1,
             min_available_nodes=cfg.min_train_nodes,
         )
+        self.fraction_evaluate = cfg.fraction_evaluate
+        if cfg.fraction_evaluate == 0.0:
+            self.min_evaluate_nodes = 0   # as FedAvg.__init__ sets it for 0.0
         self.cfg = cfg
         self.rng = random.Random(cfg.seed)
         self.guard = DPGuard(cfg, self.plan_sigma, adaptive, self.plan_clip,
