@@ -51,7 +51,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.scale import _tree_rss  # noqa: E402
+from bench.scale import _tree_rss, client_compute_seconds  # noqa: E402
 
 PFL_SCRIPT = ROOT / "bench" / "pfl" / "pfl_mnist.py"
 DEFAULT_PFL_PYTHON = ROOT / "bench" / "pfl" / ".venv" / "bin" / "python"
@@ -205,7 +205,7 @@ def pfl_versions(pfl_python: Path) -> dict[str, str]:
     code = ("import json, torch; from importlib.metadata import version as v; "
             "print(json.dumps({'pfl': v('pfl'), 'torch': torch.__version__, "
             "'dp-accounting': v('dp-accounting'), 'prv-accountant': v('prv-accountant'), "
-            "'numpy': v('numpy'), 'threads': torch.get_num_threads()}))")
+            "'numpy': v('numpy')}))")
     out = subprocess.run([str(pfl_python), "-c", code], capture_output=True, text=True,
                          check=True).stdout
     return json.loads(out.strip().splitlines()[-1])
@@ -298,13 +298,31 @@ def markdown(report: dict) -> str:
                      f" | {_mean([x for r in by['dpfl'] for x in r['round-seconds'][1:]]):.2f} |")
         lines.append(f"| (before round 1: flwr run, SuperLink, Ray, FAB, data) "
                      f"| {_mean([r['startup'] for r in by['dpfl']]):.1f} | |")
+        if cc := report.get("dpfl-client-compute"):
+            lines += ["", f"Pure training compute of a dpfl round: one client's local training "
+                          f"{cc['one-client-s']:.3f} s (1 thread, best of 5) x "
+                          f"{cc['sampled-per-round']:.1f} sampled clients / 2 actors = "
+                          f"{cc['round-compute-s-on-2-actors']:.2f} s."]
     if by["pfl"]:
         ps = [r["pfl-seconds"] for r in by["pfl"]]
         lines += ["", f"pfl's own split (mean): imports {_mean([p['imports'] for p in ps]):.1f} s,"
                       f" setup {_mean([p['setup'] for p in ps]):.1f} s, training loop "
                       f"{_mean([p['loop'] for p in ps]):.1f} s of which central evaluation "
                       f"{_mean([p['evaluate'] for p in ps]):.1f} s."]
-    lines += ["", "## Epsilon", "",
+    lines += ["", "## How each system runs here", "",
+              f"- Both: OMP_NUM_THREADS={a['threads']} for every process (dpfl's Ray actors use "
+              "one thread each in any case); the same MNIST arrays and client split (exported "
+              "from dpfl's loader), the same network, optimiser, clip, sigma and schedule.",
+              "- dpfl: `dpfl simulate` (Flower 1.39 simulation on Ray, one actor per core); "
+              "Poisson sampling at rate q (the round size varies); fixed denominator q N.",
+              f"- pfl: {a['pfl_workers']} worker process(es) "
+              + ("(torchrun, pfl's multi-process simulation, one per core)"
+                 if a['pfl_workers'] > 1 else "") +
+              "; a fixed cohort of q N users a round drawn by pfl's `random` user sampler "
+              "(uniform, with replacement), weighted by user (`WeightByUser`), so the sum is "
+              "divided by q N too; pfl's own evaluation of each trained user's model on its "
+              "data runs in iteration 0 only (`evaluation_frequency` = rounds).",
+              "", "## Epsilon", "",
               "- dpfl prints the largest per-client epsilon of its ledger (PLD, add-remove, "
               "Poisson q, every client charged every round).",
               f"- pfl prints its `PLDPrivacyAccountant(num_compositions={a['rounds']}, "
@@ -405,6 +423,13 @@ def main() -> None:
                       f"{r['accuracy']:.4f}, epsilon {r['epsilon']:.3f}", flush=True)
                 (args.out / "pfl.json").write_text(json.dumps(report, indent=1) + "\n")
     report["uptime-after"] = uptime()
+    if d := [r for r in report["runs"] if r["system"] == "dpfl"]:
+        # one client's local training (partition 0, one thread, best of 5), as bench/scale.py
+        one = client_compute_seconds(args.clients, [f"{k}={_cli_value(v)}" for k, v in
+                                                    dpfl_config(args).items()])
+        sampled = _mean([x for r in d for x in r["sampled"]])
+        report["dpfl-client-compute"] = {"one-client-s": one, "sampled-per-round": sampled,
+                                         "round-compute-s-on-2-actors": one * sampled / 2}
     d = [r for r in report["runs"] if r["system"] == "dpfl"]
     p = [r for r in report["runs"] if r["system"] == "pfl"]
     if d and p:
