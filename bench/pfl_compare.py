@@ -146,6 +146,25 @@ def thread_env(args: argparse.Namespace) -> dict[str, str]:
     return env
 
 
+def dpfl_milestones(run: Path, log: Path, wall: float) -> dict[str, float]:
+    """Seconds from the ``dpfl simulate`` process's start (its log's last write minus its
+    wall time) to: the launcher's lock (``.launch.lock``: CLI imports and preflight done),
+    the ServerApp's writer lock (``.lock``: ``flwr run``, SuperLink, FAB install, Ray and
+    the ServerApp's start), ``config.json`` (round 0's state: data, model), round 1's start
+    (after the initial evaluation), the last round's end, and the process's exit."""
+    t0 = log.stat().st_mtime - wall
+    rounds = [json.loads(line) for line in (run / "rounds.jsonl").read_text().splitlines()]
+    out = {}
+    for key, name in (("launcher-lock", ".launch.lock"), ("server-app-lock", ".lock"),
+                      ("round-0-state", "config.json")):
+        if (run / name).exists():
+            out[key] = (run / name).stat().st_mtime - t0
+    out["round-1-start"] = rounds[0]["started"] - t0
+    out["last-round-end"] = rounds[-1]["started"] + rounds[-1]["seconds"] - t0
+    out["exit"] = wall
+    return out
+
+
 def run_dpfl(args: argparse.Namespace, work: Path, i: int) -> dict:
     name = f"pfl-compare-dpfl-{i}"
     env = {**thread_env(args), "PYTHONPATH": str(ROOT),
@@ -162,6 +181,7 @@ def run_dpfl(args: argparse.Namespace, work: Path, i: int) -> dict:
         [r["round"], r["central"]["accuracy"]] for r in rounds if r.get("central")]
     eps = max(c["epsilon"] for c in summary["clients"].values())
     return {"system": "dpfl", "repeat": i, "wall": wall, "peak-rss": peak,
+            "milestones": dpfl_milestones(run, work / f"{name}.log", wall),
             "loop": loop, "startup": wall - loop, "server-wall": summary["wall-seconds"],
             "round-seconds": [r["seconds"] for r in rounds], "phases": phases,
             "sampled": [len(r["sampled-nodes"]) for r in rounds],
@@ -298,6 +318,11 @@ def markdown(report: dict) -> str:
                      f" | {_mean([x for r in by['dpfl'] for x in r['round-seconds'][1:]]):.2f} |")
         lines.append(f"| (before round 1: flwr run, SuperLink, Ray, FAB, data) "
                      f"| {_mean([r['startup'] for r in by['dpfl']]):.1f} | |")
+        ms = [r["milestones"] for r in by["dpfl"] if "milestones" in r]
+        if ms:
+            lines += ["", "dpfl's milestones, seconds from the process's start (mean): "
+                          + ", ".join(f"{k} {_mean([m[k] for m in ms if k in m]):.1f}"
+                                      for k in ms[0]) + "."]
         if cc := report.get("dpfl-client-compute"):
             lines += ["", f"Pure training compute of a dpfl round: one client's local training "
                           f"{cc['one-client-s']:.3f} s (1 thread, best of 5) x "
@@ -378,7 +403,13 @@ def main() -> None:
                         help="keep the run directories and logs here (default: a temp dir)")
     parser.add_argument("--export", type=Path, default=None,
                         help="only write the data file pfl_mnist.py reads, then exit")
+    parser.add_argument("--rewrite-md", action="store_true",
+                        help="only rewrite --out/pfl.md from --out/pfl.json")
     args = parser.parse_args()
+    if args.rewrite_md:
+        (args.out / "pfl.md").write_text(markdown(json.loads((args.out / "pfl.json")
+                                                             .read_text())))
+        return
     if args.export is not None:
         export_split(args, args.export)
         print(f"wrote {args.export}")
