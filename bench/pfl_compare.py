@@ -190,13 +190,25 @@ def run_dpfl(args: argparse.Namespace, work: Path, i: int) -> dict:
             "load-before": load0, "load-after": load1}
 
 
+def last_json(text: str) -> dict:
+    """The last JSON object line of a log (pfl's other torchrun worker may still write
+    its accountant's warnings after rank 0's result line)."""
+    for line in reversed(text.splitlines()):
+        if line.startswith("{"):
+            try:
+                return json.loads(line)
+            except json.JSONDecodeError:
+                continue
+    raise ValueError("no JSON result line")
+
+
 def run_pfl(args: argparse.Namespace, work: Path, data: Path, i: int) -> dict:
     log = work / f"pfl-compare-pfl-{i}.log"
     env = {k: v for k, v in thread_env(args).items() if k != "PYTHONPATH"}
     load0 = os.getloadavg()
     wall, peak = run_measured(pfl_command(args, data), log, env)
     load1 = os.getloadavg()
-    result = json.loads(log.read_text().strip().splitlines()[-1])
+    result = last_json(log.read_text())
     seconds = result.pop("seconds")
     return {**result, "system": "pfl", "repeat": i, "wall": wall, "peak-rss": peak,
             "loop": seconds["loop"], "startup": wall - seconds["loop"],
