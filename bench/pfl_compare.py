@@ -51,7 +51,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.scale import _tree_rss, client_compute_seconds  # noqa: E402
+from bench.scale import _tree_rss  # noqa: E402
 
 PFL_SCRIPT = ROOT / "bench" / "pfl" / "pfl_mnist.py"
 DEFAULT_PFL_PYTHON = ROOT / "bench" / "pfl" / ".venv" / "bin" / "python"
@@ -388,6 +388,57 @@ def markdown(report: dict) -> str:
     return "\n".join(lines)
 
 
+def client_compute_seconds(args: argparse.Namespace, repeats: int = 5) -> float:
+    """One dpfl client's local training of a round (partition 0, one thread, best of N;
+    bench/scale.py's measure, on this task's typed run-config)."""
+    import torch
+
+    from dpfl.client.trainers import train_plain
+    from dpfl.data import client_data
+    from dpfl.methods import method_for, parse_run_config
+
+    cfg = parse_run_config(dpfl_config(args))
+    data = client_data(cfg, 0, args.clients)
+    torch.set_num_threads(1)
+    best = float("inf")
+    for _ in range(repeats):
+        model = method_for(cfg).build_model(cfg, tuple(data.x_train.shape[1:]),
+                                            data.num_classes)
+        t0 = time.perf_counter()
+        train_plain(model, data, cfg, 0, torch.device("cpu"))
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def finish(report: dict, args: argparse.Namespace) -> None:
+    """After the runs: the load average, dpfl's pure round compute, the ratios."""
+    report.setdefault("uptime-after", uptime())
+    d = [r for r in report["runs"] if r["system"] == "dpfl"]
+    p = [r for r in report["runs"] if r["system"] == "pfl"]
+    if d and "dpfl-client-compute" not in report:
+        one = client_compute_seconds(args)
+        sampled = _mean([x for r in d for x in r["sampled"]])
+        report["dpfl-client-compute"] = {"one-client-s": one, "sampled-per-round": sampled,
+                                         "round-compute-s-on-2-actors": one * sampled / 2}
+    if d and p:
+        report["ratios"] = {
+            "wall": _mean([r["wall"] for r in d]) / _mean([r["wall"] for r in p]),
+            "loop": _mean([r["loop"] for r in d]) / _mean([r["loop"] for r in p]),
+            "wall-per-pair": [a["wall"] / b["wall"] for a, b in zip(d, p)],
+        }
+
+
+MARKER = "<!-- hand-written below: kept when the bench rewrites this file -->"
+
+
+def write_md(path: Path, report: dict) -> None:
+    """pfl.md from the report, keeping whatever follows MARKER in the existing file."""
+    tail = ""
+    if path.exists() and MARKER in (old := path.read_text()):
+        tail = old[old.index(MARKER) + len(MARKER):]
+    path.write_text(markdown(report) + "\n" + MARKER + (tail or "\n"))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=2)
@@ -416,11 +467,15 @@ def main() -> None:
     parser.add_argument("--export", type=Path, default=None,
                         help="only write the data file pfl_mnist.py reads, then exit")
     parser.add_argument("--rewrite-md", action="store_true",
-                        help="only rewrite --out/pfl.md from --out/pfl.json")
+                        help="only finish --out/pfl.json (what is missing after its runs) "
+                             "and rewrite --out/pfl.md from it")
     args = parser.parse_args()
     if args.rewrite_md:
-        (args.out / "pfl.md").write_text(markdown(json.loads((args.out / "pfl.json")
-                                                             .read_text())))
+        report = json.loads((args.out / "pfl.json").read_text())
+        finish(report, argparse.Namespace(**{**vars(args), **report["args"],
+                                             "out": args.out}))
+        (args.out / "pfl.json").write_text(json.dumps(report, indent=1) + "\n")
+        write_md(args.out / "pfl.md", report)
         return
     if args.export is not None:
         export_split(args, args.export)
@@ -465,24 +520,9 @@ def main() -> None:
                 print(f"    wall {r['wall']:.1f} s, loop {r['loop']:.1f} s, accuracy "
                       f"{r['accuracy']:.4f}, epsilon {r['epsilon']:.3f}", flush=True)
                 (args.out / "pfl.json").write_text(json.dumps(report, indent=1) + "\n")
-    report["uptime-after"] = uptime()
-    if d := [r for r in report["runs"] if r["system"] == "dpfl"]:
-        # one client's local training (partition 0, one thread, best of 5), as bench/scale.py
-        one = client_compute_seconds(args.clients, [f"{k}={_cli_value(v)}" for k, v in
-                                                    dpfl_config(args).items()])
-        sampled = _mean([x for r in d for x in r["sampled"]])
-        report["dpfl-client-compute"] = {"one-client-s": one, "sampled-per-round": sampled,
-                                         "round-compute-s-on-2-actors": one * sampled / 2}
-    d = [r for r in report["runs"] if r["system"] == "dpfl"]
-    p = [r for r in report["runs"] if r["system"] == "pfl"]
-    if d and p:
-        report["ratios"] = {
-            "wall": _mean([r["wall"] for r in d]) / _mean([r["wall"] for r in p]),
-            "loop": _mean([r["loop"] for r in d]) / _mean([r["loop"] for r in p]),
-            "wall-per-pair": [a["wall"] / b["wall"] for a, b in zip(d, p)],
-        }
+    finish(report, args)
     (args.out / "pfl.json").write_text(json.dumps(report, indent=1) + "\n")
-    (args.out / "pfl.md").write_text(markdown(report))
+    write_md(args.out / "pfl.md", report)
     print(markdown(report))
 
 
