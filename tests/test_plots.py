@@ -3,6 +3,7 @@ rounds, identical epsilon curves grouped under one label, distinct styles otherw
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from dpfl.server.plots import (
@@ -104,3 +105,17 @@ def test_group_label_for_many_clients():
 def test_the_plots_are_written(tmp_path):
     assert plot_accuracy(ROUNDS, tmp_path / "a.png").stat().st_size > 1000
     assert plot_epsilon(SERIES, tmp_path / "e.png", 4.0, "t").stat().st_size > 1000
+
+
+def test_label_counts_of_many_clients_fit_a_bounded_figure(tmp_path):
+    """Beyond MAX_BARS clients the counts are stacked areas on a figure of bounded width (one
+    bar per client made a 353-inch figure of 10,000 patches at 1,000 clients)."""
+    from PIL import Image
+
+    from dpfl.data.plots import MAX_BARS, MAX_WIDTH_INCHES, plot_label_counts
+
+    counts = np.random.default_rng(0).integers(0, 9, size=(MAX_BARS * 10, 10))
+    path = plot_label_counts(counts, tmp_path / "labels.png", "many")
+    assert Image.open(path).size[0] <= MAX_WIDTH_INCHES * 110 + 1
+    few = plot_label_counts(counts[:5], tmp_path / "few.png", "few")
+    assert Image.open(few).size[0] < Image.open(path).size[0]
