@@ -41,7 +41,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from importlib.metadata import version
 from pathlib import Path
@@ -51,7 +50,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.scale import _tree_rss  # noqa: E402
+from bench.scale import wait_with_peak_rss  # noqa: E402
 
 PFL_SCRIPT = ROOT / "bench" / "pfl" / "pfl_mnist.py"
 DEFAULT_PFL_PYTHON = ROOT / "bench" / "pfl" / ".venv" / "bin" / "python"
@@ -97,20 +96,8 @@ def run_measured(cmd: list[str], log: Path, env: dict[str, str]) -> tuple[float,
     with open(log, "w") as out:
         t0 = time.perf_counter()
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, env=env)
-        peak, done = 0, threading.Event()
-
-        def watch() -> None:
-            nonlocal peak
-            while not done.is_set():
-                peak = max(peak, _tree_rss(proc.pid))
-                time.sleep(0.5)
-
-        watcher = threading.Thread(target=watch, daemon=True)
-        watcher.start()
-        code = proc.wait()
+        code, peak = wait_with_peak_rss(proc)
         wall = time.perf_counter() - t0
-        done.set()
-        watcher.join()
     if code != 0:
         raise SystemExit(f"{cmd[0]} ... failed (exit {code}); see {log}")
     return wall, peak

@@ -58,6 +58,25 @@ def _tree_rss(pid: int) -> int:
     return total
 
 
+def wait_with_peak_rss(proc: subprocess.Popen) -> tuple[int, int]:
+    """Wait for ``proc``; its exit code and the peak resident bytes of its process tree,
+    sampled every 0.5 s."""
+    peak, done = 0, threading.Event()
+
+    def watch() -> None:
+        nonlocal peak
+        while not done.is_set():
+            peak = max(peak, _tree_rss(proc.pid))
+            time.sleep(0.5)
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    code = proc.wait()
+    done.set()
+    watcher.join()
+    return code, peak
+
+
 def run_federation(clients: int, rounds: int, trust: str, out: Path,
                    extra: list[str], engine: str = "indexed",
                    fraction: float = 0.1) -> tuple[Path, int]:
@@ -72,20 +91,7 @@ def run_federation(clients: int, rounds: int, trust: str, out: Path,
            "target-epsilon=8", *extra]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL, env=env)
-    peak = 0
-    done = threading.Event()
-
-    def watch() -> None:
-        nonlocal peak
-        while not done.is_set():
-            peak = max(peak, _tree_rss(proc.pid))
-            time.sleep(0.5)
-
-    t = threading.Thread(target=watch, daemon=True)
-    t.start()
-    code = proc.wait()
-    done.set()
-    t.join()
+    code, peak = wait_with_peak_rss(proc)
     if code != 0:
         raise SystemExit(f"the {clients}-client simulation failed (exit {code})")
     return out / name, peak
