@@ -50,7 +50,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.scale import wait_with_peak_rss  # noqa: E402
+from bench.scale import training_seconds, wait_with_peak_rss  # noqa: E402
 
 PFL_SCRIPT = ROOT / "bench" / "pfl" / "pfl_mnist.py"
 DEFAULT_PFL_PYTHON = ROOT / "bench" / "pfl" / ".venv" / "bin" / "python"
@@ -378,23 +378,9 @@ def markdown(report: dict) -> str:
 def client_compute_seconds(args: argparse.Namespace, repeats: int = 5) -> float:
     """One dpfl client's local training of a round (partition 0, one thread, best of N;
     bench/scale.py's measure, on this task's typed run-config)."""
-    import torch
+    from dpfl.methods import parse_run_config
 
-    from dpfl.client.trainers import train_plain
-    from dpfl.data import client_data
-    from dpfl.methods import method_for, parse_run_config
-
-    cfg = parse_run_config(dpfl_config(args))
-    data = client_data(cfg, 0, args.clients)
-    torch.set_num_threads(1)
-    best = float("inf")
-    for _ in range(repeats):
-        model = method_for(cfg).build_model(cfg, tuple(data.x_train.shape[1:]),
-                                            data.num_classes)
-        t0 = time.perf_counter()
-        train_plain(model, data, cfg, 0, torch.device("cpu"))
-        best = min(best, time.perf_counter() - t0)
-    return best
+    return training_seconds(parse_run_config(dpfl_config(args)), args.clients, repeats)
 
 
 def finish(report: dict, args: argparse.Namespace) -> None:

@@ -97,16 +97,15 @@ def run_federation(clients: int, rounds: int, trust: str, out: Path,
     return out / name, peak
 
 
-def client_compute_seconds(clients: int, extra: list[str], repeats: int = 5) -> float:
-    """One client's local training of a round (partition 0 of ``clients``), best of N."""
+def training_seconds(cfg, clients: int, repeats: int = 5) -> float:
+    """One client's local training of a round under the typed run-config ``cfg``
+    (partition 0 of ``clients``, one thread), best of N."""
     import torch
 
     from dpfl.client.trainers import train_plain
     from dpfl.data import client_data
-    from dpfl.methods import method_for, parse_run_config
+    from dpfl.methods import method_for
 
-    overrides = dict(kv.split("=", 1) for kv in extra)
-    cfg = parse_run_config({"trainer": "update-dp", **overrides})
     data = client_data(cfg, 0, clients)
     torch.set_num_threads(1)
     best = float("inf")
@@ -117,6 +116,15 @@ def client_compute_seconds(clients: int, extra: list[str], repeats: int = 5) -> 
         train_plain(model, data, cfg, 0, torch.device("cpu"))
         best = min(best, time.perf_counter() - t0)
     return best
+
+
+def client_compute_seconds(clients: int, extra: list[str], repeats: int = 5) -> float:
+    """One client's local training of a round (partition 0 of ``clients``), best of N."""
+    from dpfl.methods import parse_run_config
+
+    overrides = dict(kv.split("=", 1) for kv in extra)
+    return training_seconds(parse_run_config({"trainer": "update-dp", **overrides}),
+                            clients, repeats)
 
 
 def main() -> None:

@@ -15,7 +15,6 @@ its hash, and everything a SuperNode verifies, is unchanged.
 
 from __future__ import annotations
 
-import os
 import shutil
 import tomllib
 from pathlib import Path
@@ -40,18 +39,6 @@ def _include_roots(config: dict) -> set[str] | None:
     return roots
 
 
-def _walk(root: Path, top: Path) -> dict[str, Path]:
-    """Flower's ``collect_files`` for the files under ``top`` (symlinks skipped, paths
-    relative to ``root``)."""
-    files: dict[str, Path] = {}
-    for dirpath, _, filenames in os.walk(top, followlinks=False):
-        for name in filenames:
-            path = Path(dirpath) / name
-            if not path.is_symlink():
-                files[path.relative_to(root).as_posix()] = path
-    return files
-
-
 def fab_files(app: Path) -> dict[str, Path]:
     """The files of ``app`` that flwr 1.39 puts in its FAB, ``pyproject.toml`` included,
     as relative POSIX path -> file."""
@@ -67,7 +54,8 @@ def fab_files(app: Path) -> dict[str, Path]:
         files = {p.name: p for p in app.iterdir() if p.is_file() and not p.is_symlink()}
         for top in sorted(roots):
             if (app / top).is_dir() and not (app / top).is_symlink():
-                files.update(_walk(app, app / top))
+                files.update({f"{top}/{rel}": path
+                              for rel, path in collect_files(app / top).items()})
     files = filter_paths_for_publish(files)
     chosen = get_filtered_fab_paths(files, config)
     return {PYPROJECT: app / PYPROJECT, **{p: files[p] for p in chosen}}
