@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # A multi-host dpfl federation on one machine: Linux network namespaces as hosts.
 #
-#   deploy/netns.sh up   STATE_DIR [--nodes N] [--prefix dpfl] [--insecure]
+#   deploy/netns.sh up   STATE_DIR [--nodes N] [--prefix dpfl] [--insecure] [--start-window S]
 #   deploy/netns.sh run  STATE_DIR [flwr run options...]     # e.g. --run-config "num-rounds=2"
 #   deploy/netns.sh restart-superlink STATE_DIR               # stop and start it again
+#   deploy/netns.sh node-stop  STATE_DIR I                     # SuperNode I leaves
+#   deploy/netns.sh node-start STATE_DIR I [--superlink H:P] [--start-window S]  # ... (re)joins
 #   deploy/netns.sh down STATE_DIR
 #
 # up: a bridge in namespace <prefix>-hub joins host namespaces by veth pairs on 10.77.0.0/24:
@@ -11,6 +13,8 @@
 #     (certificates and keys from deploy/certs.sh), <prefix>-n<i> (10.77.0.<i+2>) each run a
 #     flower-supernode with partition-id i that dials the SuperLink's gRPC Fleet API over
 #     TLS, authenticated by its registered EC key. --insecure (prints a warning) drops TLS/auth.
+#     --start-window S: the SuperNodes run as `python -m dpfl.supernode --clientapp-start-window
+#     S` (a ClientApp process may take S seconds to start instead of Flower's fixed 30).
 #     Only the Fleet API (10.77.0.1:9092) is on the network: the Control API (submit runs,
 #     register keys, list/stop runs) and the Runtime API, which Flower 1.39 serves together
 #     over HTTP on --host/--port without account authentication, listen on 127.0.0.1:9093 of
@@ -20,6 +24,14 @@
 #     fixed when `up` registered supernode-i's key): replies are charged by sender.
 # restart-superlink: stops the SuperLink (and what it started) by PID and starts it again on
 #     the same database (registered keys survive); SuperNodes reconnect on their own.
+# node-stop: stops SuperNode I (and its ClientApps) by PID; its namespace and key stay.
+# node-start: starts SuperNode I again with its registered key (so the same node id and
+#     partition); --superlink makes it dial another address than 10.77.0.1:9092, e.g. a
+#     fault-injecting relay on 127.0.0.1 in its own namespace (the SuperLink's certificate
+#     names 127.0.0.1 too).
+# Every SuperNode keeps its own durable privacy history in STATE_DIR/node-<i>-privacy
+# (node-config privacy-dir, dpfl.client.node_history): a release lost in a SuperLink restart
+# stays counted.
 # down: stops every process it started (by PID, with their descendants), deletes the
 #     namespaces (and so the veths and the bridge).
 # Traffic stays inside these namespaces. Needs root, iproute2, openssl, ssh-keygen and the
@@ -28,11 +40,11 @@
 # on stderr naming it, exit 2. If `up` fails after that, it takes down what it had made.
 set -euo pipefail
 me=deploy/netns.sh
-usage="usage: $me up|run|restart-superlink|down STATE_DIR [options]"
+usage="usage: $me up|run|restart-superlink|node-stop|node-start|down STATE_DIR [options]"
 . "$(dirname "$0")/lib.sh"  # die, require_engine
 cmd=${1:-}
 case "$cmd" in
-  up|run|restart-superlink|down) ;;
+  up|run|restart-superlink|node-stop|node-start|down) ;;
   "") die 2 "command missing ($usage)" ;;
   *) die 2 "unknown command '$cmd' ($usage)" ;;
 esac
@@ -91,6 +103,23 @@ start_superlink() {  # start_superlink STATE_DIR: from the options saved by `up`
   wait_port "$prefix-link" "${control%:*}" "${control##*:}"
 }
 
+start_supernode() {  # start_supernode STATE_DIR I SUPERLINK [WINDOW]: SuperNode I, its own key
+  local prefix nodes tls_node=(--insecure)
+  prefix=$(cat "$1/prefix")
+  nodes=$(cat "$1/nodes")
+  if [ "$(cat "$1/insecure")" = 0 ]; then
+    tls_node=(--root-certificates "$1/certs/ca.crt"
+              --auth-supernode-private-key "$1/certs/keys/supernode-$2")
+  fi
+  local window=${4:-$(cat "$1/start-window" 2>/dev/null || true)} launcher=(flower-supernode)
+  [ -z "$window" ] || launcher=(python -m dpfl.supernode --clientapp-start-window "$window")
+  [ ! -e "$1/supernode-$2.log" ] || mv "$1/supernode-$2.log" "$1/supernode-$2.log.$(date +%s%N)"
+  FLWR_HOME=$1/node-$2-home start_in_ns "$prefix-n$2" "supernode-$2" \
+    "${launcher[@]}" "${tls_node[@]}" --superlink "$3" --port 9094 \
+    --node-config "partition-id=$2 num-partitions=$nodes privacy-dir=\"$1/node-$2-privacy\"" \
+    --max-retries 20 --max-wait-time 120
+}
+
 wait_port() {  # wait_port NS IP PORT
   for _ in $(seq 1 150); do
     ip netns exec "$1" bash -c "exec 3<>/dev/tcp/$2/$3" 2>/dev/null && return 0
@@ -142,6 +171,12 @@ require_tools() {  # require_tools TOOL...: each on PATH (the venv's bin/ first)
   fi
 }
 
+check_window() {  # check_window S: prints S if it is whole seconds 30..3600, else exit 2
+  [[ $1 =~ ^[1-9][0-9]{1,3}$ ]] && [ "$1" -ge 30 ] && [ "$1" -le 3600 ] \
+    || die 2 "--start-window '$1': expected whole seconds 30..3600 (Flower's own window is 30)"
+  echo "$1"
+}
+
 check_prefix() {  # the namespace/interface prefix: interface names are at most 15 bytes
   [[ $1 =~ ^[a-z][a-z0-9]{0,9}$ ]] \
     || die 2 "--prefix '$1': expected 1-10 lowercase letters or digits, starting with a letter"
@@ -171,16 +206,17 @@ on_up_exit() {  # EXIT trap of `up`: a failure after the checks takes down what 
 
 case "$cmd" in
 up)
-  nodes=2 prefix=dpfl insecure=0
+  nodes=2 prefix=dpfl insecure=0 window=""
   while [ $# -gt 0 ]; do
     case "$1" in
-      --nodes|--prefix) [ $# -ge 2 ] || die 2 "$1 needs a value" ;;
+      --nodes|--prefix|--start-window) [ $# -ge 2 ] || die 2 "$1 needs a value" ;;
     esac
     case "$1" in
       --nodes) nodes=$2; shift 2 ;;
       --prefix) prefix=$2; shift 2 ;;
       --insecure) insecure=1; shift ;;
-      *) die 2 "unknown argument '$1' (up STATE_DIR [--nodes N] [--prefix P] [--insecure])" ;;
+      --start-window) window=$(check_window "$2"); shift 2 ;;
+      *) die 2 "unknown argument '$1' (up STATE_DIR [--nodes N] [--prefix P] [--insecure] [--start-window S])" ;;
     esac
   done
   [[ $nodes =~ ^[1-9][0-9]{0,2}$ ]] && [ "$nodes" -le 253 ] \
@@ -198,6 +234,7 @@ up)
   echo "$prefix" > "$state/prefix"
   echo "$nodes" > "$state/nodes"
   echo "$insecure" > "$state/insecure"
+  [ -z "$window" ] || echo "$window" > "$state/start-window"
   hub=$prefix-hub
   ip netns add "$hub"
   ip -n "$hub" link set lo up
@@ -220,7 +257,7 @@ up)
     ip -n "$hub" link set "${prefix}${h}b" up
     idx=$((idx + 1))
   done
-  tls_node=() conn_tls="insecure = true"
+  conn_tls="insecure = true"
   if [ "$insecure" = 1 ]; then
     echo "WARNING: --insecure: no TLS and no SuperNode authentication; anyone on the network" \
          "can read updates and join the federation" >&2
@@ -234,9 +271,7 @@ up)
   start_superlink "$state"
   node_map=""
   for ((i = 0; i < nodes; i++)); do
-    if [ "$insecure" = 1 ]; then
-      tls_node=(--insecure)
-    else
+    if [ "$insecure" = 0 ]; then
       out=$(FLWR_HOME=$state/flwr-home ip netns exec "$prefix-link" \
         flwr supernode register "$state/certs/keys/supernode-$i.pub" netns 2>&1) \
         || { printf '%s\n' "$out" >> "$state/register.log"; die 1 "registering supernode-$i failed (see $state/register.log)"; }
@@ -245,12 +280,8 @@ up)
       node_id=$(printf '%s\n' "$out" | sed -n 's/.*SuperNode \([0-9][0-9]*\) registered.*/\1/p' | head -n 1)
       [ -n "$node_id" ] || die 1 "registering supernode-$i printed no node id (see $state/register.log)"
       node_map+="${node_map:+,}$node_id:$i"
-      tls_node=(--root-certificates "$state/certs/ca.crt"
-                --auth-supernode-private-key "$state/certs/keys/supernode-$i")
     fi
-    FLWR_HOME=$state/node-$i-home start_in_ns "$prefix-n$i" "supernode-$i" \
-      flower-supernode "${tls_node[@]}" --superlink "$link_ip:9092" --port 9094 \
-      --node-config "partition-id=$i num-partitions=$nodes" --max-retries 20 --max-wait-time 120
+    start_supernode "$state" "$i" "$link_ip:9092"
   done
   # the operator's map of registered keys to partitions (none without authentication)
   printf '%s\n' "$node_map" > "$state/node-partitions"
@@ -284,6 +315,43 @@ restart-superlink)
   mv "$state/superlink.log" "$state/superlink.log.$(date +%s)"
   start_superlink "$state"
   echo "SuperLink restarted"
+  ;;
+node-stop|node-start)
+  [ $# -ge 1 ] || die 2 "node index missing ($cmd STATE_DIR I)"
+  node=$1
+  shift
+  superlink=$link_ip:9092 window=""
+  while [ $# -gt 0 ]; do
+    case "$cmd $1" in
+      "node-start --superlink")
+        [ $# -ge 2 ] || die 2 "--superlink needs a value (HOST:PORT)"
+        [[ $2 =~ ^[A-Za-z0-9.-]+:[0-9]{1,5}$ ]] || die 2 "--superlink '$2': expected HOST:PORT"
+        superlink=$2; shift 2 ;;
+      "node-start --start-window")
+        [ $# -ge 2 ] || die 2 "--start-window needs a value (seconds)"
+        window=$(check_window "$2"); shift 2 ;;
+      *) die 2 "unknown argument '$1' (node-stop STATE_DIR I; node-start STATE_DIR I [--superlink HOST:PORT] [--start-window S])" ;;
+    esac
+  done
+  require_root
+  require_tools ip setsid ps flower-supernode
+  load_state
+  require_up
+  [[ $node =~ ^(0|[1-9][0-9]{0,2})$ ]] && [ "$node" -lt "$(cat "$state/nodes")" ] \
+    || die 2 "node index '$node': expected 0..$(( $(cat "$state/nodes") - 1 ))"
+  pidfile=$state/supernode-$node.pid
+  if [ "$cmd" = node-stop ]; then
+    [ -f "$pidfile" ] || die 2 "SuperNode $node is not running (no $pidfile)"
+    stop_tree "$(cat "$pidfile")"
+    rm -f "$pidfile"
+    echo "SuperNode $node stopped"
+  else
+    if [ -f "$pidfile" ] && kill -0 "$(cat "$pidfile")" 2>/dev/null; then
+      die 2 "SuperNode $node is running (PID $(cat "$pidfile")); node-stop it first"
+    fi
+    start_supernode "$state" "$node" "$superlink" "$window"
+    echo "SuperNode $node started (dials $superlink)"
+  fi
   ;;
 down)
   [ $# = 0 ] || die 2 "unknown argument '$1' (down STATE_DIR)"

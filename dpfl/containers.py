@@ -47,6 +47,8 @@ REPO = Path(__file__).resolve().parent.parent
 STATE_FILE = "federation.json"
 DEFAULT_ENGINE = "unix:///var/run/docker.sock"  # the SDK's (and the CLI's) default socket
 PROBE_TIMEOUT = 10  # seconds to wait for the engine's first answer
+# each SuperNode's own durable privacy history (dpfl.client.node_history), in its container
+NODE_PRIVACY_DIR = "/var/lib/dpfl/privacy"
 NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]*")  # container names and a TOML key
 
 
@@ -256,7 +258,8 @@ def serverapp_command(fed: Federation) -> list[str]:
 def supernode_command(fed: Federation, index: int) -> list[str]:
     auth = [] if fed.insecure else [f"--auth-supernode-private-key=/certs/keys/supernode-{index}"]
     return ["supernode", "--superlink=superlink:9092", *_tls(fed, server=False), *auth,
-            f"--node-config=partition-id={index} num-partitions={fed.clients}",
+            f"--node-config=partition-id={index} num-partitions={fed.clients} "
+            f'privacy-dir="{NODE_PRIVACY_DIR}"',
             "--max-retries=30", "--max-wait-time=300"]
 
 

@@ -347,10 +347,12 @@ def test_certs_refuses_a_folder_in_use_unless_forced(tmp_path):
 NETNS = DEPLOY / "netns.sh"
 
 
-@pytest.mark.parametrize("command", ["up", "run", "restart-superlink", "down"])
+@pytest.mark.parametrize("command", ["up", "run", "restart-superlink", "down", "node-stop",
+                                     "node-start"])
 def test_netns_as_non_root_says_it_needs_root(unprivileged, shared_dir, command):
     state = shared_dir / "fed"
-    proc = _script(NETNS, command, str(state), user=unprivileged)
+    index = ["0"] if command.startswith("node-") else []
+    proc = _script(NETNS, command, str(state), *index, user=unprivileged)
     if proc.returncode == 126:
         pytest.skip(f"the unprivileged user cannot execute {NETNS}: {proc.stderr.strip()}")
     assert proc.returncode == 2, proc.stderr
@@ -370,6 +372,12 @@ def test_netns_as_non_root_says_it_needs_root(unprivileged, shared_dir, command)
     (["up", "S", "--prefix", "elevenchars"], "--prefix 'elevenchars'"),
     (["up", "S", "--bogus"], "unknown argument '--bogus'"),
     (["down", "S", "extra"], "unknown argument 'extra'"),
+    (["node-stop", "S"], "node index missing"),
+    (["node-stop", "S", "0", "--superlink", "127.0.0.1:1"], "unknown argument '--superlink'"),
+    (["node-start", "S", "0", "--superlink"], "--superlink needs a value"),
+    (["node-start", "S", "0", "--superlink", "no-port"], "--superlink 'no-port': expected HOST:PORT"),
+    (["node-start", "S", "0", "--start-window", "29"], "--start-window '29': expected whole seconds"),
+    (["up", "S", "--start-window", "soon"], "--start-window 'soon': expected whole seconds"),
 ])
 def test_netns_rejects_bad_arguments_before_anything(unprivileged, shared_dir, args, message):
     """Argument errors come before the root and tool checks: no namespace is touched."""

@@ -26,12 +26,17 @@ def _render(tmp_path: Path) -> tuple[str, str]:
 def test_edge_unit_renders_secure_settings(tmp_path):
     env, unit = _render(tmp_path)
     assert "DPFL_NODE_CONFIG=partition-id=3 num-partitions=8" in env
+    assert "DPFL_PRIVACY_DIR=/var/lib/dpfl/privacy" in env
     assert "OMP_NUM_THREADS=1" in env and "DPFL_NUM_THREADS=1" in env
     assert "--root-certificates" in unit and "--auth-supernode-private-key" in unit
     assert "--insecure" not in unit
     exec_start = unit.split("ExecStart=", 1)[1].split("\n# ", 1)[0]
     assert "--max-retries" not in exec_start  # reconnect forever (Flower backs off)
     assert "--node-config" in exec_start
+    # a slow device gets a ClientApp start window beyond Flower's fixed 30 s
+    assert "-m dpfl.supernode --clientapp-start-window ${DPFL_CLIENTAPP_START_WINDOW}" \
+        in " ".join(exec_start.replace("\\\n", " ").split())
+    assert "DPFL_CLIENTAPP_START_WINDOW=300" in env
     assert "Restart=always" in unit and "KillSignal=SIGINT" in unit
     assert "@" not in unit.split("[Unit]", 1)[1]  # every placeholder filled
 
@@ -45,6 +50,19 @@ def test_edge_unit_verifies(tmp_path):
     proc = subprocess.run(["systemd-analyze", "verify", str(path)], capture_output=True,
                           text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
+
+
+@pytest.mark.parametrize("window", ["10", "abc", "4000"])
+def test_edge_install_refuses_a_bad_start_window(tmp_path, window):
+    (tmp_path / "ca.crt").write_text("-")
+    (tmp_path / "key").write_text("-")
+    proc = subprocess.run(
+        [str(ROOT / "deploy" / "edge" / "install.sh"), "--superlink", "10.0.0.1:9092", "--ca",
+         str(tmp_path / "ca.crt"), "--key", str(tmp_path / "key"), "--partition-id", "0",
+         "--num-partitions", "2", "--start-window", window, "--dry-run"],
+        capture_output=True, text=True)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1
+    assert f"--start-window '{window}': expected whole seconds 30..3600" in proc.stderr
 
 
 def test_edge_install_refuses_missing_settings(tmp_path):

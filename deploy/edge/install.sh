@@ -4,7 +4,7 @@
 #   sudo deploy/edge/install.sh --superlink HOST:9092 --ca ca.crt --key supernode-3 \
 #        --partition-id 3 --num-partitions 8 [--threads 2] [--memory-max 1500M] \
 #        [--cpu-quota 150%] [--wheel dist/dpfl-0.1.0-py3-none-any.whl] [--prefix /opt/dpfl] \
-#        [--torch torch==<v>] [--etc /etc/dpfl] [--dry-run | --no-service]
+#        [--torch torch==<v>] [--etc /etc/dpfl] [--start-window 300] [--dry-run | --no-service]
 #
 # What it does, all of it visible below:
 #  1. a venv in PREFIX with CPU torch (on ARM64 the default is torch<2.11: PyPI's aarch64
@@ -19,6 +19,9 @@
 #     the CA, SuperNode authentication with the key, unlimited reconnect attempts with
 #     Flower's exponential back-off, restarted by systemd 15 s after any exit, CPU and memory
 #     caps; then enables and starts it.
+# --start-window S: seconds a ClientApp process may take from launch to its first heartbeat
+#     (python -m dpfl.supernode; Flower's own window is a fixed 30 s, which a slow device
+#     misses while Python imports torch and flwr; default 300).
 # Batch: the run's batch size is part of its privacy accounting (the sampling rate), so the
 # device does not change it; what the device bounds is threads, memory and CPU share.
 # Register the key's .pub on the SuperLink side first: flwr supernode register KEY.pub <conn>.
@@ -36,7 +39,7 @@ me=deploy/edge/install.sh
 here=$(cd "$(dirname "$0")" && pwd)
 repo=$(cd "$here/../.." && pwd)
 superlink="" ca="" key="" pid="" nparts="" threads=2 memory_max=1500M cpu_quota=150%
-wheel="" prefix=/opt/dpfl torch_spec="" dry_run=0 service=1 etc=/etc/dpfl
+wheel="" prefix=/opt/dpfl torch_spec="" dry_run=0 service=1 etc=/etc/dpfl start_window=300
 while [ $# -gt 0 ]; do
   case "$1" in
     --dry-run|--no-service) ;;
@@ -55,6 +58,7 @@ while [ $# -gt 0 ]; do
     --prefix) prefix=$2; shift 2 ;;
     --torch) torch_spec=$2; shift 2 ;;
     --etc) etc=$2; shift 2 ;;
+    --start-window) start_window=$2; shift 2 ;;
     --dry-run) dry_run=1; shift ;;
     --no-service) service=0; shift ;;
     *) die 2 "unknown argument '$1' (see the header of $me)" ;;
@@ -73,6 +77,8 @@ done
 [[ $threads =~ ^[1-9][0-9]{0,3}$ ]] || die 2 "--threads '$threads': expected a whole number >= 1"
 [[ $memory_max =~ ^([1-9][0-9]*[KMGT]?|[1-9][0-9]?%|100%|infinity)$ ]] \
   || die 2 "--memory-max '$memory_max': expected a systemd MemoryMax, e.g. 1500M, 2G or 50%"
+[[ $start_window =~ ^[1-9][0-9]{1,3}$ ]] && [ "$start_window" -ge 30 ] && [ "$start_window" -le 3600 ] \
+  || die 2 "--start-window '$start_window': expected whole seconds 30..3600"
 [[ $cpu_quota =~ ^[1-9][0-9]*%$ ]] || die 2 "--cpu-quota '$cpu_quota': expected a percentage, e.g. 150%"
 for v in prefix etc; do
   [[ ${!v} == /* && ${!v} != *[[:space:]\|]* ]] || die 2 "--$v '${!v}': expected an absolute path without spaces or '|'"
@@ -99,7 +105,11 @@ DPFL_SUPERLINK=$superlink
 # the SuperNode starts flower-superexec (and that flwr-clientapp) by name: the venv first
 PATH=$prefix/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin
 DPFL_NODE_CONFIG=partition-id=$pid num-partitions=$nparts
+# the node's own durable privacy history (dpfl.client.node_history)
+DPFL_PRIVACY_DIR=/var/lib/dpfl/privacy
 DPFL_NUM_THREADS=$threads
+# seconds a ClientApp process may take to start (python -m dpfl.supernode; Flower's is 30)
+DPFL_CLIENTAPP_START_WINDOW=$start_window
 OMP_NUM_THREADS=$threads
 MKL_NUM_THREADS=$threads
 FLWR_HOME=/var/lib/dpfl/flwr

@@ -27,6 +27,7 @@ from flwr.app import (
 from flwr.clientapp import ClientApp
 
 from dpfl.client.canary import canary_update, is_canary, with_canary_examples
+from dpfl.client.node_history import NodeHistoryError, adopt, history_path, record
 from dpfl.client.secure import (
     UNCLIPPED_KEY,
     central_release,
@@ -132,6 +133,18 @@ def train(msg: Message, context: Context) -> Message:
         log.warning("client %d adopted privacy events recorded by the server (node state "
                     "was lost, e.g. after a restart)", pid)
         history.save(context.state)
+    # the SuperNode's own durable copy (node-config privacy-dir): releases the server
+    # never saw (a reply sent just before a SuperLink restart) stay counted
+    node_file = history_path(context.node_config, cfg.run_name, context.run_id, pid)
+    node_problem = None
+    if node_file is not None:
+        try:
+            if adopt(history, node_file):
+                log.warning("client %d adopted privacy events from its node's own record "
+                            "%s that its run state lacked", pid, node_file)
+                history.save(context.state)
+        except NodeHistoryError as exc:
+            node_problem = str(exc)
     dim = sum(int(v.numel()) for v in received.values())
     planned = (distributed_planned_event(cfg, server_round, dim)
                if cfg.trust == "distributed" else method.client.planned_event(cfg, n, server_round))
@@ -154,6 +167,8 @@ def train(msg: Message, context: Context) -> Message:
     reason = None
     if problem is not None:
         reason = f"plan: the server's plan differs from this client's ({problem})"
+    elif node_problem is not None:
+        reason = node_problem
     elif refuse:
         measure = "the Rényi filter's epsilon" if spent.adaptive else "epsilon"
         reason = (f"{BUDGET_REFUSAL}: {measure} would reach {eps_after:.4f} > target-epsilon "
@@ -221,6 +236,8 @@ def train(msg: Message, context: Context) -> Message:
     del noise_rng
     history.charge(event)
     history.save(context.state)
+    if node_file is not None:  # on disk before the release leaves (raises: nothing sent)
+        record(history, node_file)
     eps = history.epsilon(cfg.delta, cfg.accountant)
     metrics = {**base, "num-examples": num_examples, "epsilon": eps, "noise-multiplier": sigma,
                "node-state-bytes": _state_bytes(context),

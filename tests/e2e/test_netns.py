@@ -76,9 +76,27 @@ def test_missing_tool_is_a_failed_test_under_ci(tmp_path, ci, outcome):
 # -- the deployment tests -------------------------------------------------------------------
 
 
-def _sh(*args, timeout=300, check=True):
+def _sh(*args, timeout=300, check=True, env=None):
     return subprocess.run([str(SCRIPT), *args], cwd=ROOT, capture_output=True, text=True,
-                          timeout=timeout, check=check)
+                          timeout=timeout, check=check, env=env)
+
+
+SLOW_START = """import os, sys, time
+if os.path.basename(sys.argv[0]) == "flwr-clientapp":
+    with open(os.environ["DPFL_TEST_SLOW_LOG"], "a") as log:
+        log.write(f"{os.getpid()}\\n")
+    time.sleep(float(os.environ["DPFL_TEST_SLOW_START"]))
+"""
+
+
+def _slow_clientapp_env(tmp_path: Path, seconds: float) -> dict[str, str]:
+    """An environment in which every flwr-clientapp process sleeps ``seconds`` before it
+    starts (a sitecustomize on PYTHONPATH), as on a slow device, logging its PID."""
+    site = tmp_path / "slow-site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(SLOW_START)
+    return {**os.environ, "PYTHONPATH": str(site), "DPFL_TEST_SLOW_START": str(seconds),
+            "DPFL_TEST_SLOW_LOG": str(tmp_path / "slow-starts.log")}
 
 
 def _node_attempt(state: Path, extra: list[str], expect: tuple[str, ...]) -> str:
@@ -119,11 +137,14 @@ def _wait_first_round(rounds_file: Path, timeout: float = 300.0) -> Path:
 @pytest.mark.e2e
 def test_tls_authenticated_federation_across_namespaces(tmp_path):
     """Intruders first (unregistered key, no CA, plaintext): all refused; then the
-    federation carries on and runs two DP rounds over TLS with authenticated nodes."""
+    federation carries on and runs two DP rounds over TLS with authenticated nodes. SuperNode
+    1 leaves and rejoins (node-stop/node-start, same key) as a slow device: each of its
+    ClientApp processes takes 35 s to start, beyond Flower's fixed 30 s window, and trains
+    because the federation runs its SuperNodes with a 120 s window (dpfl.supernode)."""
     _require()
     state = tmp_path / "fed"
     try:
-        up = _sh("up", str(state), "--nodes", "2", "--prefix", PREFIX)
+        up = _sh("up", str(state), "--nodes", "2", "--prefix", PREFIX, "--start-window", "120")
         assert "federation up" in up.stdout, up.stderr
         assert "registered successfully" in (state / "register.log").read_text()
         subprocess.run(["ssh-keygen", "-q", "-t", "ecdsa", "-b", "384", "-N", "", "-f",
@@ -142,6 +163,8 @@ def test_tls_authenticated_federation_across_namespaces(tmp_path):
         assert "SuperNode ID" not in out and "Activated" not in out, out[-2000:]
         link_log = (state / "superlink.log").read_text()
         assert link_log.count("[Fleet.ActivateNode] Activated") == 2  # only the real nodes
+        _sh("node-stop", str(state), "1")
+        _sh("node-start", str(state), "1", env=_slow_clientapp_env(tmp_path, 35.0))
         _sh("run", str(state), "--run-config",
             'dataset="digits" num-rounds=2 batch-size=32 lr=0.5 target-epsilon=8.0 '
             f'run-name="ns" output-dir="{tmp_path / "runs"}"', timeout=600)
@@ -155,6 +178,8 @@ def test_tls_authenticated_federation_across_namespaces(tmp_path):
         assert set(summary["clients"]) == {"client-0", "client-1"}
         assert all(len(c["rounds"]) == 2 for c in summary["clients"].values())
         assert summary["final"]["accuracy"] > summary["initial"]["accuracy"]
+        # the slow node's ClientApps did start late, once per round, and were not relaunched
+        assert len((tmp_path / "slow-starts.log").read_text().split()) == 2
     finally:
         _sh("down", str(state), check=False)
     listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout

@@ -1,0 +1,83 @@
+"""``flower-supernode`` with a configurable ClientApp start window (slow edge devices).
+
+    python -m dpfl.supernode --clientapp-start-window 300 [flower-supernode options...]
+
+A SuperNode hands each instruction to a new ClientApp process. Flower 1.39 gives that
+process ``HEARTBEAT_DEFAULT_INTERVAL`` = 30 s from the moment the task is claimed to its
+first heartbeat, and a running task ``HEARTBEAT_PATIENCE`` × 30 s = 60 s between heartbeats;
+a task that misses either is expired and its reply never sent. On a slow device (an ARM64
+board, or qemu emulation: importing flwr there took longer than 30 s on a loaded host,
+``results/edge/``) the ClientApp misses the first window and the round gets no reply.
+
+Flower has no option for this: the constant is imported by value into its node-state
+modules (``flwr.supercore.corestate.in_memory_corestate`` and ``sql_corestate``), which are
+the only places that compute those deadlines. This wrapper sets it there, in this process
+only, to the window given, and then runs Flower's own ``flower-supernode`` entry point with
+the remaining arguments: nothing else changes (the node's own heartbeats to the SuperLink
+use their own interval). A larger window also makes a crashed ClientApp be noticed later
+(after 2 × the window instead of 60 s).
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+
+OPTION = "--clientapp-start-window"
+FLOWER_DEFAULT = 30.0  # flwr.common.constant.HEARTBEAT_DEFAULT_INTERVAL in flwr 1.39
+MAX_WINDOW = 3600.0
+
+
+def split_window(argv: Sequence[str]) -> tuple[float | None, list[str]]:
+    """(the window in seconds or None, the other arguments); ValueError on a bad value."""
+    rest: list[str] = []
+    window: float | None = None
+    args = list(argv)
+    while args:
+        arg = args.pop(0)
+        if arg == OPTION or arg.startswith(OPTION + "="):
+            if "=" in arg:
+                text = arg.split("=", 1)[1]
+            elif args:
+                text = args.pop(0)
+            else:
+                raise ValueError(f"{OPTION} needs a value (seconds)")
+            try:
+                window = float(text)
+            except ValueError:
+                raise ValueError(f"{OPTION} '{text}': expected seconds, e.g. 300") from None
+            if not FLOWER_DEFAULT <= window <= MAX_WINDOW:
+                raise ValueError(f"{OPTION} '{text}': expected {FLOWER_DEFAULT:g}..{MAX_WINDOW:g}"
+                                 " seconds")
+        else:
+            rest.append(arg)
+    return window, rest
+
+
+def apply_start_window(seconds: float) -> None:
+    """Set the ClientApp start window of this process's node state to ``seconds``."""
+    from flwr.supercore.corestate import in_memory_corestate, sql_corestate
+
+    for module in (in_memory_corestate, sql_corestate):
+        if not hasattr(module, "HEARTBEAT_DEFAULT_INTERVAL"):
+            raise RuntimeError(f"{module.__name__} has no HEARTBEAT_DEFAULT_INTERVAL: this "
+                               "flwr version computes the window elsewhere")
+        module.HEARTBEAT_DEFAULT_INTERVAL = seconds
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    try:
+        window, rest = split_window(sys.argv[1:] if argv is None else argv)
+    except ValueError as exc:
+        print(f"dpfl.supernode: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
+    if window is not None:
+        apply_start_window(window)
+    from flwr.supernode.cli import flower_supernode
+
+    sys.argv = ["flower-supernode", *rest]
+    flower_supernode()
+
+
+if __name__ == "__main__":
+    main()
