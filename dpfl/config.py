@@ -326,7 +326,8 @@ KEY_HELP: dict[str, str] = {
                       "`dpfl attack`",
     "trust": "who adds the noise (see Trust models): `local` (each client), `central` (a "
              "trusted server; `fraction-train` becomes a Poisson rate and amplification is "
-             "accounted), `distributed` (Skellam shares under Flower's SecAgg+); `central` "
+             "accounted), `distributed` (Skellam or discrete Gaussian shares under Flower's "
+             "SecAgg+, `secure-noise`); `central` "
              "and `distributed` need `trainer=update-dp` and a method that only uses the "
              "mean of the updates",
     "adaptive-clip": "`trust=central`: adapt C towards a quantile of the update norms "
