@@ -147,6 +147,19 @@ def test_overflow_bound_by_hand():
     assert overflow_bound(1.0, 1e3, 1e6, 1000, 1000.0) == 1.0
 
 
+def test_ddgauss_shares_below_the_theorems_sigma_are_refused():
+    """Proposition 14 needs each share's sigma >= 1/2: (sigma C s)^2 / n_min = 0.16 is
+    refused, 0.25 passes."""
+    from dpfl.config import RunConfig
+    from dpfl.privacy.trust import check_overflow
+
+    cfg = RunConfig(trainer="update-dp", trust="distributed", secure_noise="ddgauss",
+                    clip_norm=1.0, secagg_scale=2.0)
+    with pytest.raises(ValueError, match="1/4"):
+        check_overflow(cfg, 0.4, 10, 4, 4)          # (0.4 * 1 * 2)^2 / 4 = 0.16
+    assert check_overflow(cfg, 0.5, 10, 4, 4) >= 0  # (0.5 * 1 * 2)^2 / 4 = 0.25
+
+
 def test_secure_noise_needs_distributed_trust():
     with pytest.raises(ConfigError, match="secure-noise"):
         parse_run_config({"trainer": "update-dp", "secure-noise": "ddgauss"})

@@ -174,6 +174,9 @@ def share_limit(sampled: int) -> int:
 def check_overflow(cfg: RunConfig, sigma: float, dim: int, sampled: int, n_min: int) -> float:
     """P(some coordinate of a share overflows [-c, c]) (a bound); ValueError when it is
     not below ``OVERFLOW_SHARE_OF_DELTA`` delta (the guarantee would not hold as stated)."""
+    if cfg.secure_noise == "ddgauss" and share_variance(sigma, cfg, n_min) < 0.25:
+        raise ValueError("a discrete Gaussian share needs variance >= 1/4 (Kairouz, Liu & "
+                         "Steinke's sigma >= 1/2): raise secagg-scale")
     bound = ddgauss.overflow_bound if cfg.secure_noise == "ddgauss" else skellam.overflow_bound
     p = bound(cfg.clip_norm, cfg.secagg_scale, share_variance(sigma, cfg, n_min), dim,
               share_limit(sampled))
