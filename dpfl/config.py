@@ -30,6 +30,9 @@ OPACUS_MODES = ("ghost", "hooks", "functorch", "ew", "bk")
 TRUSTS = ("local", "central", "distributed")
 # central: dpfl's own mechanism, or Flower's server-side DP wrapper for a side-by-side
 CENTRAL_IMPLS = ("dpfl", "flower")
+# trust=distributed: the integer noise of the shares (dpfl.privacy.skellam,
+# dpfl.privacy.ddgauss)
+SECURE_NOISES = ("skellam", "ddgauss")
 
 
 # Upper ends of the sensible ranges (a value above them is a typo or an attack on the
@@ -178,6 +181,9 @@ class RunConfig:
     # test-only fault injection: this partition raises at SecAgg+'s masked-vector stage
     # (-1 = none), i.e. drops out mid-protocol after sharing its keys
     secagg_drop_partition: int = -1
+    # distributed: the integer noise each client adds to its share: Skellam (Agarwal,
+    # Kairouz & Liu 2021) or the distributed discrete Gaussian (Kairouz, Liu & Steinke 2021)
+    secure_noise: str = "skellam"
     # the operator's binding of SuperNodes to partitions, "<node-id>:<partition-id>,..."
     # (deploy/netns.sh and `dpfl deploy` write it from the keys they register); when set,
     # a reply is charged to the partition of the node that sent it, whatever it claims,
@@ -214,6 +220,7 @@ KEY_CHOICES: dict[str, tuple[str, ...]] = {
     "opacus-mode": OPACUS_MODES,
     "trust": TRUSTS,
     "central-impl": CENTRAL_IMPLS,
+    "secure-noise": SECURE_NOISES,
 }
 
 # One line per global key: the generated run-config reference (docs/run-config.md) and the
@@ -319,7 +326,8 @@ KEY_HELP: dict[str, str] = {
                       "`dpfl attack`",
     "trust": "who adds the noise (see Trust models): `local` (each client), `central` (a "
              "trusted server; `fraction-train` becomes a Poisson rate and amplification is "
-             "accounted), `distributed` (Skellam shares under Flower's SecAgg+); `central` "
+             "accounted), `distributed` (Skellam or discrete Gaussian shares under Flower's "
+             "SecAgg+, `secure-noise`); `central` "
              "and `distributed` need `trainer=update-dp` and a method that only uses the "
              "mean of the updates",
     "adaptive-clip": "`trust=central`: adapt C towards a quantile of the update norms "
@@ -343,6 +351,9 @@ KEY_HELP: dict[str, str] = {
     "secagg-scale": "`trust=distributed`: integer units per unit of C (quantisation scale s)",
     "secagg-drop-partition": "fault injection for tests: this partition drops out of SecAgg+ "
                              "after sharing its keys (−1 = none)",
+    "secure-noise": "`trust=distributed`: the integer noise of each share: `skellam` "
+                    "(Agarwal, Kairouz & Liu 2021) or `ddgauss`, the distributed discrete "
+                    "Gaussian with its own accounting (Kairouz, Liu & Steinke 2021)",
     "node-partitions": "deployment: the operator's binding `\"<node-id>:<partition-id>,...\"`; "
                        "each reply is charged to its node's partition, and a node outside "
                        "it or claiming another partition is refused (`deploy/netns.sh run` "
@@ -489,6 +500,11 @@ def validate(cfg: RunConfig) -> RunConfig:
     need(cfg.secagg_scale >= 1.0, "secagg-scale", "must be >= 1", cfg.secagg_scale)
     need(cfg.secagg_drop_partition >= -1, "secagg-drop-partition", "must be >= -1",
          cfg.secagg_drop_partition)
+    need(cfg.secure_noise in SECURE_NOISES, "secure-noise", f"must be one of {SECURE_NOISES}",
+         cfg.secure_noise)
+    if cfg.secure_noise != "skellam":
+        need(cfg.trust == "distributed", "secure-noise",
+             f"secure-noise={cfg.secure_noise} needs trust=distributed", cfg.secure_noise)
     need(cfg.resume or not cfg.resume_without_checkpoint, "resume-without-checkpoint",
           "needs resume=true", cfg.resume_without_checkpoint)
     need(bool(cfg.output_dir), "output-dir", "must not be empty", cfg.output_dir)

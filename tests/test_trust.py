@@ -211,7 +211,7 @@ def test_overflow_check_refuses_a_scale_that_can_wrap():
 
 def test_distributed_calibration_meets_the_target():
     cfg = _cfg(trust="distributed", num_rounds=20, target_epsilon=8.0)
-    sigma = distributed_noise_multiplier(cfg, 80_000)
+    sigma = distributed_noise_multiplier(cfg, 80_000, 100)
     ev = skellam_event(1, sigma, 1.0, cfg.secagg_scale, 80_000, "replace-one")
     assert history_epsilon([ev] * 20, DELTA, "pld") <= 8.0
     ev_less = skellam_event(1, sigma * 0.995, 1.0, cfg.secagg_scale, 80_000, "replace-one")

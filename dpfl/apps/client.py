@@ -146,7 +146,7 @@ def train(msg: Message, context: Context) -> Message:
         except NodeHistoryError as exc:
             node_problem = str(exc)
     dim = sum(int(v.numel()) for v in received.values())
-    planned = (distributed_planned_event(cfg, server_round, dim)
+    planned = (distributed_planned_event(cfg, server_round, dim, nparts)
                if cfg.trust == "distributed" else method.client.planned_event(cfg, n, server_round))
     if planned is None:
         planned = planned_event(cfg, n, server_round,
@@ -218,9 +218,10 @@ def train(msg: Message, context: Context) -> Message:
             if pid == cfg.secagg_drop_partition:
                 raise RuntimeError(f"secagg-drop-partition={pid}: dropping out of SecAgg+ "
                                    "after sharing keys (fault injection)")
-            variance = share_variance(distributed_noise_multiplier(cfg, dim), cfg,
+            variance = share_variance(distributed_noise_multiplier(cfg, dim, nparts), cfg,
                                       int(config["secagg-n-min"]))
-            share = distributed_share(raw, clip, cfg.secagg_scale, variance, noise_rng)
+            share = distributed_share(raw, clip, cfg.secagg_scale, variance, noise_rng,
+                                      cfg.secure_noise)
             event, update_metrics = planned, {}
             update = {"share": share}
         else:

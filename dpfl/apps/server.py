@@ -445,7 +445,7 @@ def check_trust(strategy: DPFLStrategy, cfg: RunConfig, num_nodes: int, dim: int
         raise ConfigError(f"run-config key 'secagg-min-survivors': {cfg.secagg_min_survivors}"
                           f" > the {sampled} clients sampled per round")
     try:
-        check_overflow(cfg, distributed_noise_multiplier(cfg, dim), dim, sampled,
+        check_overflow(cfg, distributed_noise_multiplier(cfg, dim, num_nodes), dim, sampled,
                        min_survivors(cfg, sampled))
     except ValueError as exc:
         raise ConfigError(f"run-config key 'secagg-scale': {exc}") from exc

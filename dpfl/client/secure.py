@@ -3,7 +3,8 @@
 - :func:`central_release`: clip the update to C (no noise: the trusted server adds it) and
   say whether it was within C (the bit of Andrew et al. 2021's clipped count).
 - :func:`distributed_share`: clip, scale by s, round at random and add a Skellam share
-  (``dpfl.privacy.skellam``): the integer vector SecAgg+ masks.
+  (``dpfl.privacy.skellam``) or a discrete Gaussian one (``dpfl.privacy.ddgauss``): the
+  integer vector SecAgg+ masks.
 - :func:`secure_aggregation_mod`: a ClientApp mod that hands every SecAgg+ message to
   Flower 1.39's own ``secaggplus_mod`` (key exchange, masking, unmasking: unmodified) and
   everything else straight to the app. Flower's mod reads the app's reply in the legacy
@@ -22,8 +23,8 @@ from flwr.common import ndarrays_to_parameters
 from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS
 from flwr.compat.common.recorddict_compat import parameters_to_arrayrecord
 
+from dpfl.privacy import ddgauss, skellam
 from dpfl.privacy.mechanisms import l2_clip
-from dpfl.privacy.skellam import quantise_with_noise
 from dpfl.privacy.trust import UNCLIPPED_KEY
 
 __all__ = ["UNCLIPPED_KEY", "central_release", "distributed_share", "secure_aggregation_mod"]
@@ -38,10 +39,12 @@ def central_release(update: torch.Tensor, clip: float) -> tuple[torch.Tensor, fl
 
 
 def distributed_share(update: torch.Tensor, clip: float, scale: float, share_variance: float,
-                      generator: torch.Generator) -> torch.Tensor:
-    """round(s clip_C(update)) + Sk(share_variance), int64."""
-    return quantise_with_noise(l2_clip(update.double(), clip), scale, share_variance,
-                               generator)
+                      generator: torch.Generator, noise: str = "skellam") -> torch.Tensor:
+    """round(s clip_C(update)) + Sk(share_variance) (``noise`` skellam) or
+    N_Z(0, >= share_variance) (ddgauss), int64."""
+    module = ddgauss if noise == "ddgauss" else skellam
+    return module.quantise_with_noise(l2_clip(update.double(), clip), scale, share_variance,
+                                      generator)
 
 
 def _as_fit_result(reply: Message) -> Message:

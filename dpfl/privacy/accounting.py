@@ -64,9 +64,10 @@ log = logging.getLogger("flwr.dpfl.accounting")
 SAMPLE_LEVEL = ("dpsgd",)
 GAUSSIAN = ("gaussian", "quantile-count")
 PURE = ("laplace", "sparse-vector")
-# integer noise under secure aggregation (dpfl.privacy.skellam): sigma is the
-# Gaussian-equivalent multiplier, epsilon the discreteness surcharge of its RDP
-DISCRETE = ("skellam",)
+# integer noise under secure aggregation (dpfl.privacy.skellam, dpfl.privacy.ddgauss):
+# sigma is the Gaussian-equivalent multiplier, epsilon the discreteness surcharge of its
+# RDP (skellam: at integer orders only; ddgauss: the additive slack tau d, every order)
+DISCRETE = ("skellam", "ddgauss")
 MECHANISMS = SAMPLE_LEVEL + GAUSSIAN + PURE + DISCRETE
 PRV_CLIENT_LEVEL = ("accountant 'prv' is Opacus' DP-SGD accountant; use 'pld' or 'rdp' for "
                     "client-level events")
@@ -180,9 +181,9 @@ def dp_event_of(key: EventKey) -> dp_event.DpEvent:
     - ``gaussian`` / ``quantile-count``: ``GaussianDpEvent(sigma)`` under add-remove;
       replace-one doubles the sensitivity of the released sum, i.e. ``sigma / 2``; a rate
       below 1 wraps it in ``PoissonSampledDpEvent(rate, .)`` (add-remove only).
-    - ``sparse-vector`` and ``skellam`` have no dp-accounting event (ValueError): their
-      RDP enters through :func:`dpfl.privacy.events.rdp_curve` (the pure-DP bound,
-      :func:`skellam_curve`).
+    - ``sparse-vector``, ``skellam`` and ``ddgauss`` have no dp-accounting event
+      (ValueError): their RDP enters through :func:`dpfl.privacy.events.rdp_curve` (the
+      pure-DP bound, :func:`skellam_curve`, :func:`ddgauss_curve`).
     """
     mechanism, sigma, rate, epsilon, relation = key
     if mechanism not in MECHANISMS:
@@ -209,6 +210,23 @@ def skellam_curve(orders: np.ndarray, sigma: float, surcharge: float,
     sigma_eff = sigma / 2.0 if relation == "replace-one" else sigma
     integer = (orders == np.round(orders)) & (orders > 1)
     return np.where(integer, orders / (2.0 * sigma_eff ** 2) + surcharge, np.inf)
+
+
+def ddgauss_curve(orders: np.ndarray, sigma: float, slack: float,
+                  relation: str) -> np.ndarray:
+    """RDP of one ``ddgauss`` event (``dpfl.privacy.ddgauss``; Kairouz, Liu & Steinke 2021,
+    Proposition 14): alpha / (2 sigma_eff^2) + tau d at every order alpha >= 1 (sigma_eff =
+    sigma / 2 under replace-one, as for Gaussian events)."""
+    sigma_eff = sigma / 2.0 if relation == "replace-one" else sigma
+    return np.where(orders >= 1, orders / (2.0 * sigma_eff ** 2) + slack, np.inf)
+
+
+def discrete_curve(orders: np.ndarray, key: EventKey) -> np.ndarray:
+    """The RDP curve of a ``DISCRETE`` event (one step) at ``orders``."""
+    mechanism, sigma, _, epsilon, relation = key
+    if mechanism == "ddgauss":
+        return ddgauss_curve(orders, sigma, epsilon, relation)
+    return skellam_curve(orders, sigma, epsilon, relation)
 
 
 # ---------------------------------------------------------------------------------------

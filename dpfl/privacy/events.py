@@ -52,10 +52,10 @@ from dpfl.privacy.accounting import (
     PURE,
     SAMPLE_LEVEL,
     check_event_key,
+    discrete_curve,
     dp_event_of,
     dpsgd_history_epsilon_detail,
     events_epsilon_detail,
-    skellam_curve,
 )
 
 __all__ = ["ACCOUNTANTS", "GAUSSIAN", "MECHANISMS", "PRV_CLIENT_LEVEL", "PURE", "SAMPLE_LEVEL",
@@ -171,7 +171,7 @@ def rdp_curve(key: tuple) -> np.ndarray:
     if mechanism == "sparse-vector":
         return np.minimum(epsilon, orders * epsilon ** 2 / 2.0)
     if mechanism in DISCRETE:
-        return skellam_curve(orders, sigma, epsilon, relation)
+        return discrete_curve(orders, key)
     from dp_accounting.rdp.rdp_privacy_accountant import RdpAccountant
 
     acc = RdpAccountant(orders=list(orders))
@@ -257,7 +257,7 @@ def _signature_epsilon(signature: tuple[tuple[tuple, int], ...], delta: float,
         return _sparse_vector_pld(unit, events, delta)
     if any(e.mechanism in DISCRETE for e in events):  # no pld event: the RDP bound
         return (_pure_bound(unit, events, rdp_to_epsilon(unit, history_rdp(events), delta),
-                            delta), "rdp (skellam events have no pld event)")
+                            delta), "rdp (skellam/ddgauss events have no pld event)")
     return events_epsilon_detail([(e.to_dp_event(), e.steps) for e in events], delta, "pld")
 
 

@@ -18,6 +18,9 @@ one round costs every client (``trust`` run-config key).
   clients survive (a round with fewer is discarded: nothing is released). The server knows
   who took part, so there is no amplification and the relation is replace-one; each
   participant is charged one ``skellam`` event per round it sends a masked vector.
+  ``secure-noise=ddgauss`` replaces the Skellam share by a discrete Gaussian share
+  N_Z(0, mu / n_min) (``dpfl.privacy.ddgauss``; Kairouz, Liu & Steinke 2021), charged one
+  ``ddgauss`` event (the paper's bound for a SUM of discrete Gaussians) per round.
 """
 
 from __future__ import annotations
@@ -27,9 +30,9 @@ from functools import lru_cache
 from typing import Callable
 
 from dpfl.config import ConfigError, RunConfig
+from dpfl.privacy import ddgauss, skellam
 from dpfl.privacy.accounting import SIGMA_MAX, bisect_sigma, calibrate_events
 from dpfl.privacy.events import PrivacyEvent, history_epsilon
-from dpfl.privacy.skellam import overflow_bound, skellam_event
 
 CENTRAL_RELATION = "add-remove"
 # central + adaptive clipping: the client's bit 1[||Delta|| <= C] in its reply metrics
@@ -111,27 +114,44 @@ def _calibrate_central(target: float, delta: float, accountant: str, rounds: int
                             target, delta, accountant)
 
 
-def distributed_noise_multiplier(cfg: RunConfig, dim: int) -> float:
-    """sigma of the secure sum (Sk(mu), mu = (sigma C s)^2): ``noise-multiplier``, or the
-    smallest that keeps a client taking part in every round at ``target-epsilon``."""
+def secure_event(noise: str, round_: int, sigma: float, clip: float, scale: float, dim: int,
+                 num_clients: int) -> PrivacyEvent:
+    """One distributed round's charge for ``secure-noise`` ``noise`` (replace-one):
+    :func:`dpfl.privacy.skellam.skellam_event` or :func:`dpfl.privacy.ddgauss.ddgauss_event`
+    (its tau at n = ``num_clients``, an upper bound on n_min)."""
+    if noise == "ddgauss":
+        return ddgauss.ddgauss_event(round_, sigma, clip, scale, dim, DISTRIBUTED_RELATION,
+                                     num_clients)
+    return skellam.skellam_event(round_, sigma, clip, scale, dim, DISTRIBUTED_RELATION)
+
+
+def distributed_noise_multiplier(cfg: RunConfig, dim: int, num_clients: int) -> float:
+    """sigma of the secure sum (noise of variance mu = (sigma C s)^2): ``noise-multiplier``,
+    or the smallest that keeps a client taking part in every round at ``target-epsilon``
+    (``num_clients``: the federation's clients, which bounds DDGauss's tau)."""
     if cfg.noise_multiplier > 0:
         return cfg.noise_multiplier
     return _calibrate_distributed(cfg.target_epsilon, cfg.delta, cfg.accountant,
-                                  cfg.num_rounds, cfg.clip_norm, cfg.secagg_scale, dim)
+                                  cfg.num_rounds, cfg.clip_norm, cfg.secagg_scale, dim,
+                                  cfg.secure_noise, num_clients)
 
 
 @lru_cache(maxsize=64)
 def _calibrate_distributed(target: float, delta: float, accountant: str, rounds: int,
-                           clip: float, scale: float, dim: int) -> float:
+                           clip: float, scale: float, dim: int, noise: str = "skellam",
+                           num_clients: int = 2) -> float:
     return _calibrate(lambda s: [dataclasses.replace(
-        skellam_event(1, s, clip, scale, dim, DISTRIBUTED_RELATION), steps=rounds)],
+        secure_event(noise, 1, s, clip, scale, dim, num_clients), steps=rounds)],
         target, delta, accountant)
 
 
-def distributed_planned_event(cfg: RunConfig, server_round: int, dim: int) -> PrivacyEvent:
-    """What a client of a distributed round is charged (``dpfl.privacy.skellam``)."""
-    return skellam_event(server_round, distributed_noise_multiplier(cfg, dim), cfg.clip_norm,
-                         cfg.secagg_scale, dim, DISTRIBUTED_RELATION)
+def distributed_planned_event(cfg: RunConfig, server_round: int, dim: int,
+                              num_clients: int) -> PrivacyEvent:
+    """What a client of a distributed round is charged (``dpfl.privacy.skellam`` or
+    ``dpfl.privacy.ddgauss``, by ``secure-noise``)."""
+    return secure_event(cfg.secure_noise, server_round,
+                        distributed_noise_multiplier(cfg, dim, num_clients), cfg.clip_norm,
+                        cfg.secagg_scale, dim, num_clients)
 
 
 def min_survivors(cfg: RunConfig, sampled: int) -> int:
@@ -140,7 +160,7 @@ def min_survivors(cfg: RunConfig, sampled: int) -> int:
 
 
 def share_variance(sigma: float, cfg: RunConfig, n_min: int) -> float:
-    """mu_i = (sigma C s)^2 / n_min: each client's Skellam share."""
+    """mu_i = (sigma C s)^2 / n_min: the variance of each client's noise share."""
     return (sigma * cfg.clip_norm * cfg.secagg_scale) ** 2 / n_min
 
 
@@ -154,8 +174,12 @@ def share_limit(sampled: int) -> int:
 def check_overflow(cfg: RunConfig, sigma: float, dim: int, sampled: int, n_min: int) -> float:
     """P(some coordinate of a share overflows [-c, c]) (a bound); ValueError when it is
     not below ``OVERFLOW_SHARE_OF_DELTA`` delta (the guarantee would not hold as stated)."""
-    p = overflow_bound(cfg.clip_norm, cfg.secagg_scale, share_variance(sigma, cfg, n_min),
-                       dim, share_limit(sampled))
+    if cfg.secure_noise == "ddgauss" and share_variance(sigma, cfg, n_min) < 0.25:
+        raise ValueError("a discrete Gaussian share needs variance >= 1/4 (Kairouz, Liu & "
+                         "Steinke's sigma >= 1/2): raise secagg-scale")
+    bound = ddgauss.overflow_bound if cfg.secure_noise == "ddgauss" else skellam.overflow_bound
+    p = bound(cfg.clip_norm, cfg.secagg_scale, share_variance(sigma, cfg, n_min), dim,
+              share_limit(sampled))
     if p > OVERFLOW_SHARE_OF_DELTA * cfg.delta:
         raise ValueError(f"a SecAgg+ share of {sampled} clients may overflow its integer "
                          f"range (probability <= {p:.3g}): lower secagg-scale or the noise")
@@ -177,10 +201,16 @@ def trust_scope(cfg: RunConfig) -> str:
                 "client's whole data, amplification by sampling accounted, every client "
                 "charged every round")
     if cfg.trust == "distributed":
+        share, carried = (
+            ("a discrete Gaussian share (exact sampler of Canonne, Kamath & Steinke 2020)",
+             "the sum of >= n_min discrete Gaussians of total variance >= (sigma C s)^2, "
+             "accounted by Kairouz, Liu & Steinke 2021's Proposition 14 (alpha rho + tau d),")
+            if cfg.secure_noise == "ddgauss" else
+            ("a Skellam share", "Skellam noise of variance >= (sigma C s)^2"))
         return ("trust=distributed: nobody sees an individual update — clients round their "
-                f"clipped update (scale s = {cfg.secagg_scale:g}) and add a Skellam share, "
+                f"clipped update (scale s = {cfg.secagg_scale:g}) and add {share}, "
                 "Flower's SecAgg+ masks it and the server learns only the sum, which "
-                "carries Skellam noise of variance >= (sigma C s)^2 when at least n_min "
+                f"carries {carried} when at least n_min "
                 "clients survive (else the round is discarded and nothing released); "
                 "assumes an honest-but-curious server that does not add fake clients and "
                 "fewer colluding parties than the SecAgg+ threshold; the server knows who "

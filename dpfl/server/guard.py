@@ -110,7 +110,8 @@ class DPGuard:
         """The release the server asks of ``partition_id`` in ``server_round``: the
         method's own plan when it has one, else the shared plan."""
         if self.cfg.trust == "distributed":
-            return distributed_planned_event(self.cfg, server_round, self.dim)
+            return distributed_planned_event(self.cfg, server_round, self.dim,
+                                             len(self.partition_sizes))
         own = self.plan_event(partition_id, server_round)
         if own is not None:
             return own
