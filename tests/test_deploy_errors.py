@@ -369,6 +369,9 @@ def test_netns_as_non_root_says_it_needs_root(unprivileged, shared_dir, command)
     (["up", "S", "--prefix", "Bad-Prefix"], "--prefix 'Bad-Prefix'"),
     (["up", "S", "--prefix", "elevenchars"], "--prefix 'elevenchars'"),
     (["up", "S", "--bogus"], "unknown argument '--bogus'"),
+    (["up", "S", "--own-nodes", "x"], "--own-nodes 'x': expected node indices"),
+    (["up", "S", "--nodes", "2", "--own-nodes", "2"], "--own-nodes: node 2 does not exist"),
+    (["up", "S", "--own-nodes", "1", "--insecure"], "--own-nodes needs TLS"),
     (["down", "S", "extra"], "unknown argument 'extra'"),
 ])
 def test_netns_rejects_bad_arguments_before_anything(unprivileged, shared_dir, args, message):
