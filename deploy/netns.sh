@@ -2,6 +2,7 @@
 # A multi-host dpfl federation on one machine: Linux network namespaces as hosts.
 #
 #   deploy/netns.sh up   STATE_DIR [--nodes N] [--prefix dpfl] [--insecure] [--start-window S]
+#                        [--own-nodes I,J]
 #   deploy/netns.sh run  STATE_DIR [flwr run options...]     # e.g. --run-config "num-rounds=2"
 #   deploy/netns.sh restart-superlink STATE_DIR               # stop and start it again
 #   deploy/netns.sh node-stop  STATE_DIR I                     # SuperNode I leaves
@@ -15,6 +16,10 @@
 #     TLS, authenticated by its registered EC key. --insecure (prints a warning) drops TLS/auth.
 #     --start-window S: the SuperNodes run as `python -m dpfl.supernode --clientapp-start-window
 #     S` (a ClientApp process may take S seconds to start instead of Flower's fixed 30).
+#     --own-nodes I,J (TLS only): supernode-I's key is registered and mapped like the others,
+#     and its namespace made, but no SuperNode is started there: the caller runs its own node
+#     with certs/keys/supernode-I in <prefix>-n<I> (e.g. the hostile node of
+#     tests/e2e/test_hostile_nodes.py) and writes its PID to STATE_DIR/extra-<name>.pid.
 #     Only the Fleet API (10.77.0.1:9092) is on the network: the Control API (submit runs,
 #     register keys, list/stop runs) and the Runtime API, which Flower 1.39 serves together
 #     over HTTP on --host/--port without account authentication, listen on 127.0.0.1:9093 of
@@ -32,8 +37,8 @@
 # Every SuperNode keeps its own durable privacy history in STATE_DIR/node-<i>-privacy
 # (node-config privacy-dir, dpfl.client.node_history): a release lost in a SuperLink restart
 # stays counted.
-# down: stops every process it started (by PID, with their descendants), deletes the
-#     namespaces (and so the veths and the bridge).
+# down: stops every process it started (by PID, with their descendants) and those of
+#     STATE_DIR/extra-*.pid, deletes the namespaces (and so the veths and the bridge).
 # Traffic stays inside these namespaces. Needs root, iproute2, openssl, ssh-keygen and the
 # venv's flower-superlink/flower-supernode/flwr (DPFL_VENV_BIN, default REPO/.venv/bin).
 # Arguments and prerequisites are checked before anything is written: a problem is one line
@@ -135,7 +140,7 @@ namespaces() {  # namespaces PREFIX: the names of this federation's namespaces
 
 teardown() {  # teardown STATE PREFIX: stop its processes (by PID), delete its namespaces
   local f ns
-  for f in "$1"/supernode-*.pid "$1"/superlink.pid; do
+  for f in "$1"/supernode-*.pid "$1"/extra-*.pid "$1"/superlink.pid; do
     [ -e "$f" ] || continue
     stop_tree "$(cat "$f")"
     rm -f "$f"
@@ -206,21 +211,30 @@ on_up_exit() {  # EXIT trap of `up`: a failure after the checks takes down what 
 
 case "$cmd" in
 up)
-  nodes=2 prefix=dpfl insecure=0 window=""
+  nodes=2 prefix=dpfl insecure=0 window="" own=""
   while [ $# -gt 0 ]; do
     case "$1" in
-      --nodes|--prefix|--start-window) [ $# -ge 2 ] || die 2 "$1 needs a value" ;;
+      --nodes|--prefix|--start-window|--own-nodes) [ $# -ge 2 ] || die 2 "$1 needs a value" ;;
     esac
     case "$1" in
       --nodes) nodes=$2; shift 2 ;;
       --prefix) prefix=$2; shift 2 ;;
+      --own-nodes) own=$2; shift 2 ;;
       --insecure) insecure=1; shift ;;
       --start-window) window=$(check_window "$2"); shift 2 ;;
-      *) die 2 "unknown argument '$1' (up STATE_DIR [--nodes N] [--prefix P] [--insecure] [--start-window S])" ;;
+      *) die 2 "unknown argument '$1' (up STATE_DIR [--nodes N] [--prefix P] [--insecure] [--start-window S] [--own-nodes I,J])" ;;
     esac
   done
   [[ $nodes =~ ^[1-9][0-9]{0,2}$ ]] && [ "$nodes" -le 253 ] \
     || die 2 "--nodes '$nodes': expected a whole number 1..253 (one 10.77.0.0/24 address each)"
+  if [ -n "$own" ]; then
+    [[ $own =~ ^[0-9]{1,3}(,[0-9]{1,3})*$ ]] \
+      || die 2 "--own-nodes '$own': expected node indices separated by commas (e.g. 2 or 1,2)"
+    for i in ${own//,/ }; do
+      [ "$i" -lt "$nodes" ] || die 2 "--own-nodes: node $i does not exist (--nodes $nodes: 0..$((nodes - 1)))"
+    done
+    [ "$insecure" = 0 ] || die 2 "--own-nodes needs TLS and SuperNode auth (not --insecure): an own node runs with a registered key"
+  fi
   check_prefix "$prefix"
   if [ -e "$state" ] && [ ! -d "$state" ]; then die 2 "STATE_DIR '$state' exists and is not a directory"; fi
   require_root
@@ -281,6 +295,7 @@ up)
       [ -n "$node_id" ] || die 1 "registering supernode-$i printed no node id (see $state/register.log)"
       node_map+="${node_map:+,}$node_id:$i"
     fi
+    [[ ",$own," == *",$i,"* ]] && continue  # the caller runs this node (--own-nodes)
     start_supernode "$state" "$i" "$link_ip:9092"
   done
   # the operator's map of registered keys to partitions (none without authentication)

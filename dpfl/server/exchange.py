@@ -9,6 +9,12 @@ end of the run), handing late replies back with the round they answer.
 While a round waits, each reply is logged as it arrives (``round 2: client-3 replied (2/4,
 31 s)``, ``refused``, ``error`` with its reason), and the nodes that did not answer in time
 are named when the round closes.
+
+A node that leaves the federation while the round waits (its key unregistered by the
+operator, or offline past Flower's heartbeat window) is no longer waited for: every
+``membership_seconds`` the connected nodes are read again, and once every node still owing a
+reply of this round is gone, the round closes at once (the instructions stay outstanding: a
+reply that still arrives is charged).
 """
 
 from __future__ import annotations
@@ -45,8 +51,10 @@ class ReplyExchange:
     logs one progress line per reply of the current round as it arrives."""
 
     def __init__(self, grid: Grid, poll_seconds: float = 0.25,
-                 namer: Callable[[int], str] | None = None) -> None:
+                 namer: Callable[[int], str] | None = None,
+                 membership_seconds: float = 5.0) -> None:
         self.grid = grid
+        self.membership_seconds = membership_seconds
         self.namer = namer                      # the strategy's naming (guard pins), if any
         self.poll_seconds = poll_seconds
         self.outstanding: dict[str, int] = {}   # instruction id -> round it was sent in
@@ -128,6 +136,8 @@ class ReplyExchange:
         late: list[tuple[int, Message]] = []
         start = time.monotonic()
         deadline = start + timeout
+        next_check = start + self.membership_seconds
+        gone: set[int] = set()
         while True:
             for sent, msg in self._collect():
                 if sent == server_round:
@@ -142,6 +152,17 @@ class ReplyExchange:
             if time.monotonic() >= deadline:
                 self._report_missing(server_round, current, timeout)
                 return replies, late
+            if time.monotonic() >= next_check:
+                next_check = time.monotonic() + self.membership_seconds
+                owing = {self.busy[m] for m in current & set(self.outstanding)}
+                left = owing - set(self.grid.get_node_ids()) - gone
+                if left:
+                    gone |= left
+                    log.warning("round %d: %s left the federation (unregistered or offline): "
+                                "not waiting for its reply (charged if it arrives later)",
+                                server_round, ", ".join(self.client_name(n) for n in sorted(left)))
+                if owing and owing <= gone:
+                    return replies, late
             time.sleep(self.poll_seconds)
 
     def drain(self, wait: float = 0.0) -> list[tuple[int, Message]]:

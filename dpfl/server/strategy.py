@@ -324,7 +324,7 @@ class DPFLStrategy(FedAvg):
             bound = self.guard.norm_bound(dim, server_round)
         extra = self.extra_reply_arrays()
         for msg in replies:
-            checked = validate_train_reply(msg, self._template, bound, extra)
+            checked = validate_train_reply(msg, self._template, bound, extra, server_round)
             charge = self.guard.charge_reply(msg, checked, server_round)
             if charge is not None:
                 record.charges.append(charge)
@@ -439,7 +439,8 @@ class DPFLStrategy(FedAvg):
 
     def charge_late_reply(self, msg: Message, sent_round: int) -> Charge | None:
         """A reply to an earlier round's instruction: charged now, never aggregated."""
-        checked = validate_train_reply(msg, self._template, None, self.extra_reply_arrays())
+        checked = validate_train_reply(msg, self._template, None, self.extra_reply_arrays(),
+                                       sent_round)
         return self.guard.charge_reply(msg, checked, sent_round, late=True)
 
     def planned_event(self, partition_id: int, server_round: int) -> PrivacyEvent:

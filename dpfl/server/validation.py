@@ -1,8 +1,16 @@
 """Server-side checks of client train replies: a bad reply is dropped with a logged reason.
 
-Checks: an error or refusal; the records present; the update's keys, shapes and dtypes
-equal the global model's; every value finite; ``num-examples`` a positive integer; the
-update's L2 norm under the bound the mechanism promises (when it promises one).
+Checks: an error or refusal; the records present; the round the reply says it answers
+(``server-round``) is the round of the instruction it replies to; the update's keys, shapes
+and dtypes equal the global model's; every value finite; ``num-examples`` a positive
+integer; the update's L2 norm under the bound the mechanism promises (when it promises one).
+
+A reply is bound to its instruction by Flower: the SuperLink stores a reply only for an
+instruction that exists, is addressed to the sending node and has no reply yet, and the
+server reads each reply by the id of the instruction it sent (``ReplyExchange`` knows that
+instruction's round). The ``server-round`` check refuses a reply whose content answers
+another round (an old reply's content pushed again); the DP guard refuses an update whose
+bytes repeat one the client sent before (``DPGuard.replayed``).
 """
 
 from __future__ import annotations
@@ -87,9 +95,13 @@ def client_label(node_id: int, partition_id: int | None) -> str:
 
 
 def validate_train_reply(msg: Message, template: Template, norm_bound: float | None = None,
-                         extra_arrays: dict[str, Template] | None = None
-                         ) -> ClientUpdate | Rejection:
-    """Turn one train reply into a :class:`ClientUpdate`, or a :class:`Rejection`."""
+                         extra_arrays: dict[str, Template] | None = None,
+                         server_round: int | None = None) -> ClientUpdate | Rejection:
+    """Turn one train reply into a :class:`ClientUpdate`, or a :class:`Rejection`.
+
+    ``server_round``: the round of the instruction the reply answers; a reply whose
+    ``server-round`` metric names another round is rejected (a reply without one is left
+    to the other checks)."""
     node = int(msg.metadata.src_node_id)
     if msg.has_error():
         return Rejection(node, None, "error", f"client error: {msg.error.reason}")
@@ -100,6 +112,12 @@ def validate_train_reply(msg: Message, template: Template, norm_bound: float | N
         return Rejection(node, pid, "refused", str(content["status"].get("reason", "")), metrics)
     if "arrays" not in content.array_records:
         return Rejection(node, pid, "invalid", "reply has no 'arrays' record", metrics)
+    answered = metrics.get("server-round")
+    if server_round is not None and answered is not None and (
+            not is_number(answered) or answered != server_round):
+        return Rejection(node, pid, "invalid", f"reply answers round {answered!r}, but the "
+                         f"instruction it replies to is of round {server_round} (a replayed "
+                         "reply)", metrics)
     if not metrics:
         return Rejection(node, pid, "invalid", "reply has no 'metrics' record", metrics)
     n = metrics.get("num-examples")
