@@ -58,6 +58,11 @@ PREFIX = "dpflq"
 LINK = "10.77.0.1:9092"
 RELAY_PORT = 19092
 CLASSES = ("flower-superlink", "flower-supernode", "flwr-serverapp", "flwr-clientapp")
+# command-line words that mark a class (netns.sh runs Flower's SuperLink and SuperNodes
+# through dpfl.superlink / dpfl.supernode)
+MARKERS = {"flower-superlink": ("flower-superlink", "dpfl.superlink"),
+           "flower-supernode": ("flower-supernode", "dpfl.supernode"),
+           "flwr-serverapp": ("flwr-serverapp",), "flwr-clientapp": ("flwr-clientapp",)}
 
 
 def sh(*args: str, timeout: float = 600, check: bool = True) -> subprocess.CompletedProcess:
@@ -95,7 +100,7 @@ def _memory_and_class(pid: str) -> tuple[int, int, str] | None:
     except OSError:
         return None
     words = " ".join(c.decode(errors="replace") for c in cmd[:4])
-    cls = next((c for c in CLASSES if c in words), "other")
+    cls = next((c for c in CLASSES if any(m in words for m in MARKERS[c])), "other")
     fields = {l.split(":")[0]: int(l.split()[1]) * 1024 for l in rollup.splitlines()[1:]
               if l.split(":")[0] in ("Rss", "Pss")}
     return fields.get("Rss", 0), fields.get("Pss", 0), cls
@@ -312,6 +317,32 @@ def processes_left(state: Path, inodes: set[int]) -> list[str]:
     return left
 
 
+def serverapps(link_ns: str) -> list[int]:
+    """PIDs of ServerApp processes in the SuperLink's namespace."""
+    inode = _ns_inode(link_ns)
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        if _pid_netns(pid) != inode:
+            continue
+        try:
+            if b"flwr-serverapp" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                found.append(int(pid))
+        except OSError:
+            pass
+    return found
+
+
+def wait_serverapps_done(link_ns: str, timeout: float = 1800) -> bool:
+    """Block until no ServerApp runs in ``link_ns`` (True) or ``timeout`` (False): `flwr run
+    --stream` can end while its run goes on (its log stream broke)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not serverapps(link_ns):
+            return True
+        time.sleep(1.0)
+    return False
+
+
 def activations(state: Path) -> int:
     logs = [state / "superlink.log", *state.glob("superlink.log.*")]
     return sum(p.read_text(errors="replace").count("Activated") for p in logs if p.exists())
@@ -420,6 +451,9 @@ def main() -> None:
                     info["faults"] = ("SuperLink restarted right after the first round-2 "
                                       "reply, run resumed")
                 code = proc.wait(timeout=7200)
+                if serverapps(f"{PREFIX}-link"):
+                    info["stream-ended-before-the-run"] = True
+                    info["run-finished"] = wait_serverapps_done(f"{PREFIX}-link")
             info["exit-code"] = code
             info["wall-seconds"] = round(time.monotonic() - t0, 1)
             info["memory"] = mem.table()

@@ -100,8 +100,11 @@ start_superlink() {  # start_superlink STATE_DIR: from the options saved by `up`
     tls_link=(--ssl-ca-certfile "$1/certs/ca.crt" --ssl-certfile "$1/certs/superlink.crt"
               --ssl-keyfile "$1/certs/superlink.key" --enable-supernode-auth)
   fi
+  # dpfl.superlink = flower-superlink whose SQLite connections wait 60 s for a lock (Flower's
+  # 5 s fails Fleet calls with "database is locked" at 20 SuperNodes on a busy host)
   FLWR_HOME=$1/superlink-home start_in_ns "$prefix-link" superlink \
-    flower-superlink "${tls_link[@]}" --fleet-api-address "$link_ip:9092" \
+    python -m dpfl.superlink --sqlite-busy-timeout 60 \
+    "${tls_link[@]}" --fleet-api-address "$link_ip:9092" \
     --host "${control%:*}" --port "${control##*:}" --database "$1/superlink.db" \
     --disable-runtime-dependency-installation
   wait_port "$prefix-link" "$link_ip" 9092
@@ -238,7 +241,7 @@ up)
   check_prefix "$prefix"
   if [ -e "$state" ] && [ ! -d "$state" ]; then die 2 "STATE_DIR '$state' exists and is not a directory"; fi
   require_root
-  require_tools ip setsid ps flower-superlink flower-supernode
+  require_tools ip setsid ps python flower-superlink flower-supernode
   [ "$insecure" = 1 ] || require_tools flwr openssl ssh-keygen
   taken=$(namespaces "$prefix" | tr '\n' ' ')
   [ -z "$taken" ] || die 2 "namespaces of prefix '$prefix' already exist (${taken% }); '$me down' their STATE_DIR first, or pick another --prefix"

@@ -23,6 +23,8 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 
+from dpfl.flower_wrap import split_seconds
+
 OPTION = "--clientapp-start-window"
 FLOWER_DEFAULT = 30.0  # flwr.common.constant.HEARTBEAT_DEFAULT_INTERVAL in flwr 1.39
 MAX_WINDOW = 3600.0
@@ -30,28 +32,7 @@ MAX_WINDOW = 3600.0
 
 def split_window(argv: Sequence[str]) -> tuple[float | None, list[str]]:
     """(the window in seconds or None, the other arguments); ValueError on a bad value."""
-    rest: list[str] = []
-    window: float | None = None
-    args = list(argv)
-    while args:
-        arg = args.pop(0)
-        if arg == OPTION or arg.startswith(OPTION + "="):
-            if "=" in arg:
-                text = arg.split("=", 1)[1]
-            elif args:
-                text = args.pop(0)
-            else:
-                raise ValueError(f"{OPTION} needs a value (seconds)")
-            try:
-                window = float(text)
-            except ValueError:
-                raise ValueError(f"{OPTION} '{text}': expected seconds, e.g. 300") from None
-            if not FLOWER_DEFAULT <= window <= MAX_WINDOW:
-                raise ValueError(f"{OPTION} '{text}': expected {FLOWER_DEFAULT:g}..{MAX_WINDOW:g}"
-                                 " seconds")
-        else:
-            rest.append(arg)
-    return window, rest
+    return split_seconds(argv, OPTION, FLOWER_DEFAULT, MAX_WINDOW)
 
 
 def apply_start_window(seconds: float) -> None:

@@ -105,9 +105,10 @@ class Federation:
         from dpfl.watchdog import descendants
 
         root = int((self.state / "superlink.pid").read_text())
+        # flower-superlink, run by deploy/netns.sh as `python -m dpfl.superlink ...`
         return [p for p in [root, *descendants(root)]
-                if "flower-superlink" in Path(f"/proc/{p}/cmdline").read_bytes().decode(
-                    errors="replace")]
+                if any(name in Path(f"/proc/{p}/cmdline").read_bytes().decode(errors="replace")
+                       for name in ("flower-superlink", "dpfl.superlink"))]
 
     def superlink_peak_rss_mib(self) -> float:
         """VmHWM (peak resident memory) of the flower-superlink process, MiB."""

@@ -1,10 +1,15 @@
-"""dpfl.supernode: the ClientApp start window of Flower's real SuperNode state.
+"""dpfl.supernode and dpfl.superlink: two Flower constants made settings, checked on Flower's
+own state classes.
+
+dpfl.supernode: the ClientApp start window of Flower's real SuperNode state.
 
 A ClientApp task claimed at t0 must send its first heartbeat (activate) before t0 + window;
 Flower 1.39 fixes the window at 30 s. The test claims a task in Flower's own
 ``InMemoryNodeState`` (what ``flower-supernode`` uses), moves Flower's clock 45 s on, and
 checks that the task is given back (activation refused) with Flower's window, and still
-activates with a 120 s window set by :func:`dpfl.supernode.apply_start_window`."""
+activates with a 120 s window set by :func:`dpfl.supernode.apply_start_window`.
+
+dpfl.superlink: the SQLite lock wait of every connection Flower's SQL state opens."""
 
 import subprocess
 import sys
@@ -17,6 +22,7 @@ from flwr.supercore.corestate import in_memory_corestate, sql_corestate
 from flwr.supercore.object_store import ObjectStoreFactory
 from flwr.supernode.nodestate.in_memory_nodestate import InMemoryNodeState
 
+from dpfl import superlink
 from dpfl.supernode import FLOWER_DEFAULT, apply_start_window, split_window
 
 
@@ -76,4 +82,43 @@ def test_bad_window_is_one_line_exit_2(argv, message):
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("dpfl.supernode: --clientapp-start-window")
+    assert message in lines[0]
+
+
+@pytest.fixture
+def restore_pragmas():
+    from flwr.supercore import sql_mixin
+
+    saved = sql_mixin.SQLITE_PRAGMAS
+    yield
+    sql_mixin.SQLITE_PRAGMAS = saved
+
+
+def _busy_timeout_ms(tmp_path, name: str) -> int:
+    from flwr.supercore.object_store.sql_object_store import SqlObjectStore
+
+    store = SqlObjectStore(str(tmp_path / name))
+    store.initialize()
+    with store._engine.connect() as conn:
+        return int(conn.exec_driver_sql("PRAGMA busy_timeout").scalar())
+
+
+# Flower's own schema migration (alembic 1.x) on a file database: not dpfl's configuration
+@pytest.mark.filterwarnings("ignore:No path_separator found in configuration:DeprecationWarning")
+def test_superlink_lock_wait(tmp_path, restore_pragmas):
+    assert _busy_timeout_ms(tmp_path, "flower.db") == superlink.FLOWER_DEFAULT * 1000
+    superlink.apply_busy_timeout(60.0)
+    assert _busy_timeout_ms(tmp_path, "dpfl.db") == 60_000
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--sqlite-busy-timeout"], "needs a value"),
+    (["--sqlite-busy-timeout", "1"], "'1': expected 5..600 seconds"),
+])
+def test_superlink_bad_value_is_one_line_exit_2(argv, message):
+    proc = subprocess.run([sys.executable, "-m", "dpfl.superlink", *argv],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("dpfl.superlink: --sqlite-busy-timeout")
     assert message in lines[0]
