@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import lru_cache
 
 import numpy as np
 import torch
@@ -171,7 +172,10 @@ class CpsgdParams(MethodParams):
         meet ``target-epsilon``."""
         if cfg.noise_multiplier > 0:
             return cfg.noise_multiplier
+        return _calibrated(self, cfg.clip_norm, cfg.num_rounds, cfg.delta,
+                           cfg.target_epsilon, dim)
 
+    def _calibrate(self, cfg: RunConfig, dim: int) -> float:
         def eps(sigma: float) -> float:
             ev = self.secure_event(cfg, 1, dim, sigma)
             return history_epsilon([ev] * cfg.num_rounds, cfg.delta, "rdp")
@@ -230,6 +234,15 @@ class CpsgdParams(MethodParams):
                 "exact restricted-support Renyi divergence of dpfl.privacy.binomial (NOT "
                 "the paper's Theorem 1), its support-mismatch mass <= 1e-3 delta paid by "
                 "converting at delta (1 - 1e-3),")
+
+
+@lru_cache(maxsize=32)
+def _calibrated(params: CpsgdParams, clip: float, rounds: int, delta: float, target: float,
+                dim: int) -> float:
+    """The calibrated sigma, once per setting (the clients and the server ask every round)."""
+    cfg = RunConfig(clip_norm=clip, num_rounds=rounds, delta=delta, target_epsilon=target,
+                    params=params)
+    return params._calibrate(cfg, dim)
 
 
 def _privacy(cfg: RunConfig) -> MethodPrivacy:
