@@ -66,12 +66,13 @@ def test_fedavg_requires_plain_trainer():
 
 # The trainers each strategy accepts: the non-private reference only without DP, DP methods
 # never without it; DP-SCAFFOLD's control variates are post-processing of DP-SGD outputs
-# only.
-ACCEPTED_TRAINERS = {"fedavg": {"plain"}, "dpscaffold": {"dpsgd"}}
+# only; cpSGD quantises and noises the whole update (over SecAgg+).
+ACCEPTED_TRAINERS = {"fedavg": {"plain"}, "dpscaffold": {"dpsgd"}, "cpsgd": {"update-dp"}}
 DP_TRAINERS = {"dpsgd", "update-dp"}
 # keys a strategy needs under a trainer, added by _parse (DP-FedASGP over DP-SGD: the server's
 # validation split, its proxy for the clients' losses)
-NEEDED = {("fedasgp", "dpsgd"): {"server_holdout": 1000}}
+NEEDED = {("fedasgp", "dpsgd"): {"server_holdout": 1000},
+          ("cpsgd", "update-dp"): {"trust": "distributed"}}
 
 
 def _strategies():

@@ -20,6 +20,7 @@ from dpfl.privacy.ddgauss import (
     tau,
     variance_factors,
 )
+from dpfl.privacy.dgauss_sampler import discrete_gaussian_integer_coins, exp_bounds
 from dpfl.privacy.events import history_epsilon, orders_for, rdp_curve
 from dpfl.privacy.skellam import skellam_event
 from dpfl.privacy.trust import share_variance
@@ -51,6 +52,43 @@ def test_sampler_matches_the_discrete_gaussian_pmf(t, v):
     # Var of the sample variance ~ (mu4 - var^2) / n
     mu4 = math.fsum(p * y ** 4 for y, p in pmf.items())
     assert abs(x.double().var().item() - var) < 5 * math.sqrt((mu4 - var * var) / n)
+
+
+def test_exact_route_matches_the_pmf_and_the_integer_coin_sampler():
+    """margin 1/2 sends most coins to the exact route (more lazy bits, decimal bounds of
+    exp(-gamma)): the draws still follow the pmf summed by hand, and so do the old
+    integer-coin sampler's (an independent exact implementation: Algorithms 1-2)."""
+    n = 4000
+    pmf = _pmf(1.0)
+    for x in (discrete_gaussian((n,), 1, 1, torch.Generator().manual_seed(11), margin=0.5),
+              discrete_gaussian_integer_coins((n,), 1, 1, torch.Generator().manual_seed(11))):
+        for y in range(-2, 3):
+            freq = (x == y).double().mean().item()
+            assert abs(freq - pmf[y]) < 5 * math.sqrt(pmf[y] * (1 - pmf[y]) / n), (y, freq)
+
+
+def test_exp_bounds_and_the_float_filter_assumption():
+    """The exact route's bounds bracket exp(-gamma) (checked with 60-digit decimal), and
+    torch's float64 exp, on which the fast filter relies, is within 2^-45 relative of the
+    truth for gamma in [0, 512] (the module assumes < 2^-37 with the float gamma error)."""
+    from decimal import Decimal, localcontext
+    from fractions import Fraction
+
+    with localcontext() as ctx:
+        ctx.prec = 60
+        ref = Fraction((-(Decimal(7) / Decimal(3))).exp())
+    lo, hi = exp_bounds(7, 3, 20)
+    assert lo <= ref <= hi and hi - lo < Fraction(1, 10 ** 17)
+    gen = torch.Generator().manual_seed(2)
+    nums = torch.randint(0, 512 * 1000, (400,), generator=gen).tolist()
+    worst = 0.0
+    with localcontext() as ctx:
+        ctx.prec = 40
+        for k in nums:
+            true = (-(Decimal(k) / Decimal(1000))).exp()
+            got = Decimal(torch.exp(torch.tensor(-k / 1000, dtype=torch.float64)).item())
+            worst = max(worst, float(abs(got - true) / true))
+    assert worst < 2.0 ** -45
 
 
 def test_sampler_at_dpfl_scale_and_its_factors():

@@ -27,7 +27,8 @@ def test_method_is_complete(name):
     trainer = method.trainers[0]
     # FedCompDP's default CRA scores on the server's own validation split: it needs one
     cfg = run_config(strategy=name, trainer=trainer,
-                     **({"server_holdout": 100} if name == "fedcompdp" else {}))
+                     **({"server_holdout": 100} if name == "fedcompdp" else {}),
+                     **({"trust": method.trusts[0]} if "local" not in method.trusts else {}))
     assert build_strategy(cfg).cfg.strategy == name
     assert guarantee(cfg).verdict.startswith(("formal", "none: "))
     if method.params is not None:

@@ -49,6 +49,7 @@ from dpfl.privacy.randomness import mechanism_generator, public_seed
 from dpfl.privacy.trust import (
     distributed_noise_multiplier,
     distributed_planned_event,
+    own_noise,
     share_variance,
 )
 from dpfl.tensors import flatten, state_difference, unflatten
@@ -218,10 +219,17 @@ def train(msg: Message, context: Context) -> Message:
             if pid == cfg.secagg_drop_partition:
                 raise RuntimeError(f"secagg-drop-partition={pid}: dropping out of SecAgg+ "
                                    "after sharing keys (fault injection)")
-            variance = share_variance(distributed_noise_multiplier(cfg, dim, nparts), cfg,
-                                      int(config["secagg-n-min"]))
-            share = distributed_share(raw, clip, cfg.secagg_scale, variance, noise_rng,
-                                      cfg.secure_noise)
+            n_min = int(config["secagg-n-min"])
+            own = own_noise(cfg)
+            if own is not None:   # the method's own quantiser and integer noise
+                share = own.secure_share(cfg, raw, clip,
+                                         distributed_noise_multiplier(cfg, dim, nparts),
+                                         n_min, noise_rng, server_round)
+            else:
+                variance = share_variance(distributed_noise_multiplier(cfg, dim, nparts),
+                                          cfg, n_min)
+                share = distributed_share(raw, clip, cfg.secagg_scale, variance, noise_rng,
+                                          cfg.secure_noise)
             event, update_metrics = planned, {}
             update = {"share": share}
         else:

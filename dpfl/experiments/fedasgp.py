@@ -31,6 +31,8 @@ full).
 - ``fedsmp-randk``: Fed-SMP with a public random-k mask (k/d = ``fedsmp-ratio``, 0.1).
 - ``fedsmp-topk``: Fed-SMP-top_k, the paper's baseline (verdict none: the top-k positions
   are released); not in the default grid.
+- ``cpsgd``: cpSGD (Agarwal et al., NeurIPS 2018) over SecAgg+ (``trust=distributed``),
+  accounted by ``dpfl.privacy.binomial``; not in the default grid (not run yet).
 
 Records go to ``results/fedasgp/runs/<cell>__<arm>__seed<k>.json``; the table (accuracy
 mean ± std over seeds beside the paper's Table VI, each arm's ledger epsilon and verdict,
@@ -73,6 +75,8 @@ METHODS: dict[str, dict[str, Any]] = {
     "fedasgp-strict": {"strategy": "fedasgp", **_UPDATE_DP, "asgp-variant": "strict"},
     "fedsmp-randk": {"strategy": "fedsmp", **_UPDATE_DP, "fedsmp-mask": "randk"},
     "fedsmp-topk": {"strategy": "fedsmp", **_UPDATE_DP, "fedsmp-mask": "topk"},
+    # cpSGD over SecAgg+ (trust=distributed): binomial shares, charged binomial events
+    "cpsgd": {"strategy": "cpsgd", **_UPDATE_DP, "trust": "distributed"},
 }
 DEFAULT_METHODS = ("dpfedavg", "fedasgp-paper", "fedasgp-strict", "fedsmp-randk")
 LABELS = {
@@ -81,6 +85,7 @@ LABELS = {
     "fedasgp-strict": "DP-FedASGP strict (sparse vector)",
     "fedsmp-randk": "Fed-SMP rand-k (public mask)",
     "fedsmp-topk": "Fed-SMP top-k (positions released)",
+    "cpsgd": "cpSGD (quantised binomial over SecAgg+)",
 }
 # Table VI, MNIST CNN, % accuracy: epsilon -> (DP-FedAvg, DP-FedASGP)
 PAPER: dict[float, tuple[float, float]] = {

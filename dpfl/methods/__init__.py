@@ -14,6 +14,7 @@ from dpfl.config import KEY_CHOICES, KEY_HELP, ConfigError, RunConfig, need, par
 from dpfl.method import Method
 from dpfl.methods import (
     aadp,
+    cpsgd,
     dpfedavg,
     dpfedavgm,
     dpfedexp,
@@ -34,7 +35,7 @@ from dpfl.server.strategy import DPFLStrategy
 METHODS: dict[str, Method] = {m.name: m for m in (
     fedavg.METHOD, dpfedavg.METHOD, gcfl.METHOD, dpfedprox.METHOD, dpscaffold.METHOD,
     dpfedexp.METHOD, pegasus.METHOD, aadp.METHOD, dpfedavgm.METHOD, fedcompdp.METHOD,
-    dpfedsam.METHOD, fedasgp.METHOD, fedsmp.METHOD,
+    dpfedsam.METHOD, fedasgp.METHOD, fedsmp.METHOD, cpsgd.METHOD,
 )}
 
 

@@ -67,7 +67,10 @@ PURE = ("laplace", "sparse-vector")
 # integer noise under secure aggregation (dpfl.privacy.skellam, dpfl.privacy.ddgauss):
 # sigma is the Gaussian-equivalent multiplier, epsilon the discreteness surcharge of its
 # RDP (skellam: at integer orders only; ddgauss: the additive slack tau d, every order)
-DISCRETE = ("skellam", "ddgauss")
+# binomial (dpfl.privacy.binomial, cpSGD): epsilon is the slack over the Gaussian-
+# equivalent curve at BINOMIAL_ORDERS (its curve is infinite at other orders)
+DISCRETE = ("skellam", "ddgauss", "binomial")
+BINOMIAL_ORDERS = (2, 3, 4, 5, 6, 8, 10, 12, 14, 16, 20, 24, 28, 32, 40, 48, 56, 63)
 MECHANISMS = SAMPLE_LEVEL + GAUSSIAN + PURE + DISCRETE
 PRV_CLIENT_LEVEL = ("accountant 'prv' is Opacus' DP-SGD accountant; use 'pld' or 'rdp' for "
                     "client-level events")
@@ -221,9 +224,21 @@ def ddgauss_curve(orders: np.ndarray, sigma: float, slack: float,
     return np.where(orders >= 1, orders / (2.0 * sigma_eff ** 2) + slack, np.inf)
 
 
+def binomial_event_curve(orders: np.ndarray, sigma: float, slack: float,
+                         relation: str) -> np.ndarray:
+    """RDP of one ``binomial`` event (``dpfl.privacy.binomial``, cpSGD): alpha /
+    (2 sigma_eff^2) + slack at the orders of ``BINOMIAL_ORDERS``, inf at the others (sigma_eff
+    = sigma / 2 under replace-one, as for Gaussian events)."""
+    sigma_eff = sigma / 2.0 if relation == "replace-one" else sigma
+    known = np.isin(orders, np.asarray(BINOMIAL_ORDERS, dtype=float))
+    return np.where(known, orders / (2.0 * sigma_eff ** 2) + slack, np.inf)
+
+
 def discrete_curve(orders: np.ndarray, key: EventKey) -> np.ndarray:
     """The RDP curve of a ``DISCRETE`` event (one step) at ``orders``."""
     mechanism, sigma, _, epsilon, relation = key
+    if mechanism == "binomial":
+        return binomial_event_curve(orders, sigma, epsilon, relation)
     if mechanism == "ddgauss":
         return ddgauss_curve(orders, sigma, epsilon, relation)
     return skellam_curve(orders, sigma, epsilon, relation)

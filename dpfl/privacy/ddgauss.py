@@ -17,13 +17,14 @@ Choices made here (the paper's pipeline differs in two places):
   rounding: the integer vector's norm is then always <= B = C s + sqrt(d)
   (:func:`dpfl.privacy.skellam.rounded_norm_bound`), no conditioning probability beta.
 
-Sampler (:func:`discrete_gaussian`): Canonne, Kamath & Steinke, "The Discrete Gaussian for
-Differential Privacy", NeurIPS 2020, Algorithms 1-3 (Bernoulli(exp(-gamma)), discrete
-Laplace, rejection to the discrete Gaussian), EXACT: every coin is a comparison of a
-uniform integer with an integer, no floating point. The variance is written sigma^2 = t v
-with integers t, v (t = floor(sqrt(target)) + 1, v = ceil(target / t), so sigma^2 >= the
-target), which keeps every acceptance ratio (|Y| - v)^2 / (2 t v) a ratio of int64s; the
-rare candidate whose numbers would not fit int64 is decided with Python integers.
+Sampler (:func:`dpfl.privacy.dgauss_sampler.discrete_gaussian`): Canonne, Kamath &
+Steinke, "The Discrete Gaussian for Differential Privacy", NeurIPS 2020, Algorithm 3
+(discrete Laplace proposal, rejection to the discrete Gaussian), EXACT and batched: every
+coin U < exp(-gamma) compares a lazily drawn uniform real with exp(-gamma), decided by a
+float64 filter with a rigorous margin and, in the rare undecided case, by more random bits
+and exact rational bounds (see that module). The variance is written sigma^2 = t v with
+integers t, v (t = floor(sqrt(target)) + 1, v = ceil(target / t), so sigma^2 >= the
+target), which keeps every gamma = (|Y| - v)^2 / (2 t v) a ratio of integers.
 
 Guarantee (Kairouz, Liu & Steinke 2021, Proposition 14 / Eq. 17, the first of its three
 terms): for n clients each adding N_Z(0, sigma^2) (sigma >= 1/2) and any integer change
@@ -50,13 +51,9 @@ import math
 
 import torch
 
+from dpfl.privacy.dgauss_sampler import discrete_gaussian
 from dpfl.privacy.events import PrivacyEvent
 from dpfl.privacy.skellam import randomized_round, rounded_norm_bound
-
-# uniform integers are drawn below 2^62 (two exact 31-bit halves), so every bound b of a
-# Bernoulli(a / b) coin must stay below it; larger cases go to Python integers
-_WORD = 1 << 62
-_HALF = 1 << 31
 
 
 def tau(n: int, sigma2: float) -> float:
@@ -92,135 +89,6 @@ def variance_factors(variance: float) -> tuple[int, int]:
         raise ValueError("the discrete Gaussian needs a positive variance")
     t = math.isqrt(math.floor(variance)) + 1
     return t, max(1, math.ceil(variance / t))
-
-
-# -- the exact sampler (Canonne, Kamath & Steinke 2020) ---------------------------------
-
-def _uniform_below(bound: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
-    """Uniform integers in [0, bound) per element (int64, 1 <= bound < 2^62), exactly: two
-    31-bit halves give a uniform word below 2^62, rejected above the largest multiple of
-    the bound."""
-    if bound.numel() and int(bound.max()) >= _WORD:
-        raise OverflowError("a Bernoulli bound reached 2^62 (variance too large)")
-    out = torch.empty_like(bound)
-    todo = torch.arange(bound.numel())
-    while todo.numel():
-        b = bound[todo]
-        word = (torch.randint(0, _HALF, b.shape, generator=gen, dtype=torch.int64) * _HALF
-                + torch.randint(0, _HALF, b.shape, generator=gen, dtype=torch.int64))
-        ok = word < (_WORD // b) * b
-        out[todo[ok]] = word[ok] % b[ok]
-        todo = todo[~ok]
-    return out
-
-
-def _bernoulli(num: torch.Tensor, den: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
-    """Bernoulli(num / den) per element, exactly (0 <= num <= den < 2^62)."""
-    return _uniform_below(den, gen) < num
-
-
-def _bernoulli_exp_fraction(num: torch.Tensor, den: torch.Tensor,
-                            gen: torch.Generator) -> torch.Tensor:
-    """Bernoulli(exp(-num / den)) for 0 <= num <= den (CKS 2020, Algorithm 1, gamma <= 1):
-    K = 1; while Bernoulli(gamma / K): K += 1; return K odd."""
-    k = torch.ones_like(num)
-    live = torch.arange(num.numel())
-    while live.numel():
-        go = _bernoulli(num[live], den[live] * k[live], gen)
-        k[live[go]] += 1
-        live = live[go]
-    return (k % 2) == 1
-
-
-def _bernoulli_exp(num: torch.Tensor, den: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
-    """Bernoulli(exp(-num / den)) for any num >= 0 (CKS 2020, Algorithm 1): a
-    Bernoulli(exp(-1)) for each whole unit of gamma, then one for its fraction."""
-    whole = num // den
-    out = torch.ones(num.shape, dtype=torch.bool)
-    unit = torch.ones_like(num)
-    for j in range(int(whole.max()) if whole.numel() else 0):
-        idx = torch.nonzero(out & (whole > j)).reshape(-1)
-        if idx.numel() == 0:
-            break
-        out[idx] = _bernoulli_exp_fraction(unit[idx], unit[idx], gen)
-    idx = torch.nonzero(out).reshape(-1)
-    out[idx] = _bernoulli_exp_fraction(num[idx] - whole[idx] * den[idx], den[idx], gen)
-    return out
-
-
-def _discrete_laplace(count: int, t: int, gen: torch.Generator) -> torch.Tensor:
-    """``count`` draws of the discrete Laplace P(y) ∝ exp(-|y| / t) (CKS 2020, Algorithm 2)."""
-    out = torch.empty(count, dtype=torch.int64)
-    todo = torch.arange(count)
-    tt = torch.full((count,), t, dtype=torch.int64)
-    while todo.numel():
-        m = todo.numel()
-        u = _uniform_below(tt[:m], gen)
-        keep = _bernoulli_exp_fraction(u, tt[:m], gen)     # Bernoulli(exp(-U / t))
-        v = torch.zeros(m, dtype=torch.int64)              # Geometric: Bernoulli(exp(-1))s
-        live = torch.arange(m)
-        one = torch.ones(m, dtype=torch.int64)
-        while live.numel():
-            go = _bernoulli_exp_fraction(one[live], one[live], gen)
-            v[live[go]] += 1
-            live = live[go]
-        x = u + t * v
-        sign = torch.randint(0, 2, (m,), generator=gen, dtype=torch.int64)
-        ok = keep & ~((sign == 1) & (x == 0))
-        out[todo[ok]] = ((1 - 2 * sign) * x)[ok]
-        todo = todo[~ok]
-    return out
-
-
-def _python_accept(y: int, t: int, v: int, gen: torch.Generator) -> bool:
-    """The acceptance coin of a candidate whose numbers exceed int64, in Python integers
-    (same algorithm; uniform draws by 31-bit words, rejection for uniformity)."""
-    def below(b: int) -> int:
-        words = max(1, -(-b.bit_length() // 31))
-        limit = (1 << (31 * words)) // b * b
-        while True:
-            r = 0
-            for w in torch.randint(0, _HALF, (words,), generator=gen).tolist():
-                r = (r << 31) | int(w)
-            if r < limit:
-                return r % b
-
-    def bern_exp(num: int, den: int) -> bool:   # gamma <= 1
-        k = 1
-        while below(den * k) < num:
-            k += 1
-        return k % 2 == 1
-
-    num, den = (abs(y) - v) ** 2, 2 * t * v
-    for _ in range(num // den):
-        if not bern_exp(1, 1):
-            return False
-    return bern_exp(num % den, den)
-
-
-def discrete_gaussian(shape: torch.Size | tuple[int, ...], t: int, v: int,
-                      generator: torch.Generator) -> torch.Tensor:
-    """Exact draws of N_Z(0, sigma^2), sigma^2 = t v (CKS 2020, Algorithm 3 with the
-    discrete Laplace scale t): Y ~ DLap(t), accepted with probability
-    exp(-(|Y| - sigma^2 / t)^2 / (2 sigma^2)) = exp(-(|Y| - v)^2 / (2 t v)). int64."""
-    count = int(math.prod(shape))
-    out = torch.empty(count, dtype=torch.int64)
-    todo = torch.arange(count)
-    limit = math.isqrt(_WORD - 1)            # (|Y| - v)^2 fits int64 below this gap
-    while todo.numel():
-        y = _discrete_laplace(todo.numel(), t, generator)
-        gap = (y.abs() - v).abs()
-        small = gap <= limit
-        accept = torch.zeros(y.shape, dtype=torch.bool)
-        idx = torch.nonzero(small).reshape(-1)
-        if idx.numel():
-            num = gap[idx] ** 2
-            accept[idx] = _bernoulli_exp(num, torch.full_like(num, 2 * t * v), generator)
-        for i in torch.nonzero(~small).reshape(-1).tolist():
-            accept[i] = _python_accept(int(y[i]), t, v, generator)
-        out[todo[accept]] = y[accept]
-        todo = todo[~accept]
-    return out.reshape(tuple(shape))
 
 
 def discrete_gaussian_variance(sigma2: float, terms: int | None = None) -> float:

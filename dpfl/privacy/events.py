@@ -257,7 +257,7 @@ def _signature_epsilon(signature: tuple[tuple[tuple, int], ...], delta: float,
         return _sparse_vector_pld(unit, events, delta)
     if any(e.mechanism in DISCRETE for e in events):  # no pld event: the RDP bound
         return (_pure_bound(unit, events, rdp_to_epsilon(unit, history_rdp(events), delta),
-                            delta), "rdp (skellam/ddgauss events have no pld event)")
+                            delta), "rdp (skellam/ddgauss/binomial events have no pld event)")
     return events_epsilon_detail([(e.to_dp_event(), e.steps) for e in events], delta, "pld")
 
 

@@ -21,6 +21,10 @@ one round costs every client (``trust`` run-config key).
   ``secure-noise=ddgauss`` replaces the Skellam share by a discrete Gaussian share
   N_Z(0, mu / n_min) (``dpfl.privacy.ddgauss``; Kairouz, Liu & Steinke 2021), charged one
   ``ddgauss`` event (the paper's bound for a SUM of discrete Gaussians) per round.
+  A method with its own integer noise (cpSGD's quantiser and binomial) carries it in its
+  run-config parameters (:func:`own_noise`: ``secure_event``, ``secure_sigma``,
+  ``secure_share``, ``secure_mean``, ``secure_check``, ``secure_scope``), which then
+  replace the shared share, event, calibration, dequantisation and range check.
 """
 
 from __future__ import annotations
@@ -125,10 +129,19 @@ def secure_event(noise: str, round_: int, sigma: float, clip: float, scale: floa
     return skellam.skellam_event(round_, sigma, clip, scale, dim, DISTRIBUTED_RELATION)
 
 
+def own_noise(cfg: RunConfig):
+    """The method's own secure-sum noise (its parameters, when they define
+    ``secure_event``), or None: the shared ``secure-noise`` path."""
+    return cfg.params if hasattr(cfg.params, "secure_event") else None
+
+
 def distributed_noise_multiplier(cfg: RunConfig, dim: int, num_clients: int) -> float:
     """sigma of the secure sum (noise of variance mu = (sigma C s)^2): ``noise-multiplier``,
     or the smallest that keeps a client taking part in every round at ``target-epsilon``
     (``num_clients``: the federation's clients, which bounds DDGauss's tau)."""
+    own = own_noise(cfg)
+    if own is not None:
+        return own.secure_sigma(cfg, dim)
     if cfg.noise_multiplier > 0:
         return cfg.noise_multiplier
     return _calibrate_distributed(cfg.target_epsilon, cfg.delta, cfg.accountant,
@@ -148,7 +161,11 @@ def _calibrate_distributed(target: float, delta: float, accountant: str, rounds:
 def distributed_planned_event(cfg: RunConfig, server_round: int, dim: int,
                               num_clients: int) -> PrivacyEvent:
     """What a client of a distributed round is charged (``dpfl.privacy.skellam`` or
-    ``dpfl.privacy.ddgauss``, by ``secure-noise``)."""
+    ``dpfl.privacy.ddgauss``, by ``secure-noise``; or the method's own, :func:`own_noise`)."""
+    own = own_noise(cfg)
+    if own is not None:
+        return own.secure_event(cfg, server_round, dim,
+                                distributed_noise_multiplier(cfg, dim, num_clients))
     return secure_event(cfg.secure_noise, server_round,
                         distributed_noise_multiplier(cfg, dim, num_clients), cfg.clip_norm,
                         cfg.secagg_scale, dim, num_clients)
@@ -173,7 +190,11 @@ def share_limit(sampled: int) -> int:
 
 def check_overflow(cfg: RunConfig, sigma: float, dim: int, sampled: int, n_min: int) -> float:
     """P(some coordinate of a share overflows [-c, c]) (a bound); ValueError when it is
-    not below ``OVERFLOW_SHARE_OF_DELTA`` delta (the guarantee would not hold as stated)."""
+    not below ``OVERFLOW_SHARE_OF_DELTA`` delta (the guarantee would not hold as stated).
+    A method's own noise (:func:`own_noise`) makes its own check (its extra delta)."""
+    own = own_noise(cfg)
+    if own is not None:
+        return own.secure_check(cfg, dim, sigma, sampled, n_min, share_limit(sampled))
     if cfg.secure_noise == "ddgauss" and share_variance(sigma, cfg, n_min) < 0.25:
         raise ValueError("a discrete Gaussian share needs variance >= 1/4 (Kairouz, Liu & "
                          "Steinke's sigma >= 1/2): raise secagg-scale")
@@ -201,7 +222,8 @@ def trust_scope(cfg: RunConfig) -> str:
                 "client's whole data, amplification by sampling accounted, every client "
                 "charged every round")
     if cfg.trust == "distributed":
-        share, carried = (
+        own = own_noise(cfg)
+        share, carried = own.secure_scope(cfg) if own is not None else (
             ("a discrete Gaussian share (exact sampler of Canonne, Kamath & Steinke 2020)",
              "the sum of >= n_min discrete Gaussians of total variance >= (sigma C s)^2, "
              "accounted by Kairouz, Liu & Steinke 2021's Proposition 14 (alpha rho + tau d),")

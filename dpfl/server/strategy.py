@@ -37,7 +37,12 @@ from dpfl.config import RunConfig
 from dpfl.logs import get_logger
 from dpfl.privacy.charging import Charge
 from dpfl.privacy.events import PrivacyEvent
-from dpfl.privacy.trust import UNCLIPPED_KEY, min_survivors
+from dpfl.privacy.trust import (
+    UNCLIPPED_KEY,
+    distributed_noise_multiplier,
+    min_survivors,
+    own_noise,
+)
 from dpfl.server.aggregation import server_sgd_step, weighted_mean
 from dpfl.server.central import CentralAggregator, FlowerCentralAggregator
 from dpfl.server.guard import DPGuard
@@ -420,7 +425,16 @@ class DPFLStrategy(FedAvg):
             log.warning("round %d: SecAgg+ round discarded (%s); the global model is "
                         "unchanged", server_round, secure.reason)
             return RoundOutcome(None, None, record)
-        mean = secure.total.double() / (self.cfg.secagg_scale * len(secure.survivors))
+        own = own_noise(self.cfg)
+        if own is not None:   # the method's own dequantisation
+            sampled = len(secure.survivors) + len(secure.dropped)
+            sigma = distributed_noise_multiplier(self.cfg, self.guard.dim,
+                                                 len(self.guard.partition_sizes))
+            mean = own.secure_mean(self.cfg, secure.total, len(secure.survivors),
+                                   min_survivors(self.cfg, sampled), self.guard.dim, sigma,
+                                   server_round)
+        else:
+            mean = secure.total.double() / (self.cfg.secagg_scale * len(secure.survivors))
         for msg in secure.replies:
             if msg.metadata.src_node_id in secure.survivors:
                 record.accepted.append(ClientUpdate(

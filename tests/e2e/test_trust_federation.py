@@ -49,15 +49,18 @@ def test_central_dp_charges_every_client_every_round_with_amplification(tmp_path
     assert [r["started"] for r in rounds] == sorted(r["started"] for r in rounds)
 
 
-@pytest.mark.parametrize("noise,n_rounds", [("skellam", 2), ("ddgauss", 1)])
+@pytest.mark.parametrize("noise,n_rounds", [("skellam", 2), ("ddgauss", 1), ("cpsgd", 1)])
 def test_distributed_dp_over_secagg_plus_survives_a_dropout(tmp_path, noise, n_rounds):
     """4 clients, n_min = 3, client 2 drops out after sharing its keys every round: the
     rounds complete (its pairwise masks are reconstructed from Shamir shares), the server
     sees no update in the clear, and only the 3 survivors are charged their event (Skellam
-    shares, or discrete Gaussian ones: one short round)."""
+    shares, discrete Gaussian ones, or cpSGD's quantised binomial ones (``strategy=cpsgd``,
+    charged ``binomial`` events): one short round each for the last two)."""
+    noise_args = (("strategy=cpsgd",) if noise == "cpsgd" else (f"secure-noise={noise}",))
     run = simulate_digits(tmp_path, "distributed", "trainer=update-dp", "trust=distributed",
                           f"num-rounds={n_rounds}", "target-epsilon=8", "secagg-min-survivors=3",
-                          "secagg-drop-partition=2", f"secure-noise={noise}", clients=4)
+                          "secagg-drop-partition=2", *noise_args, clients=4)
+    mechanism = "binomial" if noise == "cpsgd" else noise
     rounds, ledger, summary, config = read_run(run)
     assert summary["guarantee"]["verdict"] == "formal"
     assert summary["guarantee"]["relation"] == "replace-one"
@@ -65,6 +68,6 @@ def test_distributed_dp_over_secagg_plus_survives_a_dropout(tmp_path, noise, n_r
     assert all(r["train"]["accepted"] == 3 for r in rounds)
     for client in ("client-0", "client-1", "client-3"):
         events = [PrivacyEvent(**e) for e in ledger["clients"][client]["events"]]
-        assert [e.mechanism for e in events] == [noise] * n_rounds
+        assert [e.mechanism for e in events] == [mechanism] * n_rounds
         assert ledger["clients"][client]["epsilon"] <= 8.0
     assert rounds[-1]["central"]["accuracy"] >= 0.0
