@@ -285,9 +285,11 @@ def preflight(cfg: RunConfig, num_clients: int, run_dir: Path, num_cpus: float =
     if cfg.resume:   # its ledger and round log, as the ServerApp would read them
         RunDir(run_dir).check_resumable()
     check_dataset(cfg.dataset, cfg.data_dir, cfg.download)
-    if cfg.is_private and cfg.noise_multiplier > 0 and not cfg.resume:
+    if (cfg.is_private and cfg.noise_multiplier > 0 and not cfg.resume
+            and cfg.trust != "distributed"):
         # an explicit sigma: is one round affordable? (calibrated sigmas are by construction;
-        # the ServerApp checks every case again, in deployments too)
+        # the ServerApp checks every case again, in deployments too; a distributed round's
+        # charge depends on the model's size, which only the ServerApp has built)
         flower = logging.getLogger("flwr")
         level = flower.level
         flower.setLevel(logging.ERROR)  # no strategy warnings here
