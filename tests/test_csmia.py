@@ -21,6 +21,7 @@ from dpfl.attacks import (
     loss_threshold_attack,
     train_reference_model,
 )
+from dpfl.attacks.target import label_matched
 from dpfl.server.observer import recorded_global_path, recorded_global_rounds
 
 torch.set_num_threads(1)
@@ -90,6 +91,22 @@ def test_recorded_global_rounds_reads_the_folder(tmp_path):
         path.write_bytes(b"")
     (tmp_path / "globals" / "round-x.pt").write_bytes(b"")
     assert recorded_global_rounds(tmp_path) == [1, 2, 10]
+
+
+def test_known_nonmembers_match_the_members_label_counts():
+    """Members with labels 0,0,0,1,2; a pool with four 0s, one 1 and no 2: three 0s, the
+    1, and one more record drawn from the rest (no label 2 exists)."""
+    pool = np.array([0, 1, 0, 3, 0, 3, 0])
+    rng = np.random.default_rng(0)
+    idx = label_matched(np.array([0, 0, 0, 1, 2]), pool, rng)
+    assert len(idx) == len(set(idx.tolist())) == 5
+    labels = pool[idx].tolist()
+    assert labels.count(1) == 1 and labels.count(0) >= 3
+    assert labels.count(0) + labels.count(3) == 4     # the top-up is a 0 or a 3
+    # a pool with enough of every label reproduces the counts exactly
+    big = np.repeat(np.arange(3), 10)
+    got = big[label_matched(np.array([2, 2, 1, 0, 2]), big, rng)]
+    assert sorted(got.tolist()) == [0, 1, 2, 2, 2]
 
 
 # ------------------------------------------------- an overfitted in-process federation

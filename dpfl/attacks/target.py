@@ -169,7 +169,10 @@ def attacker_records(cfg: RunConfig, num_clients: int, attacker: int, seed: int,
                      population: Records, max_members: int = 1000) -> tuple[Records, Records]:
     """CS-MIA's labelled records: client ``attacker``'s training records (at most
     ``max_members``, seeded sample; members the adversary knows) and as many records of
-    the attacker's ``population`` (no client held them: known non-members)."""
+    the attacker's ``population`` (no client held them: known non-members), drawn with the
+    members' label counts where the population has enough of each label (CHOICE: under a
+    label-skewed partition the attack model would otherwise learn the attacker's label mix,
+    not membership), the rest uniformly."""
     if not 0 <= attacker < num_clients:
         raise UserError(f"--csmia-attacker {attacker}: the run has clients "
                         f"0..{num_clients - 1}")
@@ -180,8 +183,25 @@ def attacker_records(cfg: RunConfig, num_clients: int, attacker: int, seed: int,
     if n < 1:
         raise UserError(f"client {attacker} holds no training records for CS-MIA")
     own = np.sort(rng.choice(own, n, replace=False))
-    outside = torch.from_numpy(np.sort(rng.choice(len(population[1]), n, replace=False)))
-    return _take(ds, own, True), (population[0][outside], population[1][outside])
+    members = _take(ds, own, True)
+    outside = torch.from_numpy(np.sort(label_matched(members[1].numpy(),
+                                                     population[1].numpy(), rng)))
+    return members, (population[0][outside], population[1][outside])
+
+
+def label_matched(labels: np.ndarray, pool: np.ndarray, rng: np.random.Generator
+                  ) -> np.ndarray:
+    """len(labels) distinct indices into ``pool`` with, label by label, as many of each
+    label as ``labels`` has (all of that label when the pool has fewer), topped up with
+    uniformly drawn other indices."""
+    chosen: list[int] = []
+    for label, count in zip(*np.unique(labels, return_counts=True)):
+        where = np.flatnonzero(pool == label)
+        chosen += rng.choice(where, min(count, len(where)), replace=False).tolist()
+    rest = np.setdiff1d(np.arange(len(pool)), chosen)
+    missing = min(len(labels) - len(chosen), len(rest))
+    chosen += rng.choice(rest, missing, replace=False).tolist()
+    return np.asarray(chosen, dtype=np.int64)
 
 
 def global_models(run_dir: Path, cfg: RunConfig, input_shape: tuple[int, ...],
