@@ -198,6 +198,38 @@ def _attack_extra(record: dict[str, Any]) -> dict[str, Any]:
                                                    "cs-mia": report.get("cs-mia")}}
 
 
+def rescore_csmia(results: Path, command: str) -> None:
+    """Recompute CS-MIA alone (the same records and seed as :func:`_attack_extra`) on the run
+    directory of every attack-cell record under ``results`` with the current code, keep the
+    previous CS-MIA numbers as ``cs-mia-before-rescore``, rebuild the table. (Used once: the
+    first attack-cell runs were scored before CS-MIA's known non-members were
+    label-matched.)"""
+    from dpfl.attacks.csmia import csmia_attack
+    from dpfl.attacks.target import attack_data, attacker_records, global_models, run_config
+    from dpfl.data import load_dataset
+
+    a = MIA_ATTACK
+    for path in sorted((results / "runs").glob(f"{MIA_PREFIX}*.json")):
+        record = json.loads(path.read_text())
+        run_dir, seed = Path(record["run-dir"]), int(record["seed"])
+        cfg, num_clients = run_config(run_dir)
+        ds = load_dataset(cfg.dataset, cfg.data_dir, cfg.download)
+        data = attack_data(cfg, num_clients, a["client"], seed, a["max_members"],
+                           a["population"])
+        attacker = (a["client"] + 1) % num_clients
+        _, models = global_models(run_dir, cfg, ds.input_shape, ds.num_classes)
+        known = attacker_records(cfg, num_clients, attacker, seed, data.population,
+                                 a["max_members"])
+        s = csmia_attack(models(), data.members, data.nonmembers, *known, seed=seed).summary()
+        previous = record["attack"].get("cs-mia")
+        if previous is not None and "cs-mia-before-rescore" not in record["attack"]:
+            record["attack"]["cs-mia-before-rescore"] = previous
+        record["attack"]["cs-mia"] = {k: s[k] for k in ("accuracy", "auc", "tpr@1%fpr",
+                                                        "members")}
+        path.write_text(json.dumps(record, indent=1))
+    build_table(results, command)
+
+
 def _rounds_extra(record: dict[str, Any]) -> dict[str, Any]:
     """Per-round method metrics from rounds.jsonl: DP-FedASGP's significant fraction, eq. 16
     weights' spread, min and max and its round epsilon; Fed-SMP's kept fraction; on an
