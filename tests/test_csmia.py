@@ -168,3 +168,61 @@ def test_csmia_beats_basic_mia_on_an_overfitted_federation():
     assert cs.accuracy() > basic.accuracy() + 0.2, (cs.summary(), basic.summary())
     # the federation is not at chance for either: both see the memorisation
     assert cs.auc() > 0.9 and basic.auc() > 0.9
+
+
+# ------------------------------------------------- the recorded rounds and `dpfl attack`
+
+def _digits_run(tmp_path, rounds: int):
+    """A run directory by hand: config.json (3 clients, digits, MLP) and the global model
+    of ``rounds`` rounds kept by the server's observer."""
+    import json
+
+    from dpfl.data import load_dataset
+    from dpfl.methods import method_for, run_config
+    from dpfl.server.observer import UpdateObserver
+
+    cfg = run_config(dataset="digits", model="mlp", record_global_models=True)
+    (tmp_path / "config.json").write_text(json.dumps({**cfg.to_dict(), "num-clients": 3}))
+    ds = load_dataset("digits", cfg.data_dir, False)
+    obs = UpdateObserver(cfg, tmp_path)
+    states = []
+    for r in range(1, rounds + 1):
+        torch.manual_seed(r)
+        states.append(method_for(cfg).build_model(cfg, ds.input_shape, ds.num_classes)
+                      .state_dict())
+        obs.keep_global(r, states[-1])
+    return cfg, ds, states
+
+
+def test_kept_global_models_come_back_in_round_order(tmp_path):
+    from dpfl.attacks.target import global_models
+    from dpfl.server.observer import UpdateObserver
+
+    cfg, ds, states = _digits_run(tmp_path, 3)
+    rounds, models = global_models(tmp_path, cfg, ds.input_shape, ds.num_classes)
+    assert rounds == [1, 2, 3]
+    for state, model in zip(states, models(), strict=True):
+        assert all(torch.equal(state[k], v) for k, v in model.state_dict().items())
+    off = tmp_path / "off"
+    off.mkdir()
+    UpdateObserver(_record_nothing_cfg(), off).keep_global(1, states[0])
+    assert recorded_global_rounds(off) == []
+
+
+def _record_nothing_cfg():
+    from dpfl.methods import run_config
+    return run_config(dataset="digits", model="mlp")
+
+
+@pytest.mark.parametrize("attacker", [0, 3, -1])
+def test_a_bad_csmia_attacker_stops_before_any_attack(tmp_path, attacker):
+    """The target itself, or a client the run does not have: one UserError naming the
+    option, before the (slow) attacks run — no checkpoint exists, so reaching them would
+    fail differently."""
+    from dpfl.attacks.command import attack_run
+    from dpfl.errors import UserError
+
+    _digits_run(tmp_path, 2)
+    with pytest.raises(UserError, match="--csmia-attacker"):
+        attack_run(tmp_path, client=0, csmia_attacker=attacker, max_members=50,
+                   population=200, log=lambda m: None)

@@ -40,6 +40,7 @@ from dpfl.attacks.target import (
 )
 from dpfl.data import load_dataset
 from dpfl.durable import atomic_write_text
+from dpfl.errors import UserError
 from dpfl.methods import guarantee, method_for
 
 GLOBAL_RECIPE = {"lr": 0.05, "momentum": 0.9, "batch_size": 64}
@@ -74,11 +75,18 @@ def attack_run(run_dir: Path, client: int = 0, seed: int = 0, reference_models: 
     }
     rounds, series_models = global_models(run_dir, cfg, ds.input_shape, ds.num_classes)
     attacker = (client + 1) % num_clients if csmia_attacker is None else csmia_attacker
-    if rounds:
-        report["cs-mia"] = {"attacker-client": attacker, "rounds": rounds}
-    else:
+    if csmia_attacker is not None and not (0 <= attacker < num_clients and attacker != client):
+        raise UserError(f"--csmia-attacker {attacker}: must be another client than the target "
+                        f"{client}, in 0..{num_clients - 1}")
+    if not rounds:
         report["cs-mia"] = {"skipped": "the run kept no per-round global models (run it "
                                        "with record-global-models=true)"}
+    elif attacker == client:
+        rounds = []
+        report["cs-mia"] = {"skipped": "a one-client run has no other client to be the "
+                                       "adversary"}
+    else:
+        report["cs-mia"] = {"attacker-client": attacker, "rounds": rounds}
     for target in target_models(run_dir, cfg, client, ds.input_shape, ds.num_classes):
         if target.start is None:
             recipe = {**GLOBAL_RECIPE, "epochs": shadow_epochs}
