@@ -20,10 +20,12 @@
   dpfl reproduce fedasgp [--seeds 0 1] [--cells eps0.5 ...] [--methods fedasgp-strict ...]
       DP-FedASGP's Table VI in shape (100 clients, 10 % per round; DP-FedAvg, DP-FedASGP
       paper and strict, Fed-SMP) at equal accounted epsilon; writes results/fedasgp/.
-  dpfl attack RUN_DIR [--client 0] [--seed 0] [--reference-models 4]
+  dpfl attack RUN_DIR [--client 0] [--seed 0] [--reference-models 4] [--csmia-attacker K]
       membership inference (loss threshold, ML-Leaks, RMIA, gradient norm) against a
       finished run's client: its final global model and, when the run kept it
-      (record-updates), the client's update as the server saw it; writes RUN_DIR/attack/.
+      (record-updates), the client's update as the server saw it; CS-MIA on the global
+      models of every round when the run kept them (record-global-models=true);
+      writes RUN_DIR/attack/.
   dpfl audit RUN_DIR [--canaries M] [--audit-seed S]
       an empirical epsilon lower bound (one-run canary audit): scores an audit run, or runs
       one (same config, canary clients) in RUN_DIR/audit/; exit 3 when the bound exceeds a
@@ -161,7 +163,8 @@ def cmd_attack(args: argparse.Namespace) -> int:
     from dpfl.attacks.command import attack_run
 
     attack_run(run_dir, client=args.client, seed=args.seed, reference_models=args.reference_models,
-               shadow_epochs=args.shadow_epochs, max_members=args.max_members)
+               shadow_epochs=args.shadow_epochs, max_members=args.max_members,
+               csmia_attacker=args.csmia_attacker)
     return 0
 
 
@@ -339,6 +342,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="epochs of the global model's shadow/reference training")
     p.add_argument("--max-members", type=int, default=1000,
                    help="at most this many member records (seeded sample)")
+    p.add_argument("--csmia-attacker", type=int, default=None,
+                   help="CS-MIA's adversary: the client whose records label the attack "
+                        "model's members (default: the target client + 1, mod clients)")
     p.set_defaults(func=cmd_attack)
     p = sub.add_parser("audit", help="one-run canary audit: an epsilon lower bound")
     p.add_argument("run_dir")

@@ -153,6 +153,9 @@ class RunConfig:
     # keep the last received update of clients 0..record-updates-1 (updates/, for the
     # membership-inference attacks on what the server saw)
     record_updates: int = 0
+    # keep the global model of every round (globals/round-<r>.pt) for CS-MIA, the attack
+    # on the confidence series of a record across the rounds' global models
+    record_global_models: bool = False
     # trust model (dpfl.privacy.trust): local = noise on each client (no amplification);
     # central = clients clip, a trusted server samples clients by Poisson(fraction-train),
     # adds N(0, sigma^2 C^2) to the sum (amplification accounted, every client charged every
@@ -324,6 +327,11 @@ KEY_HELP: dict[str, str] = {
     "record-updates": "keep the last update the server received from clients 0..k−1 "
                       "(`updates/client-<i>.pt`, with the global model it started from) for "
                       "`dpfl attack`",
+    "record-global-models": "keep the global model of every round "
+                            "(`globals/round-<r>.pt`, ~4 bytes per parameter per round) for "
+                            "`dpfl attack`'s CS-MIA (the confidence series of a record across "
+                            "the rounds' global models); the global models are what every "
+                            "sampled client receives anyway: no privacy cost",
     "trust": "who adds the noise (see Trust models): `local` (each client), `central` (a "
              "trusted server; `fraction-train` becomes a Poisson rate and amplification is "
              "accounted), `distributed` (Skellam or discrete Gaussian shares under Flower's "

@@ -217,12 +217,12 @@ def test_fedasgp_matched_budget_is_the_strict_ledger_of_a_client_in_every_round(
 
 
 def test_fedasgp_run_config_gives_every_arm_the_cells_budget():
-    from dpfl.experiments.fedasgp import REPRODUCTION, matched_epsilon
+    from dpfl.experiments.fedasgp import MIA_METHODS, REPRODUCTION, matched_epsilon
 
     root = Path(__file__).resolve().parents[1]
     for cell, eps, rounds in (("eps0.2", 0.2, 30), ("paper-eps0.2", 0.2, 200)):
         target = matched_epsilon(eps, rounds, 1e-5, "rdp")
-        for arm in REPRODUCTION.methods:
+        for arm in [a for a in REPRODUCTION.methods if a not in MIA_METHODS]:
             o = REPRODUCTION.overrides(root, cell, arm, 0)
             assert o["target-epsilon"] == target and o["num-rounds"] == rounds
             assert o["trainer"] == "update-dp" and o["noise-multiplier"] == 0.0
@@ -294,3 +294,58 @@ def test_fedcompdp_control_cells_calibrate_sigma_to_a_protective_client_level_ep
     spent = PrivacyHistory(events).epsilon(cfg.delta, cfg.accountant)
     assert spent == pytest.approx(eps, rel=0.01) and spent <= eps
     assert guarantee(cfg).verdict == "formal" and guarantee(cfg).unit == "client"
+
+
+def test_fedasgp_attack_cells_run_dpsgd_arms_at_the_composed_budget():
+    """The Table III cells: 10 clients, every arm over DP-SGD (the ceiling plain), the
+    whole-run target = 5 pure events of the cell's epsilon composed (over 5 rounds basic
+    composition, 5 x epsilon, is the smaller bound at every cell's epsilon), the per-round models
+    kept for CS-MIA; the attack arms refuse the Table VI cells and the reverse."""
+    from dpfl.experiments.fedasgp import MIA_METHODS, REPRODUCTION, matched_epsilon
+
+    root = Path(__file__).resolve().parents[1]
+    assert REPRODUCTION.clients_for("mia-eps0.5") == 10 and REPRODUCTION.clients_for("eps1") == 100
+    o = REPRODUCTION.overrides(root, "mia-eps0.5", "fedasgp-dpsgd", 0)
+    assert o["trainer"] == "dpsgd" and o["record-global-models"] is True
+    assert o["num-rounds"] == 5 and "asgp-epsilon" not in o and o["server-holdout"] > 0
+    assert o["target-epsilon"] == pytest.approx(2.5)
+    assert REPRODUCTION.overrides(root, "mia-eps0.1", "dpfedavg-dpsgd", 0)["target-epsilon"] \
+        == matched_epsilon(0.1, 5, 1e-5, "pld") == pytest.approx(0.5)
+    ceiling = REPRODUCTION.overrides(root, "mia-eps0.2", "fedavg-plain", 0)
+    assert ceiling["trainer"] == "plain" and ceiling["local-epochs"] == 5
+    assert REPRODUCTION.overrides(root, "mia-eps0.2", "fedsmp-dpsgd", 0)["fedsmp-mask"] == "topk"
+    with pytest.raises(ValueError, match="attack cells"):
+        REPRODUCTION.overrides(root, "eps0.5", "dpfedavg-dpsgd", 0)
+    with pytest.raises(ValueError, match="attack cells"):
+        REPRODUCTION.overrides(root, "mia-eps0.5", "dpfedavg", 0)
+    assert set(MIA_METHODS) <= set(REPRODUCTION.methods)
+    assert not set(MIA_METHODS) & set(REPRODUCTION.default_methods)
+
+
+def test_fedasgp_attack_table_beside_the_papers_row(tmp_path):
+    from dpfl.experiments.fedasgp import PAPER_MIA
+    from dpfl.experiments.fedasgp import build_table as fedasgp_table
+
+    (tmp_path / "runs").mkdir()
+    for seed, cs in ((0, 0.52), (1, 0.54)):
+        rec = {"cell": "mia-eps0.5", "method": "dpfedavg-dpsgd", "seed": seed,
+               "accuracy": 0.6, "config": {"target-epsilon": 2.5}, "verdict": "formal",
+               "randomness": "secret (OS entropy)", "epsilon": {"client-0": 2.5},
+               "attack": {name: {"accuracy": 0.5, "auc": 0.5, "tpr@1%fpr": 0.01,
+                                 "members": 100}
+                          for name in ("loss", "ml-leaks", "rmia", "gradient-norm")}}
+        rec["attack"]["cs-mia"] = {"accuracy": cs, "auc": 0.55, "tpr@1%fpr": 0.02,
+                                   "members": 100}
+        (tmp_path / "runs" / f"mia-eps0.5__dpfedavg-dpsgd__seed{seed}.json").write_text(
+            json.dumps(rec))
+    text = fedasgp_table(tmp_path, "dpfl reproduce fedasgp --cells mia-eps0.5")
+    assert "## Accuracy (Table VI shape)" not in text       # no Table VI record
+    row = next(l for l in text.splitlines() if l.startswith("| 0.5 | 2.5 | DP-FedAvg"))
+    # columns: Basic-MIA, ML-Leaks, White-box, CS-MIA (mean ± std of 52 and 54), RMIA
+    assert ("| 2 | 60.00 ± 0.00 | 50.00 ± 0.00 | 50.00 ± 0.00 | 50.00 ± 0.00 | 53.00 ± 1.41 "
+            "| 50.00 ± 0.00 |") in row
+    assert row.endswith("| 50.13 / 50.39 / 50.83 / 51.46 |")
+    assert PAPER_MIA[0.5]["DP-FedAvg"] == (50.13, 50.39, 50.83, 51.46)
+    assert any(l.startswith("| 0.5 | 2.5 | cpSGD: pending") for l in text.splitlines())
+    table = json.loads((tmp_path / "table.json").read_text())
+    assert table["attacks"]["mia-eps0.5"]["dpfedavg-dpsgd"]["attacks"]["cs-mia"] == [0.52, 0.54]

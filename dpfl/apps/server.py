@@ -352,8 +352,9 @@ def run_round(fed: Federation, rnd: int) -> RoundRecord:
         replies, late = fed.exchange.send_and_receive(messages, rnd, cfg.round_timeout)
         clock.lap("exchange")
         outcome = strategy.finish_round(rnd, record, replies)
-    if fed.observer.active:
-        fed.observer.observe(rnd, record.accepted, flatten(fed.arrays.to_torch_state_dict()))
+    if fed.observer.active:   # the model the round's clients started from
+        sent = strategy.sent_arrays or fed.arrays
+        fed.observer.observe(rnd, record.accepted, flatten(sent.to_torch_state_dict()))
     if outcome.arrays is not None:
         fed.arrays = outcome.arrays
     _charge_late(strategy, record, late)
@@ -385,6 +386,7 @@ def run_round(fed: Federation, rnd: int) -> RoundRecord:
         line["federated-evaluation"] = fed_eval
     fed.rounds.append(line)
     fed.run_dir.publish_round(line, _checkpoint(fed, rnd))
+    fed.observer.keep_global(rnd, fed.arrays.to_torch_state_dict())
     eps = line["epsilon"]
     elapsed = time.time() - fed.t_start
     eta = elapsed / (rnd - fed.start + 1) * (cfg.num_rounds - rnd)

@@ -1,6 +1,7 @@
 """Membership-inference attacks on trained models (loss threshold, ML-Leaks, offline RMIA,
-gradient norm) and their evaluation (AUC, TPR at low FPR, log-log ROC plots)."""
+gradient norm; CS-MIA on the global models of successive rounds) and their evaluation (AUC, TPR at low FPR, log-log ROC plots)."""
 
+from dpfl.attacks.csmia import confidence_series, csmia_attack, csmia_scores
 from dpfl.attacks.metrics import (
     AttackResult,
     auc_score,
@@ -23,7 +24,8 @@ from dpfl.attacks.reference import (
 )
 
 __all__ = [
-    "AttackResult", "auc_score", "best_threshold", "gradient_norm_attack",
+    "AttackResult", "auc_score", "best_threshold", "confidence_series", "csmia_attack",
+    "csmia_scores", "gradient_norm_attack",
     "loss_threshold_attack", "mlleaks_attack", "per_example_loss", "plot_roc",
     "rmia_attack", "rmia_scores", "roc_curve", "run_attacks", "softmax_outputs",
     "train_reference_model",

@@ -4,7 +4,10 @@ client's records (members), records of the same distribution that no client held
 shadow and reference models), and the models: the final global model (``checkpoint.pt``)
 and the target client's last update as the server received it (``updates/client-<i>.pt``,
 kept when the run had ``record-updates`` > i), i.e. the model the server can rebuild,
-global + update: the strongest attacker of the local trust model.
+global + update: the strongest attacker of the local trust model; and, for CS-MIA, the
+global model of every round (``globals/round-<r>.pt``, kept when the run had
+``record-global-models = true``) with the adversary's own labelled records: another
+client's training records (in the federation) and population records (outside it).
 
 Everything is rebuilt from ``config.json`` (the partitions are a deterministic function of
 it) and is the same for the same run directory and seed.
@@ -14,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterable
 
 import numpy as np
 import torch
@@ -32,7 +35,11 @@ from dpfl.data import (
 from dpfl.errors import UserError, read_json_file
 from dpfl.methods import method_for, parse_run_config
 from dpfl.privacy.canaries import canary_bits
-from dpfl.server.observer import recorded_update_path
+from dpfl.server.observer import (
+    recorded_global_path,
+    recorded_global_rounds,
+    recorded_update_path,
+)
 from dpfl.tensors import unflatten
 
 Records = tuple[torch.Tensor, torch.Tensor]
@@ -156,3 +163,62 @@ def model_factory(build: Callable[[], nn.Module], start: dict[str, torch.Tensor]
             model.load_state_dict(start)
         return model
     return make
+
+
+def attacker_records(cfg: RunConfig, num_clients: int, attacker: int, seed: int,
+                     population: Records, max_members: int = 1000) -> tuple[Records, Records]:
+    """CS-MIA's labelled records: client ``attacker``'s training records (at most
+    ``max_members``, seeded sample; members the adversary knows) and as many records of
+    the attacker's ``population`` (no client held them: known non-members), drawn with the
+    members' label counts where the population has enough of each label (CHOICE: under a
+    label-skewed partition the attack model would otherwise learn the attacker's label mix,
+    not membership), the rest uniformly."""
+    if not 0 <= attacker < num_clients:
+        raise UserError(f"--csmia-attacker {attacker}: the run has clients "
+                        f"0..{num_clients - 1}")
+    ds = load_dataset(cfg.dataset, cfg.data_dir, cfg.download)
+    rng = np.random.default_rng([seed, attacker])
+    own = splits_for(cfg, num_clients)[attacker].train
+    n = min(len(own), max_members, len(population[1]))
+    if n < 1:
+        raise UserError(f"client {attacker} holds no training records for CS-MIA")
+    own = np.sort(rng.choice(own, n, replace=False))
+    members = _take(ds, own, True)
+    outside = torch.from_numpy(np.sort(label_matched(members[1].numpy(),
+                                                     population[1].numpy(), rng)))
+    return members, (population[0][outside], population[1][outside])
+
+
+def label_matched(labels: np.ndarray, pool: np.ndarray, rng: np.random.Generator
+                  ) -> np.ndarray:
+    """len(labels) distinct indices into ``pool`` with, label by label, as many of each
+    label as ``labels`` has (all of that label when the pool has fewer), topped up with
+    uniformly drawn other indices."""
+    chosen: list[int] = []
+    for label, count in zip(*np.unique(labels, return_counts=True)):
+        where = np.flatnonzero(pool == label)
+        chosen += rng.choice(where, min(count, len(where)), replace=False).tolist()
+    rest = np.setdiff1d(np.arange(len(pool)), chosen)
+    missing = min(len(labels) - len(chosen), len(rest))
+    chosen += rng.choice(rest, missing, replace=False).tolist()
+    return np.asarray(chosen, dtype=np.int64)
+
+
+def global_models(run_dir: Path, cfg: RunConfig, input_shape: tuple[int, ...],
+                  num_classes: int) -> tuple[list[int], Callable[[], Iterable[nn.Module]]]:
+    """The rounds whose global model the run kept (``record-global-models``) and a
+    function yielding those models one at a time, in round order."""
+    rounds = recorded_global_rounds(run_dir)
+    build = method_for(cfg).build_model
+
+    def models() -> Iterable[nn.Module]:
+        for r in rounds:
+            path = recorded_global_path(run_dir, r)
+            try:
+                state = torch.load(path, map_location="cpu", weights_only=False)["model"]
+            except (OSError, EOFError, RuntimeError, KeyError, TypeError) as exc:
+                raise UserError(f"{path}: damaged recorded global model ({exc})") from exc
+            model = build(cfg, tuple(input_shape), num_classes)
+            model.load_state_dict(state)
+            yield model.eval()
+    return rounds, models

@@ -34,6 +34,16 @@ full).
 - ``cpsgd``: cpSGD (Agarwal et al., NeurIPS 2018) over SecAgg+ (``trust=distributed``),
   accounted by ``dpfl.privacy.binomial``; not in the default grid (not run yet).
 
+Table III (attack accuracy) in shape: cells ``mia-eps0.1``, ``mia-eps0.2``, ``mia-eps0.5``
+read ``conf/fedasgp/mia.toml`` (10 clients, every method over DP-SGD: the paper's own
+sample-level threat model; ``record-global-models`` on) and run the arms of
+:data:`MIA_METHODS` at the whole-run sample-level target ``matched_epsilon`` of the cell's
+epsilon per round; after each run, ``dpfl attack`` (:data:`MIA_ATTACK`) scores the final
+global model with Basic-MIA (loss threshold), ML-Leaks, RMIA and the white-box gradient norm,
+and CS-MIA over every round's global model; the table gives each attack's accuracy beside
+the paper's MNIST CNN row. cpSGD (being built on another branch) and DP-FedSNLC (no
+algorithm available) are listed, not run.
+
 Records go to ``results/fedasgp/runs/<cell>__<arm>__seed<k>.json``; the table (accuracy
 mean ± std over seeds beside the paper's Table VI, each arm's ledger epsilon and verdict,
 and the strict variant's true per-round epsilon at the paper's noise scales) to
@@ -64,9 +74,14 @@ from dpfl.experiments.common import (
 CLIENTS = 100
 EPSILONS = {"eps0.1": 0.1, "eps0.2": 0.2, "eps0.5": 0.5, "eps1": 1.0, "eps2": 2.0, "eps4": 4.0}
 PAPER_PREFIX = "paper-"
+# Table III (attack accuracy): the paper's three budgets, sample level, conf/fedasgp/mia.toml
+MIA_PREFIX = "mia-"
+MIA_EPSILONS = ("eps0.1", "eps0.2", "eps0.5")
+MIA_CLIENTS = 10
 # cell -> preset file: the shortened preset, and the paper's length under "paper-<cell>"
 CELLS: dict[str, str] = {**{cell: "mnist.toml" for cell in EPSILONS},
-                         **{PAPER_PREFIX + cell: "mnist-paper.toml" for cell in EPSILONS}}
+                         **{PAPER_PREFIX + cell: "mnist-paper.toml" for cell in EPSILONS},
+                         **{MIA_PREFIX + cell: "mia.toml" for cell in MIA_EPSILONS}}
 DEFAULT_CELLS = tuple(EPSILONS)
 _UPDATE_DP = {"trainer": "update-dp"}
 METHODS: dict[str, dict[str, Any]] = {
@@ -79,6 +94,43 @@ METHODS: dict[str, dict[str, Any]] = {
     "cpsgd": {"strategy": "cpsgd", **_UPDATE_DP, "trust": "distributed"},
 }
 DEFAULT_METHODS = ("dpfedavg", "fedasgp-paper", "fedasgp-strict", "fedsmp-randk")
+# The attack cells' arms: every method over DP-SGD (sample level; DP-FedASGP's two variants
+# differ only in their update-dp release, so one arm), and a non-private ceiling trained to
+# overfit (5 local epochs, batch 32, lr 0.1) that shows what the attacks find without DP.
+_DPSGD = {"trainer": "dpsgd"}
+MIA_METHODS: dict[str, dict[str, Any]] = {
+    "dpfedavg-dpsgd": {"strategy": "dpfedavg", **_DPSGD},
+    "fedasgp-dpsgd": {"strategy": "fedasgp", **_DPSGD},
+    "fedsmp-dpsgd": {"strategy": "fedsmp", **_DPSGD, "fedsmp-mask": "topk"},
+    "fedavg-plain": {"strategy": "fedavg", "trainer": "plain", "local-epochs": 5,
+                     "batch-size": 32, "lr": 0.1},
+}
+METHODS.update(MIA_METHODS)
+# dpfl attack on each attack-cell run: the target client, the attacker's sizes
+MIA_ATTACK = {"client": 0, "reference_models": 2, "shadow_epochs": 5, "max_members": 500,
+              "population": 1000}
+# Table III, MNIST, CNN rows, attack accuracy %: epsilon -> method ->
+# (Basic-MIA, ML-Leaks, White-box, CS-MIA)
+PAPER_MIA: dict[float, dict[str, tuple[float, float, float, float]]] = {
+    0.1: {"DP-FedAvg": (50.01, 50.02, 50.02, 51.09), "cpSGD": (50.01, 50.01, 50.02, 51.09),
+          "DP-FedSNLC": (50.09, 50.21, 50.24, 51.15), "FedSMP": (50.06, 50.15, 50.20, 51.17),
+          "DP-FedASGP": (50.04, 50.09, 50.11, 51.15)},
+    0.2: {"DP-FedAvg": (50.04, 50.18, 50.35, 51.28), "cpSGD": (50.03, 50.16, 50.23, 51.22),
+          "DP-FedSNLC": (50.15, 50.27, 50.55, 51.35), "FedSMP": (50.13, 50.25, 50.43, 51.31),
+          "DP-FedASGP": (50.09, 50.21, 50.36, 51.30)},
+    0.5: {"DP-FedAvg": (50.13, 50.39, 50.83, 51.46), "cpSGD": (50.10, 50.36, 50.81, 51.40),
+          "DP-FedSNLC": (50.26, 50.52, 50.91, 51.55), "FedSMP": (50.19, 50.49, 50.88, 51.52),
+          "DP-FedASGP": (50.17, 50.44, 50.86, 51.48)},
+}
+# our arm -> the paper's row; the attack names of dpfl attack -> the paper's columns
+MIA_PAPER_ROW = {"dpfedavg-dpsgd": "DP-FedAvg", "fedasgp-dpsgd": "DP-FedASGP",
+                 "fedsmp-dpsgd": "FedSMP"}
+MIA_COLUMNS = (("loss", "Basic-MIA"), ("ml-leaks", "ML-Leaks"),
+               ("gradient-norm", "White-box (grad. norm)"), ("cs-mia", "CS-MIA"),
+               ("rmia", "RMIA (best threshold)"))
+# rows the paper has that no arm here runs, and why
+MIA_PENDING = {"cpSGD": "pending: being built (issue 29, another branch)",
+               "DP-FedSNLC": "not implemented: its algorithm is not available (README)"}
 LABELS = {
     "dpfedavg": "DP-FedAvg (client-level, Gaussian)",
     "fedasgp-paper": "DP-FedASGP as published (not DP)",
@@ -86,6 +138,10 @@ LABELS = {
     "fedsmp-randk": "Fed-SMP rand-k (public mask)",
     "fedsmp-topk": "Fed-SMP top-k (positions released)",
     "cpsgd": "cpSGD (quantised binomial over SecAgg+)",
+    "dpfedavg-dpsgd": "DP-FedAvg (DP-SGD)",
+    "fedasgp-dpsgd": "DP-FedASGP (DP-SGD; paper = strict here)",
+    "fedsmp-dpsgd": "Fed-SMP top-k (DP-SGD)",
+    "fedavg-plain": "FedAvg, no DP (overfitted ceiling)",
 }
 # Table VI, MNIST CNN, % accuracy: epsilon -> (DP-FedAvg, DP-FedASGP)
 PAPER: dict[float, tuple[float, float]] = {
@@ -95,8 +151,13 @@ PAPER_COLUMN = {"dpfedavg": 0, "fedasgp-paper": 1, "fedasgp-strict": 1}
 
 
 def cell_epsilon(cell: str) -> float:
-    """The paper's epsilon per round of a cell (``eps0.5`` and ``paper-eps0.5``: 0.5)."""
-    return EPSILONS[cell.removeprefix(PAPER_PREFIX)]
+    """The paper's epsilon per round of a cell (``eps0.5``, ``paper-eps0.5`` and
+    ``mia-eps0.5``: 0.5)."""
+    return EPSILONS[cell.removeprefix(PAPER_PREFIX).removeprefix(MIA_PREFIX)]
+
+
+def is_mia_cell(cell: str) -> bool:
+    return cell.startswith(MIA_PREFIX)
 
 
 @lru_cache(maxsize=None)
@@ -118,16 +179,73 @@ def _run_config(preset: dict[str, Any], cell: str, method: str) -> dict[str, Any
     matched whole-run target for every arm."""
     eps = cell_epsilon(cell)
     keys = dict(METHODS[method])
-    if keys["strategy"] == "fedasgp":
+    if is_mia_cell(cell) != (method in MIA_METHODS):
+        raise ValueError(f"method {method} does not run in cell {cell}: the attack cells "
+                         f"(mia-*) run {list(MIA_METHODS)}, the others the rest")
+    if keys["strategy"] == "fedasgp" and keys["trainer"] == "update-dp":
         keys["asgp-epsilon"] = eps
     target = matched_epsilon(eps, int(preset["num-rounds"]), float(preset["delta"]),
                              str(preset["accountant"]))
     return {**preset, **keys, "target-epsilon": target}
 
 
+def _attack_extra(record: dict[str, Any]) -> dict[str, Any]:
+    """Attack cells: ``dpfl attack`` on the finished run (target client 0, the final global
+    model and CS-MIA over every round's global model); each attack's accuracy, AUC and
+    TPR at 1 % FPR."""
+    from dpfl.attacks.command import attack_run
+
+    report = attack_run(Path(record["run-dir"]), seed=int(record["seed"]),
+                        log=lambda msg: None, **MIA_ATTACK)
+    attacks = {a["name"]: {k: a[k] for k in ("accuracy", "auc", "tpr@1%fpr", "members")}
+               for a in report["targets"]["global"]["attacks"]}
+    return {"attack": attacks, "attack-settings": {**MIA_ATTACK,
+                                                   "cs-mia": report.get("cs-mia")}}
+
+
+def rescore_csmia(results: Path, command: str) -> None:
+    """Recompute CS-MIA alone (the same records and seed as :func:`_attack_extra`) on the run
+    directory of every attack-cell record under ``results`` with the current code, keep the
+    previous CS-MIA numbers as ``cs-mia-before-rescore``, rebuild the table. (Used once: the
+    first attack-cell runs were scored before CS-MIA's known non-members were
+    label-matched.)"""
+    from dpfl.attacks.csmia import csmia_attack
+    from dpfl.attacks.target import attack_data, attacker_records, global_models, run_config
+    from dpfl.data import load_dataset
+
+    a = MIA_ATTACK
+    for path in sorted((results / "runs").glob(f"{MIA_PREFIX}*.json")):
+        record = json.loads(path.read_text())
+        run_dir, seed = Path(record["run-dir"]), int(record["seed"])
+        cfg, num_clients = run_config(run_dir)
+        ds = load_dataset(cfg.dataset, cfg.data_dir, cfg.download)
+        data = attack_data(cfg, num_clients, a["client"], seed, a["max_members"],
+                           a["population"])
+        attacker = (a["client"] + 1) % num_clients
+        _, models = global_models(run_dir, cfg, ds.input_shape, ds.num_classes)
+        known = attacker_records(cfg, num_clients, attacker, seed, data.population,
+                                 a["max_members"])
+        s = csmia_attack(models(), data.members, data.nonmembers, *known, seed=seed).summary()
+        previous = record["attack"].get("cs-mia")
+        if previous is not None and "cs-mia-before-rescore" not in record["attack"]:
+            record["attack"]["cs-mia-before-rescore"] = previous
+        record["attack"]["cs-mia"] = {k: s[k] for k in ("accuracy", "auc", "tpr@1%fpr",
+                                                        "members")}
+        path.write_text(json.dumps(record, indent=1))
+    build_table(results, command)
+
+
 def _rounds_extra(record: dict[str, Any]) -> dict[str, Any]:
     """Per-round method metrics from rounds.jsonl: DP-FedASGP's significant fraction, eq. 16
-    weights' spread, min and max and its round epsilon; Fed-SMP's kept fraction."""
+    weights' spread, min and max and its round epsilon; Fed-SMP's kept fraction; on an
+    attack cell, the attacks (:func:`_attack_extra`)."""
+    out = _round_metrics(record)
+    if is_mia_cell(record["cell"]):
+        out.update(_attack_extra(record))
+    return out
+
+
+def _round_metrics(record: dict[str, Any]) -> dict[str, Any]:
     path = Path(record["run-dir"]) / "rounds.jsonl"
     if not path.exists():
         return {}
@@ -159,7 +277,8 @@ def _client_eps(r: dict[str, Any]) -> list[float]:
 
 
 def build_table(results: Path, command: str) -> str:
-    runs = load_records(results)
+    all_runs = load_records(results)
+    runs = [r for r in all_runs if not is_mia_cell(r["cell"])]
     lines = table_header(
         "DP-FedASGP reproduction (Table VI in shape: MNIST CNN, 100 clients, 10 % per round)",
         command,
@@ -227,14 +346,69 @@ def build_table(results: Path, command: str) -> str:
         paper_scales[eps] = strict_epsilon_at_paper_scales(eps)
         lines.append(f"| {eps:g} | {paper_scales[eps]:.4g} |")
     table["strict-epsilon-at-paper-scales"] = paper_scales
+    lines += _mia_section([r for r in all_runs if is_mia_cell(r["cell"])], table)
     text = write_table(results, lines, table)
     _plots(runs, results)
     return text
 
 
+def _mia_section(runs: list[dict[str, Any]], table: dict[str, Any]) -> list[str]:
+    """Table III in shape: attack accuracy % per arm and budget beside the paper's MNIST
+    CNN rows (mean over seeds; ``table["attacks"]`` keeps every number)."""
+    if not runs:
+        return []
+    lines = ["", "## Attack accuracy % (Table III shape, sample level: every arm over "
+             "DP-SGD)", "",
+             "`dpfl attack` on each run of the attack cells (`conf/fedasgp/mia.toml`: 10 "
+             "clients, 5 rounds, MNIST CNN; target client 0's records, as many non-members "
+             "no client held). Accuracy at each attack's own threshold (shadow data, or 0.5 "
+             "for the attack models), RMIA at its best threshold (an upper estimate); "
+             "'paper' = Table III's MNIST CNN row at the same ε (Basic-MIA / ML-Leaks / "
+             "White-box / CS-MIA). Budget: the whole-run sample-level ε per client, the "
+             "cell's ε per round composed over the 5 rounds (`matched_epsilon`).", "",
+             "| ε per round | budget | arm | n | test acc % | "
+             + " | ".join(label for _, label in MIA_COLUMNS) + " | paper |",
+             "|---|---|---|---|---|" + "---|" * len(MIA_COLUMNS) + "---|"]
+    out: dict[str, Any] = {}
+    arms = [a for a in MIA_METHODS if any(r["method"] == a for r in runs)]
+    for cell in [c for c in CELLS if is_mia_cell(c)]:
+        eps = cell_epsilon(cell)
+        cell_runs = [r for r in runs if r["cell"] == cell]
+        if not cell_runs:
+            continue
+        budget = max(float(r.get("config", {}).get("target-epsilon", float("nan")))
+                     for r in cell_runs)
+        for arm in arms:
+            rs = [r for r in cell_runs if r["method"] == arm and "attack" in r]
+            if not rs:
+                continue
+            cols = {name: [r["attack"][name]["accuracy"] for r in rs if name in r["attack"]]
+                    for name, _ in MIA_COLUMNS}
+            paper = PAPER_MIA[eps].get(MIA_PAPER_ROW.get(arm, ""))
+            lines.append(
+                f"| {eps:g} | {budget:.3g} | {LABELS[arm]} | {len(rs)} | "
+                f"{mean_std([r['accuracy'] for r in rs])} | "
+                + " | ".join(mean_std(cols[name]) for name, _ in MIA_COLUMNS)
+                + f" | {' / '.join(f'{v:.2f}' for v in paper) if paper else '—'} |")
+            out.setdefault(cell, {})[arm] = {
+                "budget": budget, "accuracy": [r["accuracy"] for r in rs],
+                "attacks": {name: v for name, v in cols.items() if v},
+                "auc": {name: [r["attack"][name]["auc"] for r in rs if name in r["attack"]]
+                        for name, _ in MIA_COLUMNS},
+                "verdict": "; ".join(sorted({honest_verdict(r) for r in rs})),
+                "paper": paper}
+        for row, why in MIA_PENDING.items():
+            paper = PAPER_MIA[eps][row]
+            lines.append(f"| {eps:g} | {budget:.3g} | {row}: {why} | — | — | "
+                         + " | ".join("—" for _ in MIA_COLUMNS)
+                         + f" | {' / '.join(f'{v:.2f}' for v in paper)} |")
+    table["attacks"] = out
+    return lines
+
+
 def _plots(runs: list[dict[str, Any]], results: Path) -> None:
     plt = pyplot()
-    cells = [c for c in CELLS if any(r["cell"] == c for r in runs)]
+    cells = [c for c in CELLS if any(r["cell"] == c for r in runs) and not is_mia_cell(c)]
     if not cells:
         return
     first = {(r["cell"], r["method"]): r for r in sorted(runs, key=lambda r: -r["seed"])}
@@ -266,7 +440,8 @@ def _plots(runs: list[dict[str, Any]], results: Path) -> None:
 REPRODUCTION = Reproduction(
     name="fedasgp", presets="fedasgp", clients=CLIENTS, cells=CELLS,
     default_cells=DEFAULT_CELLS, methods=tuple(METHODS), default_methods=DEFAULT_METHODS,
-    build_table=build_table, run_config=_run_config, extra=_rounds_extra)
+    build_table=build_table, run_config=_run_config, extra=_rounds_extra,
+    clients_of=lambda cell: MIA_CLIENTS if is_mia_cell(cell) else CLIENTS)
 
 
 def run_one(root: Path, cell: str, method: str, seed: int, results: Path,

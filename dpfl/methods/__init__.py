@@ -21,6 +21,7 @@ from dpfl.methods import (
     dpfedprox,
     dpfedsam,
     dpscaffold,
+    fedacg,
     fedasgp,
     fedavg,
     fedcompdp,
@@ -35,7 +36,7 @@ from dpfl.server.strategy import DPFLStrategy
 METHODS: dict[str, Method] = {m.name: m for m in (
     fedavg.METHOD, dpfedavg.METHOD, gcfl.METHOD, dpfedprox.METHOD, dpscaffold.METHOD,
     dpfedexp.METHOD, pegasus.METHOD, aadp.METHOD, dpfedavgm.METHOD, fedcompdp.METHOD,
-    dpfedsam.METHOD, fedasgp.METHOD, fedsmp.METHOD, cpsgd.METHOD,
+    dpfedsam.METHOD, fedasgp.METHOD, fedsmp.METHOD, cpsgd.METHOD, fedacg.METHOD,
 )}
 
 

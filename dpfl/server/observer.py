@@ -10,6 +10,10 @@
   0 .. k-1 with the global model it was computed from, ``updates/client-<i>.pt``; the
   membership-inference attacks score the model the server could rebuild from it
   (global + update), the strongest attacker of the local trust model.
+- Recorded global models (``record-global-models`` = true): the global model after every
+  round, ``globals/round-<r>.pt`` (its state dict); CS-MIA reads the confidence series of a
+  record across them. Every sampled client receives these models anyway: keeping them
+  releases nothing new.
 """
 
 from __future__ import annotations
@@ -26,10 +30,26 @@ from dpfl.server.validation import ClientUpdate
 
 AUDIT_FILE = "audit.jsonl"
 UPDATES_DIR = "updates"
+GLOBALS_DIR = "globals"
 
 
 def recorded_update_path(run_dir: Path, partition_id: int) -> Path:
     return Path(run_dir) / UPDATES_DIR / f"client-{partition_id}.pt"
+
+
+def recorded_global_path(run_dir: Path, server_round: int) -> Path:
+    return Path(run_dir) / GLOBALS_DIR / f"round-{server_round}.pt"
+
+
+def recorded_global_rounds(run_dir: Path) -> list[int]:
+    """The rounds whose global model the run kept (``record-global-models``), ascending."""
+    folder = Path(run_dir) / GLOBALS_DIR
+    rounds = []
+    for path in folder.glob("round-*.pt") if folder.is_dir() else ():
+        suffix = path.stem.removeprefix("round-")
+        if suffix.isdigit():
+            rounds.append(int(suffix))
+    return sorted(rounds)
 
 
 class UpdateObserver:
@@ -42,7 +62,8 @@ class UpdateObserver:
 
     @property
     def active(self) -> bool:
-        return self.cfg.audit_canaries > 0 or self.cfg.record_updates > 0
+        return (self.cfg.audit_canaries > 0 or self.cfg.record_updates > 0
+                or self.cfg.record_global_models)
 
     def _direction(self, partition_id: int, dim: int) -> torch.Tensor:
         key = (partition_id, dim)
@@ -69,3 +90,13 @@ class UpdateObserver:
                 state = {"round": server_round, "global": global_flat.clone(),
                          "update": u.flat.clone()}
                 atomic_write(path, lambda f, state=state: torch.save(state, f))
+
+    def keep_global(self, server_round: int, state: dict[str, torch.Tensor]) -> None:
+        """Keep the global model after ``server_round`` (``record-global-models``; a
+        resumed run rewrites the rounds it trains again)."""
+        if not self.cfg.record_global_models:
+            return
+        path = recorded_global_path(self.run_dir, server_round)
+        path.parent.mkdir(exist_ok=True)
+        state = {k: v.detach().clone() for k, v in state.items()}
+        atomic_write(path, lambda f: torch.save({"round": server_round, "model": state}, f))

@@ -193,6 +193,12 @@ class DPFLStrategy(FedAvg):
         """Per-client additions to the round's ConfigRecord (override in methods)."""
         return {}
 
+    @property
+    def sent_arrays(self) -> ArrayRecord | None:
+        """The model the current round's clients received (the global model, or what a
+        method sends instead, e.g. FedACG's lookahead); None before the first round."""
+        return self._global
+
     def released_metrics(self) -> frozenset[str]:
         """Reply metrics the method's client half releases beyond the shared public ones
         (each covered by a charged release, or named by the method's verdict as sent in the

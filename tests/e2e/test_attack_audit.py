@@ -1,5 +1,6 @@
 """`dpfl audit` and `dpfl attack` on real simulated federations (digits, 12 clients, 2
-rounds): a non-private run leaks (canaries found, attacks score), a DP-SGD run's
+rounds): a non-private run leaks (canaries found, attacks score; CS-MIA runs over the kept
+per-round global models), a DP-SGD run's
 and a client-level run's audited bounds stay under their ledgers' epsilon, and both commands
 write their reports."""
 
@@ -34,14 +35,26 @@ def test_non_private_run_is_attacked_then_audited(tmp_path):
     canary client) and finds the canaries."""
     # 20 local epochs on ~150 digits: each client's update overfits its records
     run = _simulate(tmp_path, "plain", "strategy=fedavg", "trainer=plain", "num-rounds=2",
-                    "record-updates=1", "local-epochs=20")
+                    "record-updates=1", "local-epochs=20", "record-global-models=true")
+    assert sorted(p.name for p in (run / "globals").iterdir()) == ["round-1.pt", "round-2.pt"]
     proc = _dpfl("attack", str(run), "--client", "0", "--reference-models", "2",
                  "--shadow-epochs", "3")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads((run / "attack" / "attack.json").read_text())
     assert set(report["targets"]) == {"global", "update"}
+    # CS-MIA on the global models of both rounds, the attack model trained on client 1's
+    # records, scored on the same members and non-members as the other attacks. (Its edge
+    # over Basic-MIA on an overfitted federation is tests/test_csmia.py's: here the averaged
+    # global model of 12 clients barely leaks, loss AUC 0.56 and CS-MIA 0.55 in trial runs,
+    # a comparison within noise.)
+    assert report["cs-mia"] == {"attacker-client": 1, "rounds": [1, 2]}
+    names = [a["name"] for a in report["targets"]["global"]["attacks"]]
+    assert names == ["loss", "ml-leaks", "rmia", "gradient-norm", "cs-mia"]
+    loss, cs = (next(a for a in report["targets"]["global"]["attacks"] if a["name"] == n)
+                for n in ("loss", "cs-mia"))
+    assert cs["members"] == loss["members"] and cs["non-members"] == loss["non-members"]
+    assert len(report["targets"]["update"]["attacks"]) == 4
     for target in report["targets"].values():
-        assert len(target["attacks"]) == 4
         for a in target["attacks"]:
             assert 0.0 <= a["auc"] <= 1.0 and a["members"] == a["non-members"] > 0
     # no DP: the overfitted update leaks (AUC 0.71-0.73 for the four attacks in a trial

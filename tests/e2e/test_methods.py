@@ -1,7 +1,8 @@
 """Every DP method runs from `flwr run` by name (2 clients, 2-3 rounds, real simulation) and
 does what the method does, read back from its run directory: GCFL's conflict counts and the
 projection they cause, DP-SCAFFOLD's server control variate, FedExP's step size against its
-closed form, PEGASUS' selection rule, AADP-FL's Rényi filter stopping a client. (FedCompDP,
+closed form, PEGASUS' selection rule, AADP-FL's Rényi filter stopping a client, FedACG's
+momentum. (FedCompDP,
 DP-FedASGP and Fed-SMP: test_methods_sparse_adaptive.py.)"""
 
 import json
@@ -25,6 +26,8 @@ pytestmark = pytest.mark.e2e
     ("dpfedsam", ["sam-rho=0.05"]),
     # sample-level Fed-SMP: DP-SGD, then the top-k of the noised update (post-processing)
     ("fedsmp", ["fedsmp-mask=topk", "fedsmp-ratio=0.3"]),
+    # FedACG over DP-SGD: lookahead broadcast, the regulariser after every DP step
+    ("fedacg", ["acg-lambda=0.85", "acg-beta=0.002"]),
 ])
 def test_method_runs_by_name(tmp_path, strategy, extra):
     proc = subprocess.run(
@@ -40,6 +43,8 @@ def test_method_runs_by_name(tmp_path, strategy, extra):
     assert summary["guarantee"]["unit"] == "sample"
     assert summary["final"]["accuracy"] > summary["initial"]["accuracy"]
     assert all(c["epsilon"] <= 8.0 for c in summary["clients"].values())
+    if strategy == "fedacg":   # m after round 1 is the mean update: non-zero, recorded
+        assert all(r["train"]["acg-momentum-norm"] > 0 for r in rounds)
 
 
 def test_gcfl_records_conflicts_and_projects_them(tmp_path):
