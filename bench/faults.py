@@ -382,6 +382,10 @@ def main() -> None:
         "command": "sudo .venv/bin/python bench/faults.py " + shlex.join(sys.argv[1:]),
         "nodes": args.nodes, "config": config, "load-before": os.getloadavg(),
         "scenarios": {}}
+    # N ClientApps share this host's cores: one torch/OpenMP thread each (dpfl's ClientApp
+    # reads DPFL_NUM_THREADS; the SuperNodes pass their environment on)
+    os.environ.update(DPFL_NUM_THREADS="1", OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+    results["threads-per-clientapp"] = 1
     t_up = time.monotonic()
     up = sh("up", str(state), "--nodes", str(args.nodes), "--prefix", PREFIX, check=False)
     if up.returncode != 0:
@@ -451,7 +455,7 @@ def main() -> None:
                     info["faults"] = ("SuperLink restarted right after the first round-2 "
                                       "reply, run resumed")
                 code = proc.wait(timeout=7200)
-                if serverapps(f"{PREFIX}-link"):
+                if not (runs / name / "summary.json").exists() and serverapps(f"{PREFIX}-link"):
                     info["stream-ended-before-the-run"] = True
                     info["run-finished"] = wait_serverapps_done(f"{PREFIX}-link")
             info["exit-code"] = code

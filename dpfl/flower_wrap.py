@@ -4,7 +4,8 @@ hand the rest to Flower unchanged."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import sys
+from collections.abc import Callable, Sequence
 
 
 def split_seconds(argv: Sequence[str], option: str, low: float, high: float
@@ -32,3 +33,22 @@ def split_seconds(argv: Sequence[str], option: str, low: float, high: float
         if not low <= value <= high:
             raise ValueError(f"{option} '{text}': expected {low:g}..{high:g} seconds")
     return value, rest
+
+
+def run_wrapped(module: str, option: str, low: float, high: float,
+                apply: Callable[[float], None], flower_name: str,
+                flower_main: Callable[[], Callable[[], None]],
+                argv: Sequence[str] | None = None) -> None:
+    """Take ``option`` out of the arguments (a bad value: one line naming ``module``, exit
+    2), ``apply`` its value if given, then run Flower's entry point ``flower_main()`` as
+    ``flower_name`` with the other arguments."""
+    try:
+        value, rest = split_seconds(sys.argv[1:] if argv is None else argv, option, low, high)
+    except ValueError as exc:
+        print(f"{module}: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
+    if value is not None:
+        apply(value)
+    entry = flower_main()
+    sys.argv = [flower_name, *rest]
+    entry()

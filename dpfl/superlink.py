@@ -19,10 +19,9 @@ the other arguments. Nothing else changes; an in-memory database is unaffected.
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Sequence
 
-from dpfl.flower_wrap import split_seconds
+from dpfl.flower_wrap import run_wrapped
 
 OPTION = "--sqlite-busy-timeout"
 FLOWER_DEFAULT = 5.0  # flwr.supercore.constant.SQLITE_PRAGMAS busy_timeout 5000 ms, flwr 1.39
@@ -42,19 +41,15 @@ def apply_busy_timeout(seconds: float) -> None:
     sql_mixin.SQLITE_PRAGMAS = tuple(pragmas)
 
 
-def main(argv: Sequence[str] | None = None) -> None:
-    try:
-        seconds, rest = split_seconds(sys.argv[1:] if argv is None else argv, OPTION,
-                                      FLOWER_DEFAULT, MAX_TIMEOUT)
-    except ValueError as exc:
-        print(f"dpfl.superlink: {exc}", file=sys.stderr)
-        raise SystemExit(2) from None
-    if seconds is not None:
-        apply_busy_timeout(seconds)
+def _flower_superlink():
     from flwr.superlink.cli import flower_superlink
 
-    sys.argv = ["flower-superlink", *rest]
-    flower_superlink()
+    return flower_superlink
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    run_wrapped("dpfl.superlink", OPTION, FLOWER_DEFAULT, MAX_TIMEOUT, apply_busy_timeout,
+                "flower-superlink", _flower_superlink, argv)
 
 
 if __name__ == "__main__":

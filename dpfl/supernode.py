@@ -20,10 +20,9 @@ use their own interval). A larger window also makes a crashed ClientApp be notic
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Sequence
 
-from dpfl.flower_wrap import split_seconds
+from dpfl.flower_wrap import run_wrapped, split_seconds
 
 OPTION = "--clientapp-start-window"
 FLOWER_DEFAULT = 30.0  # flwr.common.constant.HEARTBEAT_DEFAULT_INTERVAL in flwr 1.39
@@ -46,18 +45,15 @@ def apply_start_window(seconds: float) -> None:
         module.HEARTBEAT_DEFAULT_INTERVAL = seconds
 
 
-def main(argv: Sequence[str] | None = None) -> None:
-    try:
-        window, rest = split_window(sys.argv[1:] if argv is None else argv)
-    except ValueError as exc:
-        print(f"dpfl.supernode: {exc}", file=sys.stderr)
-        raise SystemExit(2) from None
-    if window is not None:
-        apply_start_window(window)
+def _flower_supernode():
     from flwr.supernode.cli import flower_supernode
 
-    sys.argv = ["flower-supernode", *rest]
-    flower_supernode()
+    return flower_supernode
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    run_wrapped("dpfl.supernode", OPTION, FLOWER_DEFAULT, MAX_WINDOW, apply_start_window,
+                "flower-supernode", _flower_supernode, argv)
 
 
 if __name__ == "__main__":

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import time
 
-from flwr.app import Context, Message, RecordDict
+import torch
+from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
 from flwr.app.message.message import make_message
 from flwr.app.metadata import Metadata
 
@@ -26,3 +27,24 @@ def context(run_config: dict, partition_id: int, num_partitions: int) -> Context
     return Context(run_id=1, node_id=100 + partition_id,
                    node_config={"partition-id": partition_id, "num-partitions": num_partitions},
                    state=RecordDict(), run_config=dict(run_config))
+
+
+class FakeGrid:
+    """A Grid that only lists its nodes (strategies' node sampling)."""
+
+    def __init__(self, nodes):
+        self.nodes = nodes
+
+    def get_node_ids(self):
+        return list(self.nodes)
+
+
+def one_weight_reply(node: int, pid: int, update: list[float]) -> Message:
+    """A train reply of a one-tensor model ``weight`` (shape 1 x len(update))."""
+    content = {"arrays": ArrayRecord({"weight": torch.tensor([update])}),
+               "metrics": MetricRecord({"num-examples": 10, "partition-id": pid})}
+    return message(RecordDict(content), src_node_id=node)
+
+
+def one_weight_arrays(w: list[float]) -> ArrayRecord:
+    return ArrayRecord({"weight": torch.tensor([w])})

@@ -4,31 +4,16 @@ received model, the parameter checks, the guarantee and the resume state."""
 
 import pytest
 import torch
-from flwr.app import ArrayRecord, Message, MetricRecord, RecordDict
+from flwr.app import ArrayRecord
 
 from dpfl.config import ConfigError
 from dpfl.methods import METHODS, build_strategy, guarantee, run_config
 from dpfl.methods.fedacg import acg_server_step, lookahead
 
-from flower_helpers import message
+from flower_helpers import FakeGrid, one_weight_arrays, one_weight_reply
 
-
-class FakeGrid:
-    def __init__(self, nodes):
-        self.nodes = nodes
-
-    def get_node_ids(self):
-        return list(self.nodes)
-
-
-def _reply(node: int, pid: int, update: list[float]) -> Message:
-    content = {"arrays": ArrayRecord({"weight": torch.tensor([update])}),
-               "metrics": MetricRecord({"num-examples": 10, "partition-id": pid})}
-    return message(RecordDict(content), src_node_id=node)
-
-
-def _arrays(w: list[float]) -> ArrayRecord:
-    return ArrayRecord({"weight": torch.tensor([w])})
+_reply = one_weight_reply
+_arrays = one_weight_arrays
 
 
 def _flat(arrays: ArrayRecord) -> list[float]:
