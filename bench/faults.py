@@ -282,7 +282,7 @@ def check_run(run: Path) -> dict[str, Any]:
         "rounds": [r["round"] for r in rounds],
         "round-seconds": [round(s, 1) for s in seconds],
         "median-round-seconds": round(statistics.median(seconds), 1) if seconds else None,
-        "accepted-per-round": [r["train"]["accepted"] for r in rounds],
+        "accepted-per-round": [r["train"].get("accepted", 0) for r in rounds],
         "rejected-per-round": [r["train"].get("rejected", 0) for r in rounds],
         "late-charged": len(late),
         "late-after-last-round": summary.get("late-replies-after-last-round", 0),
