@@ -71,17 +71,19 @@ def test_split_window(argv, window, rest):
     assert split_window(argv) == (window, rest)
 
 
-@pytest.mark.parametrize("argv,message", [
-    (["--clientapp-start-window"], "needs a value"),
-    (["--clientapp-start-window", "soon"], "'soon': expected seconds"),
-    (["--clientapp-start-window", "5"], "'5': expected 30..3600 seconds"),
+@pytest.mark.parametrize("module,argv,message", [
+    ("dpfl.supernode", ["--clientapp-start-window"], "needs a value"),
+    ("dpfl.supernode", ["--clientapp-start-window", "soon"], "'soon': expected seconds"),
+    ("dpfl.supernode", ["--clientapp-start-window", "5"], "'5': expected 30..3600 seconds"),
+    ("dpfl.superlink", ["--sqlite-busy-timeout"], "needs a value"),
+    ("dpfl.superlink", ["--sqlite-busy-timeout", "1"], "'1': expected 5..600 seconds"),
 ])
-def test_bad_window_is_one_line_exit_2(argv, message):
-    proc = subprocess.run([sys.executable, "-m", "dpfl.supernode", *argv],
+def test_bad_value_is_one_line_exit_2(module, argv, message):
+    proc = subprocess.run([sys.executable, "-m", module, *argv],
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("dpfl.supernode: --clientapp-start-window")
+    assert len(lines) == 1 and lines[0].startswith(f"{module}: {argv[0]}")
     assert message in lines[0]
 
 
@@ -109,16 +111,3 @@ def test_superlink_lock_wait(tmp_path, restore_pragmas):
     assert _busy_timeout_ms(tmp_path, "flower.db") == superlink.FLOWER_DEFAULT * 1000
     superlink.apply_busy_timeout(60.0)
     assert _busy_timeout_ms(tmp_path, "dpfl.db") == 60_000
-
-
-@pytest.mark.parametrize("argv,message", [
-    (["--sqlite-busy-timeout"], "needs a value"),
-    (["--sqlite-busy-timeout", "1"], "'1': expected 5..600 seconds"),
-])
-def test_superlink_bad_value_is_one_line_exit_2(argv, message):
-    proc = subprocess.run([sys.executable, "-m", "dpfl.superlink", *argv],
-                          capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 2
-    lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("dpfl.superlink: --sqlite-busy-timeout")
-    assert message in lines[0]
