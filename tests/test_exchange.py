@@ -9,6 +9,7 @@ import logging
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 from flwr.app.error import Error
+from flwr.common.constant import SUPERLINK_NODE_ID
 from flwr.serverapp import Grid
 
 from dpfl.config import RunConfig
@@ -69,6 +70,11 @@ class ScriptedGrid(Grid):
 
 
 def _answer(msg: Message, answer: object) -> Message:
+    if answer == "unavailable":   # what Flower's SuperLink sends for a node that left
+        reply = Message(Error(code=3, reason="Node Unavailable"), reply_to=msg)
+        reply.metadata.__dict__["_src_node_id"] = SUPERLINK_NODE_ID
+        reply.metadata.__dict__["_dst_node_id"] = SUPERLINK_NODE_ID
+        return reply
     if answer == "error":
         return Message(Error(code=0, reason="ValueError: boom\nTraceback ..."), reply_to=msg)
     if answer == "refuse":
@@ -111,6 +117,20 @@ def test_one_progress_line_per_reply_named_by_client(caplog, server_identity):
         "round 2: client-1 replied (2/3, 0 s)",
         "round 2: client-2 replied (3/3, 0 s)",
     ]
+
+
+def test_the_superlinks_error_for_a_departed_node_is_named_by_that_node(caplog,
+                                                                       server_identity):
+    """Flower's SuperLink answers an instruction to a node that left with its own id (1) as
+    the sender: the line and the reply name the node the instruction was for."""
+    script = {(1, 11): (1, 0), (2, 11): (1, "unavailable"), (2, 12): (1, 1)}
+    exchange = ReplyExchange(ScriptedGrid(script), poll_seconds=0.01)
+    caplog.set_level(logging.INFO, logger="flwr.dpfl.exchange")
+    exchange.send_and_receive(_instructions(1, [11]), 1, 5.0)
+    caplog.clear()
+    replies, _ = exchange.send_and_receive(_instructions(2, [11, 12]), 2, 5.0)
+    assert sorted(r.metadata.src_node_id for r in replies) == [11, 12]
+    assert _lines(caplog)[0] == "round 2: client-0 error (1/2, 0 s): Node Unavailable"
 
 
 def test_client_label():

@@ -24,6 +24,7 @@ import time
 from collections.abc import Callable, Iterable
 
 from flwr.app import Message
+from flwr.common.constant import SUPERLINK_NODE_ID
 from flwr.serverapp import Grid
 
 from dpfl.logs import get_logger
@@ -99,7 +100,12 @@ class ReplyExchange:
 
     def _settle(self, msg: Message) -> int | None:
         mid = msg.metadata.reply_to_message_id
-        self.busy.pop(mid, None)
+        destination = self.busy.pop(mid, None)
+        if (destination is not None and msg.has_error()
+                and msg.metadata.src_node_id == SUPERLINK_NODE_ID):
+            # The SuperLink answers for a node that left ("Node Unavailable") with itself as
+            # the sender: the error is the destination's, so name it by that node.
+            msg.metadata.__dict__["_src_node_id"] = destination
         return self.outstanding.pop(mid, None)
 
     def _collect(self) -> list[tuple[int, Message]]:
