@@ -20,3 +20,21 @@ def server_identity():
     TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 0, 1
     yield
     TaskIdentity._run_id, TaskIdentity._node_id, TaskIdentity._task_id = saved
+
+
+@pytest.fixture(scope="session", autouse=True)
+def calibration_memo(tmp_path_factory):
+    """One memo of calibrated sigmas (dpfl.privacy.calibration_cache) for the whole test
+    session, shared by the xdist workers and every federation they start, and never the
+    user's own: each session starts empty, as on a fresh machine."""
+    from dpfl.privacy.calibration_cache import CACHE_ENV
+
+    if CACHE_ENV in os.environ:     # the caller chose one (or "off")
+        yield
+        return
+    base = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        base = base.parent          # pytest-<n>/, the folder all workers share
+    os.environ[CACHE_ENV] = str(base / "dpfl-calibration-memo")
+    yield
+    os.environ.pop(CACHE_ENV, None)

@@ -46,9 +46,12 @@ Accountants:
 
 from __future__ import annotations
 
+import hashlib
+import importlib.metadata
 import logging
 import math
 from functools import lru_cache
+from pathlib import Path
 from typing import Callable, Iterable, Sequence
 
 import dp_accounting
@@ -57,6 +60,8 @@ from dp_accounting import dp_event
 from dp_accounting.pld import pld_privacy_accountant
 from dp_accounting.pld import privacy_loss_distribution as pld_lib
 from dp_accounting.rdp import rdp_privacy_accountant
+
+from dpfl.privacy import calibration_cache
 
 log = logging.getLogger("flwr.dpfl.accounting")
 
@@ -621,11 +626,44 @@ def bisect_sigma(eps: Callable[[float], float], lo: float, hi: float, target: fl
     return hi
 
 
+# Two noise multipliers at which a calibration's composition is written into its memo key
+# (:mod:`dpfl.privacy.calibration_cache`): the events' parameters are affine in sigma.
+_KEY_PROBES = (0.8731, 3.1416)
+
+
+@lru_cache(maxsize=1)
+def memo_version() -> str:
+    """Whose answers the calibration memo holds: dp-accounting's version and a digest of
+    this module's source."""
+    source = Path(__file__).read_bytes()
+    return (f"dp-accounting {importlib.metadata.version('dp-accounting')}; "
+            f"dpfl accounting {hashlib.sha256(source).hexdigest()[:16]}")
+
+
 def _calibrate_pld(items: Callable[[float], tuple], delta: float, target: float,
                    rel_tol: float) -> float:
     """Bisection on the PLD epsilon, coarse to fine: located on the cheap 1e-2 grid, then
     refined on 1e-3 and finally on the accounting function itself (1e-4 with its
-    fallbacks), which decides the answer: eps(sigma) <= target < eps(sigma (1 - rel_tol))."""
+    fallbacks), which decides the answer: eps(sigma) <= target < eps(sigma (1 - rel_tol)).
+
+    Answers are memoised on disk (:mod:`dpfl.privacy.calibration_cache`); a memoised sigma
+    is returned only if the accounting function confirms eps(sigma) <= target."""
+    key = memo_version() + "\n" + repr(
+        (tuple(_canonical(items(p)) for p in _KEY_PROBES), delta, target, rel_tol))
+    cached = calibration_cache.lookup(key)
+    if cached is not None:
+        if _pld_detail(_canonical(items(cached)), delta)[0] <= target:
+            return cached
+        log.warning("calibration memo gave sigma %.6g above the target epsilon %.6g: "
+                    "calibrating afresh", cached, target)
+    sigma = _search_pld(items, delta, target, rel_tol)
+    calibration_cache.store(key, sigma)
+    return sigma
+
+
+def _search_pld(items: Callable[[float], tuple], delta: float, target: float,
+                rel_tol: float) -> float:
+    """The coarse-to-fine bisection of :func:`_calibrate_pld`."""
     sigma, factor = SIGMA_GUESS, BRACKET_FACTOR
     stages = sorted(PLD_INTERVALS, reverse=True)
     for i, finest in enumerate(stages):

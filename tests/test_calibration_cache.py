@@ -1,0 +1,126 @@
+"""The on-disk memo of calibrated sigmas: a hit gives the bit-identical answer of a fresh
+calibration without the bisection, and is used only after the accounting function confirms
+it meets the target; damaged, tampered or foreign entries cost a recalibration, never
+privacy."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+
+from dpfl.privacy import accounting, calibration_cache
+
+QUESTION = dict(target_epsilon=4.0, delta=1e-5, sample_rate=0.04, steps=50, accountant="pld")
+
+
+@pytest.fixture
+def memo(tmp_path, monkeypatch):
+    """A fresh memo folder, in-process caches cleared, and a count of bisections run."""
+    monkeypatch.setenv(calibration_cache.CACHE_ENV, str(tmp_path))
+    accounting.calibrate_dpsgd_noise.cache_clear()
+    searches = []
+    search = accounting._search_pld
+
+    def counted(*args, **kwargs):
+        searches.append(args)
+        return search(*args, **kwargs)
+
+    monkeypatch.setattr(accounting, "_search_pld", counted)
+    yield tmp_path / calibration_cache.SUBDIR, searches
+    accounting.calibrate_dpsgd_noise.cache_clear()
+
+
+def _calibrate() -> float:
+    accounting.calibrate_dpsgd_noise.cache_clear()   # only the disk memo may answer
+    return accounting.calibrate_dpsgd_noise(**QUESTION)
+
+
+def _entries(folder):
+    return sorted(folder.glob("*.json"))
+
+
+def test_a_hit_is_the_fresh_answer_without_the_bisection(memo):
+    folder, searches = memo
+    sigma = _calibrate()
+    assert len(searches) == 1 and len(_entries(folder)) == 1
+    assert _calibrate() == sigma and len(searches) == 1          # bit-identical, no search
+    eps = accounting.dpsgd_epsilon(0.04, sigma, 50, 1e-5, "pld")
+    assert eps <= 4.0 < accounting.dpsgd_epsilon(0.04, sigma * (1 - 1e-3), 50, 1e-5, "pld")
+
+
+def test_another_question_misses(memo):
+    folder, searches = memo
+    _calibrate()
+    accounting.calibrate_dpsgd_noise(3.0, 1e-5, 0.04, 50, "pld")
+    accounting.calibrate_dpsgd_noise(4.0, 1e-5, 0.04, 60, "pld")
+    assert len(searches) == 3 and len(_entries(folder)) == 3
+
+
+def test_a_tampered_sigma_below_the_target_is_recalibrated(memo, caplog):
+    folder, searches = memo
+    sigma = _calibrate()
+    [path] = _entries(folder)
+    entry = json.loads(path.read_text())
+    entry["sigma"] = (sigma / 2).hex()      # would overspend: eps(sigma/2) > 4
+    path.write_text(json.dumps(entry))
+    caplog.set_level(logging.WARNING, logger="flwr.dpfl.accounting")
+    assert _calibrate() == sigma and len(searches) == 2
+    assert any("above the target epsilon" in r.getMessage() for r in caplog.records)
+    assert json.loads(path.read_text())["sigma"] == sigma.hex()   # the entry is mended
+
+
+@pytest.mark.parametrize("damage", ["garbage", "{}", '{"key": 1, "sigma": "nan"}', ""])
+def test_a_damaged_entry_is_a_miss(memo, damage):
+    folder, searches = memo
+    sigma = _calibrate()
+    [path] = _entries(folder)
+    path.write_text(damage)
+    assert _calibrate() == sigma and len(searches) == 2
+
+
+def test_another_code_version_misses(memo, monkeypatch):
+    folder, searches = memo
+    _calibrate()
+    monkeypatch.setattr(accounting, "memo_version", lambda: "dp-accounting 9.9")
+    _calibrate()
+    assert len(searches) == 2 and len(_entries(folder)) == 2
+
+
+@pytest.mark.parametrize("setting", ["off", ""])
+def test_turned_off_nothing_is_kept(tmp_path, monkeypatch, setting):
+    monkeypatch.setenv(calibration_cache.CACHE_ENV, setting)
+    assert calibration_cache.cache_dir() is None
+    calibration_cache.store("k", 1.5)
+    assert calibration_cache.lookup("k") is None
+
+
+def test_default_folder_follows_xdg(tmp_path, monkeypatch):
+    monkeypatch.delenv(calibration_cache.CACHE_ENV, raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert calibration_cache.cache_dir() == tmp_path / "dpfl" / "calibration"
+
+
+def test_an_unwritable_folder_only_loses_the_memo(tmp_path, monkeypatch):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")
+    monkeypatch.setenv(calibration_cache.CACHE_ENV, str(blocker))
+    calibration_cache.store("k", 1.5)            # no error
+    assert calibration_cache.lookup("k") is None
+    accounting.calibrate_dpsgd_noise.cache_clear()
+    assert accounting.calibrate_dpsgd_noise(**QUESTION) > 0
+
+
+def test_client_level_calibrations_are_kept_too(memo):
+    folder, searches = memo
+    args = (2.0, 1e-5, 20)
+    kwargs = dict(sampling_rate=0.5, sampling="poisson", accountant="pld")
+    accounting.calibrate_noise.cache_clear()
+    sigma = accounting.calibrate_noise(*args, **kwargs)
+    accounting.calibrate_noise.cache_clear()
+    assert accounting.calibrate_noise(*args, **kwargs) == sigma and len(searches) == 1
+    accounting.calibrate_noise.cache_clear()
+    accounting.calibrate_noise(*args, **{**kwargs, "relation": "replace-one",
+                                          "sampling": "none", "sampling_rate": 1.0})
+    assert len(searches) == 2
