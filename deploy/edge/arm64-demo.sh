@@ -230,7 +230,7 @@ if [ -f "$rootfs/.dpfl-rootfs-complete" ]; then
   echo "reused (built $(cat "$rootfs/.dpfl-rootfs-complete"))"
 else
   rm -rf "$cache/rootfs.tmp"
-  echo "debootstrap --arch arm64 --foreign bookworm from $mirror (first stage)"
+  echo "debootstrap --arch arm64 --foreign bookworm from the apt mirror of /etc/apt (first stage)"
   step debootstrap "$cache/debootstrap.log" nice -n 19 debootstrap --arch arm64 --foreign \
     --variant=minbase --include=python3,python3-venv,ca-certificates bookworm \
     "$cache/rootfs.tmp" "$mirror" \
