@@ -27,7 +27,7 @@ def calibration_memo(tmp_path_factory):
     """One memo of calibrated sigmas (dpfl.privacy.calibration_cache) for the whole test
     session, shared by the xdist workers and every federation they start, and never the
     user's own: each session starts empty, as on a fresh machine."""
-    from dpfl.privacy.calibration_cache import CACHE_ENV
+    from dpfl.memo import CACHE_ENV
 
     if CACHE_ENV in os.environ:     # the caller chose one (or "off")
         yield

@@ -10,15 +10,16 @@ import logging
 
 import pytest
 
+from dpfl import memo
 from dpfl.privacy import accounting, calibration_cache
 
 QUESTION = dict(target_epsilon=4.0, delta=1e-5, sample_rate=0.04, steps=50, accountant="pld")
 
 
 @pytest.fixture
-def memo(tmp_path, monkeypatch):
+def memo_folder(tmp_path, monkeypatch):
     """A fresh memo folder, in-process caches cleared, and a count of bisections run."""
-    monkeypatch.setenv(calibration_cache.CACHE_ENV, str(tmp_path))
+    monkeypatch.setenv(memo.CACHE_ENV, str(tmp_path))
     accounting.calibrate_dpsgd_noise.cache_clear()
     searches = []
     search = accounting._search_pld
@@ -28,7 +29,7 @@ def memo(tmp_path, monkeypatch):
         return search(*args, **kwargs)
 
     monkeypatch.setattr(accounting, "_search_pld", counted)
-    yield tmp_path / calibration_cache.SUBDIR, searches
+    yield tmp_path / calibration_cache.KIND, searches
     accounting.calibrate_dpsgd_noise.cache_clear()
 
 
@@ -41,8 +42,8 @@ def _entries(folder):
     return sorted(folder.glob("*.json"))
 
 
-def test_a_hit_is_the_fresh_answer_without_the_bisection(memo):
-    folder, searches = memo
+def test_a_hit_is_the_fresh_answer_without_the_bisection(memo_folder):
+    folder, searches = memo_folder
     sigma = _calibrate()
     assert len(searches) == 1 and len(_entries(folder)) == 1
     assert _calibrate() == sigma and len(searches) == 1          # bit-identical, no search
@@ -50,16 +51,16 @@ def test_a_hit_is_the_fresh_answer_without_the_bisection(memo):
     assert eps <= 4.0 < accounting.dpsgd_epsilon(0.04, sigma * (1 - 1e-3), 50, 1e-5, "pld")
 
 
-def test_another_question_misses(memo):
-    folder, searches = memo
+def test_another_question_misses(memo_folder):
+    folder, searches = memo_folder
     _calibrate()
     accounting.calibrate_dpsgd_noise(3.0, 1e-5, 0.04, 50, "pld")
     accounting.calibrate_dpsgd_noise(4.0, 1e-5, 0.04, 60, "pld")
     assert len(searches) == 3 and len(_entries(folder)) == 3
 
 
-def test_a_tampered_sigma_below_the_target_is_recalibrated(memo, caplog):
-    folder, searches = memo
+def test_a_tampered_sigma_below_the_target_is_recalibrated(memo_folder, caplog):
+    folder, searches = memo_folder
     sigma = _calibrate()
     [path] = _entries(folder)
     entry = json.loads(path.read_text())
@@ -72,16 +73,16 @@ def test_a_tampered_sigma_below_the_target_is_recalibrated(memo, caplog):
 
 
 @pytest.mark.parametrize("damage", ["garbage", "{}", '{"key": 1, "sigma": "nan"}', ""])
-def test_a_damaged_entry_is_a_miss(memo, damage):
-    folder, searches = memo
+def test_a_damaged_entry_is_a_miss(memo_folder, damage):
+    folder, searches = memo_folder
     sigma = _calibrate()
     [path] = _entries(folder)
     path.write_text(damage)
     assert _calibrate() == sigma and len(searches) == 2
 
 
-def test_another_code_version_misses(memo, monkeypatch):
-    folder, searches = memo
+def test_another_code_version_misses(memo_folder, monkeypatch):
+    folder, searches = memo_folder
     _calibrate()
     monkeypatch.setattr(accounting, "memo_version", lambda: "dp-accounting 9.9")
     _calibrate()
@@ -90,30 +91,30 @@ def test_another_code_version_misses(memo, monkeypatch):
 
 @pytest.mark.parametrize("setting", ["off", ""])
 def test_turned_off_nothing_is_kept(tmp_path, monkeypatch, setting):
-    monkeypatch.setenv(calibration_cache.CACHE_ENV, setting)
-    assert calibration_cache.cache_dir() is None
+    monkeypatch.setenv(memo.CACHE_ENV, setting)
+    assert memo.memo_dir(calibration_cache.KIND) is None
     calibration_cache.store("k", 1.5)
     assert calibration_cache.lookup("k") is None
 
 
 def test_default_folder_follows_xdg(tmp_path, monkeypatch):
-    monkeypatch.delenv(calibration_cache.CACHE_ENV, raising=False)
+    monkeypatch.delenv(memo.CACHE_ENV, raising=False)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    assert calibration_cache.cache_dir() == tmp_path / "dpfl" / "calibration"
+    assert memo.memo_dir(calibration_cache.KIND) == tmp_path / "dpfl" / "calibration"
 
 
 def test_an_unwritable_folder_only_loses_the_memo(tmp_path, monkeypatch):
     blocker = tmp_path / "file"
     blocker.write_text("not a folder")
-    monkeypatch.setenv(calibration_cache.CACHE_ENV, str(blocker))
+    monkeypatch.setenv(memo.CACHE_ENV, str(blocker))
     calibration_cache.store("k", 1.5)            # no error
     assert calibration_cache.lookup("k") is None
     accounting.calibrate_dpsgd_noise.cache_clear()
     assert accounting.calibrate_dpsgd_noise(**QUESTION) > 0
 
 
-def test_client_level_calibrations_are_kept_too(memo):
-    folder, searches = memo
+def test_client_level_calibrations_are_kept_too(memo_folder):
+    folder, searches = memo_folder
     args = (2.0, 1e-5, 20)
     kwargs = dict(sampling_rate=0.5, sampling="poisson", accountant="pld")
     accounting.calibrate_noise.cache_clear()

@@ -7,11 +7,11 @@ import pytest
 
 from dpfl.data import load_dataset
 from dpfl.data.partition import (
-    ClassGroupedPartitioner,
     client_splits,
     label_counts,
     partition_indices,
 )
+from dpfl.data.partitioners import ClassGroupedPartitioner
 
 LABELS = np.repeat(np.arange(10), 200)  # 2,000 samples, 200 per class
 

@@ -25,134 +25,87 @@ Schemes (run-config ``partitioning``):
 
 Every scheme is deterministic given (seed, num_partitions). Each client then holds out
 ``val-fraction`` of its share as a local validation split.
+
+The partitioners live in :mod:`dpfl.data.partitioners`. Every process of a federation (the
+launcher, the ServerApp, each client, each round's ClientApp process of a deployment)
+needs the partition, and importing flwr-datasets costs seconds of CPU each time, so
+:func:`partition_indices` keeps its answers in a memo on disk (:mod:`dpfl.memo`) keyed by
+the question, a digest of the labels and the versions of flwr-datasets and of this code.
+A kept answer is checked before use (one index array per partition, within range,
+disjoint, complete where the scheme is) and recomputed if it fails.
 """
 
 from __future__ import annotations
 
+import hashlib
+import importlib.metadata
+import io
+import logging
 from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
 
 import numpy as np
-from datasets import Dataset
-from flwr_datasets.partitioner import (
-    DirichletPartitioner,
-    IidPartitioner,
-    LinearPartitioner,
-    Partitioner,
-    PathologicalPartitioner,
-)
+
+from dpfl import memo
+
+log = logging.getLogger("flwr.dpfl.data")
+
+MEMO_KIND = "partitions"
+# schemes whose partitions may leave samples out (the pathological partitioner may leave
+# classes unassigned)
+INCOMPLETE_SCHEMES = ("shards",)
 
 
-class ContiguousLabelPartitioner(Partitioner):
-    """GCFL's contiguous label split: the classes are cut into ``num_partitions``
-    contiguous groups and client k gets every sample whose label is in group k (2 clients on
-    MNIST: labels 0-4, 30,596 samples, and labels 5-9). With more clients than classes it
-    falls back to label-sorted contiguous blocks of equal size."""
-
-    def __init__(self, num_partitions: int, partition_by: str = "label") -> None:
-        super().__init__()
-        self._num_partitions = num_partitions
-        self._partition_by = partition_by
-
-    @property
-    def num_partitions(self) -> int:
-        return self._num_partitions
-
-    def load_partition(self, partition_id: int) -> Dataset:
-        labels = np.asarray(self.dataset[self._partition_by])
-        classes = np.unique(labels)
-        if self._num_partitions <= len(classes):
-            group = np.array_split(classes, self._num_partitions)[partition_id]
-            return self.dataset.select(np.flatnonzero(np.isin(labels, group)))
-        order = np.argsort(labels, kind="stable")
-        return self.dataset.select(np.array_split(order, self._num_partitions)[partition_id])
+@lru_cache(maxsize=1)
+def _code_version() -> str:
+    digest = hashlib.sha256()
+    for module in ("partition.py", "partitioners.py"):
+        digest.update((Path(__file__).parent / module).read_bytes())
+    return (f"flwr-datasets {importlib.metadata.version('flwr-datasets')}; "
+            f"dpfl partition {digest.hexdigest()[:16]}")
 
 
-class NonIidFractionPartitioner(Partitioner):
-    """AADP-FL's non-IID fraction f: f of the data label-sorted in blocks, 1 - f IID."""
-
-    def __init__(self, num_partitions: int, fraction: float, seed: int = 42,
-                 partition_by: str = "label") -> None:
-        super().__init__()
-        self._num_partitions = num_partitions
-        self._fraction = fraction
-        self._seed = seed
-        self._partition_by = partition_by
-
-    @property
-    def num_partitions(self) -> int:
-        return self._num_partitions
-
-    def load_partition(self, partition_id: int) -> Dataset:
-        labels = np.asarray(self.dataset[self._partition_by])
-        order = np.random.default_rng(self._seed).permutation(len(labels))
-        n_sorted = int(round(self._fraction * len(labels)))
-        sorted_part = order[:n_sorted][np.argsort(labels[order[:n_sorted]], kind="stable")]
-        iid_part = order[n_sorted:]
-        mine = np.concatenate([np.array_split(sorted_part, self._num_partitions)[partition_id],
-                               np.array_split(iid_part, self._num_partitions)[partition_id]])
-        return self.dataset.select(np.sort(mine))
+def _memo_key(labels: np.ndarray, scheme: str, num_partitions: int, seed: int,
+              kwargs: dict[str, float]) -> str:
+    labels_digest = hashlib.sha256(np.ascontiguousarray(labels).tobytes()).hexdigest()
+    return repr((_code_version(), scheme, int(num_partitions), int(seed),
+                 sorted(kwargs.items()), str(labels.dtype), len(labels), labels_digest))
 
 
-class ClassGroupedPartitioner(Partitioner):
-    """Label-sorted contiguous chunks with Dirichlet(``concentration``) sizes, each at least
-    ``max(1, n // (20 * num_partitions))`` samples (see the module docstring)."""
-
-    def __init__(self, num_partitions: int, seed: int = 42, concentration: float = 1.0,
-                 partition_by: str = "label") -> None:
-        super().__init__()
-        self._num_partitions = num_partitions
-        self._seed = seed
-        self._concentration = concentration
-        self._partition_by = partition_by
-
-    @property
-    def num_partitions(self) -> int:
-        return self._num_partitions
-
-    def chunk_sizes(self, n: int) -> np.ndarray:
-        """The ``num_partitions`` chunk sizes (sum ``n``): the minimum, plus the rest split
-        by seeded Dirichlet proportions (largest-remainder rounding)."""
-        k = self._num_partitions
-        minimum = max(1, n // (20 * k))
-        rest = n - minimum * k
-        share = np.random.default_rng(self._seed).dirichlet(np.full(k, self._concentration))
-        raw = share * rest
-        sizes = np.floor(raw).astype(np.int64)
-        leftover = rest - int(sizes.sum())
-        sizes[np.argsort(-(raw - sizes), kind="stable")[:leftover]] += 1
-        return sizes + minimum
-
-    def load_partition(self, partition_id: int) -> Dataset:
-        # numpy format: one array, not a Python object per row
-        labels = np.asarray(self.dataset.with_format("numpy")[:][self._partition_by])
-        order = np.argsort(labels, kind="stable")
-        bounds = np.concatenate([[0], np.cumsum(self.chunk_sizes(len(labels)))])
-        mine = order[bounds[partition_id]:bounds[partition_id + 1]]
-        return self.dataset.select(np.sort(mine))
+def valid_partition(parts: list[np.ndarray], n: int, num_partitions: int,
+                    complete: bool) -> bool:
+    """One int64 index array per partition, within [0, n), disjoint, and covering every
+    index when ``complete``."""
+    if len(parts) != num_partitions or any(p.dtype != np.int64 or p.ndim != 1 for p in parts):
+        return False
+    everything = np.concatenate(parts) if parts else np.empty(0, np.int64)
+    if everything.size and (everything.min() < 0 or everything.max() >= n):
+        return False
+    if np.unique(everything).size != everything.size:
+        return False
+    return everything.size == n if complete else True
 
 
-def make_partitioner(scheme: str, num_partitions: int, *, seed: int = 42,
-                     alpha: float = 0.5, labels_per_client: int = 2,
-                     noniid_fraction: float = 0.5) -> Partitioner:
-    """The flwr-datasets partitioner for a scheme name (see the module docstring)."""
-    if scheme == "iid":
-        return IidPartitioner(num_partitions)
-    if scheme == "dirichlet":
-        return DirichletPartitioner(num_partitions, "label", alpha, min_partition_size=1,
-                                    self_balancing=False, shuffle=True, seed=seed)
-    if scheme == "shards":
-        return PathologicalPartitioner(num_partitions, "label", labels_per_client,
-                                       class_assignment_mode="first-deterministic",
-                                       shuffle=True, seed=seed)
-    if scheme == "size":
-        return LinearPartitioner(num_partitions)
-    if scheme == "gcfl-contiguous":
-        return ContiguousLabelPartitioner(num_partitions)
-    if scheme == "noniid-fraction":
-        return NonIidFractionPartitioner(num_partitions, noniid_fraction, seed=seed)
-    if scheme == "class-grouped":
-        return ClassGroupedPartitioner(num_partitions, seed=seed)
-    raise ValueError(f"unknown partitioning scheme {scheme!r}")
+def _recall(key: str, n: int, num_partitions: int, complete: bool) -> list[np.ndarray] | None:
+    data = memo.read(MEMO_KIND, key)
+    if data is None:
+        return None
+    try:
+        with np.load(io.BytesIO(data), allow_pickle=False) as npz:
+            if str(npz["key"]) != key:
+                return None
+            parts = [npz[f"p{i}"] for i in range(num_partitions)]
+    except (OSError, ValueError, KeyError, EOFError) as exc:
+        log.debug("partition memo unreadable (%s): partitioning afresh", exc)
+        return None
+    return parts if valid_partition(parts, n, num_partitions, complete) else None
+
+
+def _keep(key: str, parts: list[np.ndarray]) -> None:
+    buffer = io.BytesIO()
+    np.savez(buffer, key=np.array(key), **{f"p{i}": p for i, p in enumerate(parts)})
+    memo.write(MEMO_KIND, key, buffer.getvalue())
 
 
 def partition_indices(labels: np.ndarray, scheme: str, num_partitions: int, *,
@@ -163,15 +116,17 @@ def partition_indices(labels: np.ndarray, scheme: str, num_partitions: int, *,
         raise ValueError("num_partitions must be >= 1")
     if num_partitions > len(labels):
         raise ValueError(f"{num_partitions} clients but only {len(labels)} training samples")
-    n = len(labels)
-    # Schemes that do not shuffle themselves (iid, size) see a seeded permutation; the
-    # label-sorted schemes sort stably, so the permutation only reorders within a label.
-    perm = np.random.default_rng(seed).permutation(n)
-    table = Dataset.from_dict({"idx": perm, "label": labels[perm]})
-    partitioner = make_partitioner(scheme, num_partitions, seed=seed, **kwargs)  # type: ignore[arg-type]
-    partitioner.dataset = table
-    return [np.asarray(partitioner.load_partition(i)["idx"], dtype=np.int64)
-            for i in range(num_partitions)]
+    labels = np.asarray(labels)
+    complete = scheme not in INCOMPLETE_SCHEMES
+    key = _memo_key(labels, scheme, num_partitions, seed, kwargs)
+    kept = _recall(key, len(labels), num_partitions, complete)
+    if kept is not None:
+        return kept
+    from dpfl.data.partitioners import compute_partition_indices
+
+    parts = compute_partition_indices(labels, scheme, num_partitions, seed=seed, **kwargs)
+    _keep(key, parts)
+    return parts
 
 
 @dataclass(frozen=True)
