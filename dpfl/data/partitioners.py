@@ -19,20 +19,26 @@ from flwr_datasets.partitioner import (
 )
 
 
-class ContiguousLabelPartitioner(Partitioner):
-    """GCFL's contiguous label split: the classes are cut into ``num_partitions``
-    contiguous groups and client k gets every sample whose label is in group k (2 clients on
-    MNIST: labels 0-4, 30,596 samples, and labels 5-9). With more clients than classes it
-    falls back to label-sorted contiguous blocks of equal size."""
+class _OwnPartitioner(Partitioner):
+    """dpfl's partitioners: a fixed number of partitions over the ``partition_by`` column,
+    with a seed where the split draws one."""
 
-    def __init__(self, num_partitions: int, partition_by: str = "label") -> None:
+    def __init__(self, num_partitions: int, partition_by: str = "label", seed: int = 42) -> None:
         super().__init__()
         self._num_partitions = num_partitions
         self._partition_by = partition_by
+        self._seed = seed
 
     @property
     def num_partitions(self) -> int:
         return self._num_partitions
+
+
+class ContiguousLabelPartitioner(_OwnPartitioner):
+    """GCFL's contiguous label split: the classes are cut into ``num_partitions``
+    contiguous groups and client k gets every sample whose label is in group k (2 clients on
+    MNIST: labels 0-4, 30,596 samples, and labels 5-9). With more clients than classes it
+    falls back to label-sorted contiguous blocks of equal size."""
 
     def load_partition(self, partition_id: int) -> Dataset:
         labels = np.asarray(self.dataset[self._partition_by])
@@ -44,20 +50,13 @@ class ContiguousLabelPartitioner(Partitioner):
         return self.dataset.select(np.array_split(order, self._num_partitions)[partition_id])
 
 
-class NonIidFractionPartitioner(Partitioner):
+class NonIidFractionPartitioner(_OwnPartitioner):
     """AADP-FL's non-IID fraction f: f of the data label-sorted in blocks, 1 - f IID."""
 
     def __init__(self, num_partitions: int, fraction: float, seed: int = 42,
                  partition_by: str = "label") -> None:
-        super().__init__()
-        self._num_partitions = num_partitions
+        super().__init__(num_partitions, partition_by, seed)
         self._fraction = fraction
-        self._seed = seed
-        self._partition_by = partition_by
-
-    @property
-    def num_partitions(self) -> int:
-        return self._num_partitions
 
     def load_partition(self, partition_id: int) -> Dataset:
         labels = np.asarray(self.dataset[self._partition_by])
@@ -70,21 +69,14 @@ class NonIidFractionPartitioner(Partitioner):
         return self.dataset.select(np.sort(mine))
 
 
-class ClassGroupedPartitioner(Partitioner):
+class ClassGroupedPartitioner(_OwnPartitioner):
     """Label-sorted contiguous chunks with Dirichlet(``concentration``) sizes, each at least
     ``max(1, n // (20 * num_partitions))`` samples (see the module docstring)."""
 
     def __init__(self, num_partitions: int, seed: int = 42, concentration: float = 1.0,
                  partition_by: str = "label") -> None:
-        super().__init__()
-        self._num_partitions = num_partitions
-        self._seed = seed
+        super().__init__(num_partitions, partition_by, seed)
         self._concentration = concentration
-        self._partition_by = partition_by
-
-    @property
-    def num_partitions(self) -> int:
-        return self._num_partitions
 
     def chunk_sizes(self, n: int) -> np.ndarray:
         """The ``num_partitions`` chunk sizes (sum ``n``): the minimum, plus the rest split
