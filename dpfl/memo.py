@@ -12,6 +12,7 @@ the memo).
 from __future__ import annotations
 
 import hashlib
+import importlib.metadata
 import logging
 import os
 import tempfile
@@ -30,6 +31,16 @@ def memo_dir(kind: str) -> Path | None:
         return None if configured.strip().lower() in DISABLED else Path(configured) / kind
     base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
     return Path(base) / "dpfl" / kind
+
+
+def code_version(distribution: str, *sources: Path) -> str:
+    """What an answer depends on besides its question, for its key: an installed
+    distribution's version and a digest of the dpfl source files that compute it."""
+    digest = hashlib.sha256()
+    for source in sources:
+        digest.update(source.read_bytes())
+    return (f"{distribution} {importlib.metadata.version(distribution)}; "
+            f"dpfl {'+'.join(s.name for s in sources)} {digest.hexdigest()[:16]}")
 
 
 def entry_path(folder: Path, key: str, suffix: str) -> Path:

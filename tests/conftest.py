@@ -23,10 +23,10 @@ def server_identity():
 
 
 @pytest.fixture(scope="session", autouse=True)
-def calibration_memo(tmp_path_factory):
-    """One memo of calibrated sigmas (dpfl.privacy.calibration_cache) for the whole test
-    session, shared by the xdist workers and every federation they start, and never the
-    user's own: each session starts empty, as on a fresh machine."""
+def dpfl_memo(tmp_path_factory):
+    """One memo (dpfl.memo: calibrated sigmas, partitions) for the whole test session,
+    shared by the xdist workers and every federation they start, and never the user's own:
+    each session starts empty, as on a fresh machine."""
     from dpfl.memo import CACHE_ENV
 
     if CACHE_ENV in os.environ:     # the caller chose one (or "off")
@@ -35,6 +35,6 @@ def calibration_memo(tmp_path_factory):
     base = tmp_path_factory.getbasetemp()
     if os.environ.get("PYTEST_XDIST_WORKER"):
         base = base.parent          # pytest-<n>/, the folder all workers share
-    os.environ[CACHE_ENV] = str(base / "dpfl-calibration-memo")
+    os.environ[CACHE_ENV] = str(base / "dpfl-memo")
     yield
     os.environ.pop(CACHE_ENV, None)

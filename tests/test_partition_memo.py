@@ -71,10 +71,12 @@ def test_an_edited_entry_is_recomputed(folder, change):
     assert _same(partition.partition_indices(LABELS, "dirichlet", 4, seed=2, alpha=0.5), fresh)
 
 
-def test_a_damaged_file_is_recomputed(folder):
+@pytest.mark.parametrize("damage", [lambda data: b"not an npz",
+                                    lambda data: data[:len(data) // 2]])   # a truncated zip
+def test_a_damaged_file_is_recomputed(folder, damage):
     fresh = partition.partition_indices(LABELS, "iid", 3, seed=0)
     [path] = list(folder.iterdir())
-    path.write_bytes(b"not an npz")
+    path.write_bytes(damage(path.read_bytes()))
     assert _same(partition.partition_indices(LABELS, "iid", 3, seed=0), fresh)
 
 

@@ -38,9 +38,9 @@ disjoint, complete where the scheme is) and recomputed if it fails.
 from __future__ import annotations
 
 import hashlib
-import importlib.metadata
 import io
 import logging
+import zipfile
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -59,11 +59,8 @@ INCOMPLETE_SCHEMES = ("shards",)
 
 @lru_cache(maxsize=1)
 def _code_version() -> str:
-    digest = hashlib.sha256()
-    for module in ("partition.py", "partitioners.py"):
-        digest.update((Path(__file__).parent / module).read_bytes())
-    return (f"flwr-datasets {importlib.metadata.version('flwr-datasets')}; "
-            f"dpfl partition {digest.hexdigest()[:16]}")
+    here = Path(__file__).parent
+    return memo.code_version("flwr-datasets", here / "partition.py", here / "partitioners.py")
 
 
 def _memo_key(labels: np.ndarray, scheme: str, num_partitions: int, seed: int,
@@ -96,7 +93,7 @@ def _recall(key: str, n: int, num_partitions: int, complete: bool) -> list[np.nd
             if str(npz["key"]) != key:
                 return None
             parts = [npz[f"p{i}"] for i in range(num_partitions)]
-    except (OSError, ValueError, KeyError, EOFError) as exc:
+    except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile) as exc:
         log.debug("partition memo unreadable (%s): partitioning afresh", exc)
         return None
     return parts if valid_partition(parts, n, num_partitions, complete) else None

@@ -46,8 +46,6 @@ Accountants:
 
 from __future__ import annotations
 
-import hashlib
-import importlib.metadata
 import logging
 import math
 from functools import lru_cache
@@ -61,6 +59,7 @@ from dp_accounting.pld import pld_privacy_accountant
 from dp_accounting.pld import privacy_loss_distribution as pld_lib
 from dp_accounting.rdp import rdp_privacy_accountant
 
+from dpfl import memo
 from dpfl.privacy import calibration_cache
 
 log = logging.getLogger("flwr.dpfl.accounting")
@@ -635,9 +634,7 @@ _KEY_PROBES = (0.8731, 3.1416)
 def memo_version() -> str:
     """Whose answers the calibration memo holds: dp-accounting's version and a digest of
     this module's source."""
-    source = Path(__file__).read_bytes()
-    return (f"dp-accounting {importlib.metadata.version('dp-accounting')}; "
-            f"dpfl accounting {hashlib.sha256(source).hexdigest()[:16]}")
+    return memo.code_version("dp-accounting", Path(__file__))
 
 
 def _calibrate_pld(items: Callable[[float], tuple], delta: float, target: float,
