@@ -111,7 +111,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     try:
         run_dir = simulate(root, args.clients, overrides, Path(args.output_dir),
                            num_cpus=args.cpus_per_client, prints_summary=True,
-                           ray_address=args.ray_address)
+                           ray_address=args.ray_address, parallel=args.parallel_clients)
     except RunFailed as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
@@ -177,7 +177,7 @@ def cmd_audit(args: argparse.Namespace) -> int:
 
     def run(num_clients: int, overrides: dict, output_root: Path) -> Path:
         return simulate(root, num_clients, overrides, output_root,
-                        num_cpus=args.cpus_per_client)
+                        num_cpus=args.cpus_per_client, parallel=args.parallel_clients)
 
     try:
         report = audit(run_dir, run, args.canaries, args.audit_seed)
@@ -293,6 +293,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="simulated SuperNodes (default 4; a resume: the run's)")
     p.add_argument("--output-dir", default="runs")
     p.add_argument("--cpus-per-client", type=float, default=1.0)
+    p.add_argument("--parallel-clients", type=int, default=None, metavar="N",
+                   help="at most N ClientApp processes (~1.5-1.9 GB each) at once (default: "
+                        "one per --cpus-per-client of this machine's CPUs)")
     p.add_argument("--ray-address", metavar="HOST:PORT", help="run the clients on this Ray "
                    "cluster (its head's `ray start --head --port`; docs/ray-cluster.md)")
     p.add_argument("overrides", nargs="*", help="run-config key=value overrides")
@@ -353,6 +356,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--audit-seed", type=int, default=None,
                    help="the auditor's secret seed (default: fresh OS entropy)")
     p.add_argument("--cpus-per-client", type=float, default=1.0)
+    p.add_argument("--parallel-clients", type=int, default=None, metavar="N",
+                   help="at most N ClientApp processes (~1.5-1.9 GB each) at once (default: "
+                        "one per --cpus-per-client of this machine's CPUs)")
     p.set_defaults(func=cmd_audit)
     p = sub.add_parser("privacy-report", help="per-client privacy table and epsilon plot")
     p.add_argument("run_dir")

@@ -264,8 +264,25 @@ def check_cpus_per_client(num_cpus: float, cluster: bool = False) -> None:
                         f"machine), got {num_cpus:g}")
 
 
+def check_parallel_clients(parallel: int | None, num_cpus: float,
+                           cluster: bool = False) -> None:
+    """``--parallel-clients``: a whole number >= 1 whose CPUs (times ``--cpus-per-client``)
+    are whole, on a private Ray only (a cluster's size is its own). None: Ray's default, as
+    many ClientApp actors as the machine's CPUs hold."""
+    if parallel is None:
+        return
+    if cluster:
+        raise UserError("--parallel-clients sizes the private Ray; with --ray-address the "
+                        "cluster's CPUs decide (start its nodes with `ray start --num-cpus`)")
+    if parallel < 1:
+        raise UserError(f"--parallel-clients must be at least 1, got {parallel}")
+    if not float(parallel * num_cpus).is_integer():
+        raise UserError(f"--parallel-clients {parallel} x --cpus-per-client {num_cpus:g} must "
+                        "be a whole number of CPUs")
+
+
 def preflight(cfg: RunConfig, num_clients: int, run_dir: Path, num_cpus: float = 1.0,
-              ray_address: str | None = None) -> None:
+              ray_address: str | None = None, parallel: int | None = None) -> None:
     """Settings that cannot work stop here, before any process starts (one-line
     :class:`UserError` each): no clients, more ``min-train-nodes`` than clients (the server
     would wait for nodes that never come), a new run on an existing run directory, a resume
@@ -275,6 +292,7 @@ def preflight(cfg: RunConfig, num_clients: int, run_dir: Path, num_cpus: float =
     if num_clients < 1:
         raise UserError(f"--clients must be at least 1, got {num_clients}")
     check_cpus_per_client(num_cpus, cluster=ray_address is not None)
+    check_parallel_clients(parallel, num_cpus, cluster=ray_address is not None)
     if ray_address is not None:
         check_ray_address(ray_address)
     if cfg.min_train_nodes > num_clients:
@@ -322,7 +340,8 @@ def _outcome(status_file: Path, run_dir: Path, returncode: int, log_file: Path) 
 def simulate(app_dir: Path, num_clients: int | None, overrides: dict[str, object],
              output_root: Path, flwr_home: Path | None = None, num_cpus: float = 1.0,
              timeout: float | None = None, quiet: bool = False,
-             prints_summary: bool = False, ray_address: str | None = None) -> Path:
+             prints_summary: bool = False, ray_address: str | None = None,
+             parallel: int | None = None) -> Path:
     """Run one simulated federation; return its run directory, whose ``summary.json`` this
     run wrote. Raises :class:`UserError` for settings that cannot work (before anything
     starts) or that the ServerApp refused, :class:`RunFailed` when it did not finish.
@@ -333,7 +352,11 @@ def simulate(app_dir: Path, num_clients: int | None, overrides: dict[str, object
     folder's launcher lock for its whole life (a second launch or a resume of a live run is
     refused naming the holder's PID). ``prints_summary``: the caller prints the privacy
     summary when the run ends, so the ServerApp does not log it too. ``ray_address``: run
-    the clients on that Ray cluster (HOST:PORT of its head) instead of a private Ray."""
+    the clients on that Ray cluster (HOST:PORT of its head) instead of a private Ray.
+    ``parallel``: at most this many ClientApp actors (processes, ~1.5-1.9 GB each) train at
+    once (the private Ray gets ``parallel * num_cpus`` CPUs); None: one per
+    ``num_cpus`` of the machine's CPUs. Fewer actors start fewer processes: a small
+    federation finishes sooner on few cores, and a large one fits in less memory."""
     output_root = output_root.resolve()
     overrides = dict(overrides)
     overrides.setdefault("run-name", unique_run_name(str(overrides.get("strategy") or
@@ -363,7 +386,7 @@ def simulate(app_dir: Path, num_clients: int | None, overrides: dict[str, object
     try:
         lock.acquire()
         check_unlocked(run_dir, WRITER_LOCK)
-        preflight(cfg, num_clients, run_dir, num_cpus, ray_address)
+        preflight(cfg, num_clients, run_dir, num_cpus, ray_address, parallel)
     except BaseException:
         lock.release()
         if created:   # leave no empty run folder behind a refused launch
@@ -376,7 +399,7 @@ def simulate(app_dir: Path, num_clients: int | None, overrides: dict[str, object
         raise
     try:
         return _launch(app_dir, cfg, num_clients, overrides, output_root, run_dir, flwr_home,
-                       num_cpus, timeout, quiet, prints_summary, ray_address)
+                       num_cpus, timeout, quiet, prints_summary, ray_address, parallel)
     finally:
         lock.release()
 
@@ -384,7 +407,7 @@ def simulate(app_dir: Path, num_clients: int | None, overrides: dict[str, object
 def _launch(app_dir: Path, cfg: RunConfig, num_clients: int, overrides: dict[str, object],
             output_root: Path, run_dir: Path, flwr_home: Path | None, num_cpus: float,
             timeout: float | None, quiet: bool, prints_summary: bool = False,
-            ray_address: str | None = None) -> Path:
+            ray_address: str | None = None, parallel: int | None = None) -> Path:
     flwr_home = (flwr_home or run_dir / ".flwr").resolve()
     env = flower_env(flwr_home, output_root)
     # read by ray.init() in flwr-simulation: the cluster, else never one found on this machine
@@ -400,7 +423,7 @@ def _launch(app_dir: Path, cfg: RunConfig, num_clients: int, overrides: dict[str
         cmd = [_bin("flwr"), "run", str(app), CONNECTION, "--stream",
                "--run-config", run_config_arg(overrides),
                "--federation-config",
-               f"num-supernodes={num_clients} client-resources-num-cpus={_num(num_cpus)}"]
+               federation_config(num_clients, num_cpus, parallel)]
         out = subprocess.DEVNULL if quiet else subprocess.PIPE
         proc = subprocess.Popen(cmd, env=env, stdout=out, cwd=str(app_dir),
                                 preexec_fn=die_with_parent)
@@ -456,6 +479,15 @@ def relay_stream(stream: IO[bytes], out: IO[bytes] | None = None) -> None:
             continue
         out.write(raw if binary else text)  # type: ignore[arg-type]
         out.flush()
+
+
+def federation_config(num_clients: int, num_cpus: float, parallel: int | None) -> str:
+    """`flwr run --federation-config`: the simulated SuperNodes, each ClientApp's CPUs and,
+    with ``parallel``, the private Ray's CPUs (Flower starts one actor per client's worth)."""
+    config = f"num-supernodes={num_clients} client-resources-num-cpus={_num(num_cpus)}"
+    if parallel is not None:
+        config += f" init-args-num-cpus={int(parallel * num_cpus)}"
+    return config
 
 
 def _num(value: float) -> int | float:

@@ -16,7 +16,12 @@ import pytest
 from dpfl import launch
 from dpfl.cli import main
 from dpfl.errors import UserError
-from dpfl.launch import check_cpus_per_client, check_ray_address
+from dpfl.launch import (
+    check_cpus_per_client,
+    check_parallel_clients,
+    check_ray_address,
+    federation_config,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -65,6 +70,33 @@ def test_cpus_per_client_is_capped_by_this_machine_only_without_a_cluster():
     for bad in (0.0, -1.0, math.inf, math.nan):
         with pytest.raises(UserError, match="--cpus-per-client"):
             check_cpus_per_client(bad, cluster=True)
+
+
+def test_parallel_clients_sizes_the_private_ray_in_whole_cpus():
+    """Flower starts one ClientApp actor per client's CPUs of the Ray it starts: N parallel
+    clients of c CPUs each is a Ray of N*c CPUs (whole: Ray's num_cpus is an integer)."""
+    assert federation_config(5, 1.0, None) == "num-supernodes=5 client-resources-num-cpus=1"
+    assert federation_config(5, 1.0, 1) == ("num-supernodes=5 client-resources-num-cpus=1 "
+                                             "init-args-num-cpus=1")
+    assert federation_config(5, 0.5, 4).endswith("client-resources-num-cpus=0.5 "
+                                                 "init-args-num-cpus=2")
+    check_parallel_clients(None, 1.0, cluster=True)
+    check_parallel_clients(3, 2.0)
+    for parallel, cpus, says in [(0, 1.0, "at least 1"), (-2, 1.0, "at least 1"),
+                                 (3, 0.5, "whole number of CPUs")]:
+        with pytest.raises(UserError, match=says) as info:
+            check_parallel_clients(parallel, cpus)
+        assert "--parallel-clients" in str(info.value)
+    with pytest.raises(UserError, match="--ray-address"):
+        check_parallel_clients(2, 1.0, cluster=True)
+
+
+def test_cli_refuses_zero_parallel_clients_before_anything_starts(tmp_path, capsys):
+    code = main(["simulate", "--clients", "2", "--output-dir", str(tmp_path),
+                 "--parallel-clients", "0", "dataset=digits", "num-rounds=1"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and "--parallel-clients must be at least 1" in err
+    assert not any(tmp_path.iterdir())
 
 
 def test_cli_refuses_a_bad_address_in_one_line_before_anything_starts(tmp_path, capsys):

@@ -11,10 +11,19 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 
 
+# One ClientApp actor per federation: the clients train one after the other in one process.
+# On digits a client's round takes well under a second, while each actor costs ~9 s of CPU
+# to start (torch, Opacus, Flower, a Ray worker): two tests in parallel on two cores finish
+# sooner this way. test_simulation's end-to-end run and the README examples keep Ray's
+# default (one actor per CPU).
+ONE_ACTOR = ("--parallel-clients", "1")
+
+
 def simulate_digits(tmp_path: Path, name: str, *overrides: str, clients: int = 2) -> Path:
-    """`dpfl simulate` on digits (batch 32); returns the run directory."""
+    """`dpfl simulate` on digits (batch 32), one ClientApp actor; returns the run
+    directory."""
     proc = subprocess.run(
-        [sys.executable, "-m", "dpfl.cli", "simulate", "--clients", str(clients),
+        [sys.executable, "-m", "dpfl.cli", "simulate", "--clients", str(clients), *ONE_ACTOR,
          "--output-dir", str(tmp_path), "dataset=digits", "batch-size=32", f"run-name={name}",
          *overrides],
         cwd=ROOT, capture_output=True, text=True, timeout=600)

@@ -75,7 +75,8 @@ def test_sigkill_leaves_no_orphans_and_a_resume_keeps_every_charge(tmp_path):
     from opacus.accountants import RDPAccountant
 
     run = tmp_path / "k"
-    args = ["simulate", "--clients", "2", "--output-dir", str(tmp_path), "run-name=k",
+    args = ["simulate", "--clients", "2", "--parallel-clients", "1", "--output-dir",
+            str(tmp_path), "run-name=k",
             "num-rounds=40", "noise-multiplier=1.0", "target-epsilon=3.0",
             *[a for a in COMMON if not a.startswith("target-epsilon")]]
     launcher = subprocess.Popen([sys.executable, "-m", "dpfl.cli", *args], cwd=ROOT,

@@ -20,7 +20,7 @@ from dpfl.privacy.budget import PrivacyHistory
 from dpfl.privacy.events import PrivacyEvent
 from dpfl.privacy.ledger import Ledger
 
-from federation import ROOT, read_run
+from federation import ONE_ACTOR, ROOT, read_run
 
 BASE = ["dataset=digits", "batch-size=32", "model=mlp", "trainer=update-dp", "clip-norm=0.5",
         "noise-multiplier=2.0", "target-epsilon=50", "lr=0.1"]
@@ -33,7 +33,7 @@ def _dpfl(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
 
 def _simulate(out: Path, *args: str, clients: int | None = 2) -> subprocess.CompletedProcess:
     extra = ["--clients", str(clients)] if clients is not None else []
-    return _dpfl("simulate", *extra, "--output-dir", str(out), *args)
+    return _dpfl("simulate", *extra, *ONE_ACTOR, "--output-dir", str(out), *args)
 
 
 def _rounds_per_client(run: Path) -> dict[str, list[int]]:
@@ -97,8 +97,8 @@ def _descendants_alive(pid_file: Path) -> list[int]:
 
 def test_one_writer_per_run_folder_and_sigterm_ends_the_run(tmp_path):
     run = tmp_path / "c"
-    cmd = [sys.executable, "-m", "dpfl.cli", "simulate", "--clients", "2", "--output-dir",
-           str(tmp_path), "run-name=c", "num-rounds=30", *BASE]
+    cmd = [sys.executable, "-m", "dpfl.cli", "simulate", "--clients", "2", *ONE_ACTOR,
+           "--output-dir", str(tmp_path), "run-name=c", "num-rounds=30", *BASE]
     live = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, text=True)
     try:
