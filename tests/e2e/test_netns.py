@@ -137,10 +137,11 @@ def _wait_first_round(rounds_file: Path, timeout: float = 300.0) -> Path:
 @pytest.mark.e2e
 def test_tls_authenticated_federation_across_namespaces(tmp_path):
     """Intruders first (unregistered key, no CA, plaintext): all refused; then the
-    federation carries on and runs two DP rounds over TLS with authenticated nodes. SuperNode
-    1 leaves and rejoins (node-stop/node-start, same key) as a slow device: each of its
-    ClientApp processes takes 35 s to start, beyond Flower's fixed 30 s window, and trains
-    because the federation runs its SuperNodes with a 120 s window (dpfl.supernode)."""
+    federation carries on and runs a DP round over TLS with authenticated nodes. SuperNode
+    1 leaves and rejoins (node-stop/node-start, same key) as a slow device: its ClientApp
+    process takes 35 s to start, beyond Flower's fixed 30 s window, and trains because the
+    federation runs its SuperNodes with a 120 s window (dpfl.supernode). (One round: the
+    ARM64 demo's three rounds in results/edge/ show the window holding round after round.)"""
     _require()
     state = tmp_path / "fed"
     try:
@@ -166,7 +167,7 @@ def test_tls_authenticated_federation_across_namespaces(tmp_path):
         _sh("node-stop", str(state), "1")
         _sh("node-start", str(state), "1", env=_slow_clientapp_env(tmp_path, 35.0))
         _sh("run", str(state), "--run-config",
-            'dataset="digits" num-rounds=2 batch-size=32 lr=0.5 target-epsilon=8.0 '
+            'dataset="digits" num-rounds=1 batch-size=32 lr=0.5 target-epsilon=8.0 '
             f'run-name="ns" output-dir="{tmp_path / "runs"}"', timeout=600)
         summary = json.loads((tmp_path / "runs" / "ns" / "summary.json").read_text())
         assert summary["guarantee"]["verdict"] == "formal"
@@ -176,10 +177,10 @@ def test_tls_authenticated_federation_across_namespaces(tmp_path):
         assert config["node-partitions"] == mapping
         assert sorted(p.split(":")[1] for p in mapping.split(",")) == ["0", "1"]
         assert set(summary["clients"]) == {"client-0", "client-1"}
-        assert all(len(c["rounds"]) == 2 for c in summary["clients"].values())
+        assert all(len(c["rounds"]) == 1 for c in summary["clients"].values())
         assert summary["final"]["accuracy"] > summary["initial"]["accuracy"]
-        # the slow node's ClientApps did start late, once per round, and were not relaunched
-        assert len((tmp_path / "slow-starts.log").read_text().split()) == 2
+        # the slow node's ClientApp did start late, once, and was not relaunched
+        assert len((tmp_path / "slow-starts.log").read_text().split()) == 1
     finally:
         _sh("down", str(state), check=False)
     listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout

@@ -13,11 +13,13 @@ from pathlib import Path
 
 import pytest
 
+from federation import ONE_ACTOR
+
 pytestmark = pytest.mark.e2e
 ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
-# the size only: the dataset, clients and batches; every other value as written (2 rounds
-# are too few for client-level noise: the update-dp example needs its 5)
+# the size only: the dataset, clients (one actor) and batches; every other value as written
+# (2 rounds are too few for client-level noise: the update-dp example needs its 5)
 SMALL = {"dataset": "digits", "batch-size": "32"}
 CLIENTS = "2"
 CHANCE = 0.1   # digits: 10 balanced classes
@@ -53,8 +55,9 @@ def test_a_readme_example_learns_at_a_small_size(tmp_path, trainer):
     config = dict(a.split("=", 1) for a in args)
     config.update(SMALL)
     proc = subprocess.run(
-        [sys.executable, "-m", "dpfl.cli", "simulate", "--clients", CLIENTS, "--output-dir",
-         str(tmp_path), *(f"{k}={v}" for k, v in config.items()), f"run-name={trainer}"],
+        [sys.executable, "-m", "dpfl.cli", "simulate", "--clients", CLIENTS, *ONE_ACTOR,
+         "--output-dir", str(tmp_path), *(f"{k}={v}" for k, v in config.items()),
+         f"run-name={trainer}"],
         cwd=ROOT, capture_output=True, text=True, timeout=600)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
