@@ -346,6 +346,7 @@ def test_fedasgp_attack_table_beside_the_papers_row(tmp_path):
             "| 50.00 ± 0.00 |") in row
     assert row.endswith("| 50.13 / 50.39 / 50.83 / 51.46 |")
     assert PAPER_MIA[0.5]["DP-FedAvg"] == (50.13, 50.39, 50.83, 51.46)
-    assert any(l.startswith("| 0.5 | 2.5 | cpSGD: pending") for l in text.splitlines())
+    assert any(l.startswith("| 0.5 | 2.5 | cpSGD: not run in this cell (arm `cpsgd-secagg`)")
+               for l in text.splitlines())
     table = json.loads((tmp_path / "table.json").read_text())
     assert table["attacks"]["mia-eps0.5"]["dpfedavg-dpsgd"]["attacks"]["cs-mia"] == [0.52, 0.54]

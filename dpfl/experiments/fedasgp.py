@@ -41,8 +41,8 @@ sample-level threat model; ``record-global-models`` on) and run the arms of
 epsilon per round; after each run, ``dpfl attack`` (:data:`MIA_ATTACK`) scores the final
 global model with Basic-MIA (loss threshold), ML-Leaks, RMIA and the white-box gradient norm,
 and CS-MIA over every round's global model; the table gives each attack's accuracy beside
-the paper's MNIST CNN row. cpSGD (being built on another branch) and DP-FedSNLC (no
-algorithm available) are listed, not run.
+the paper's MNIST CNN row. cpSGD runs as ``cpsgd-secagg`` (client level, over SecAgg+: it
+has no DP-SGD reading); DP-FedSNLC (no algorithm available) is listed, not run.
 
 Records go to ``results/fedasgp/runs/<cell>__<arm>__seed<k>.json``; the table (accuracy
 mean ± std over seeds beside the paper's Table VI, each arm's ledger epsilon and verdict,
@@ -104,6 +104,10 @@ MIA_METHODS: dict[str, dict[str, Any]] = {
     "fedsmp-dpsgd": {"strategy": "fedsmp", **_DPSGD, "fedsmp-mask": "topk"},
     "fedavg-plain": {"strategy": "fedavg", "trainer": "plain", "local-epochs": 5,
                      "batch-size": 32, "lr": 0.1},
+    # cpSGD has no DP-SGD reading: its binomial noise is on the securely summed updates, a
+    # client-level guarantee (stronger than the cell's sample-level one at the same epsilon)
+    "cpsgd-secagg": {"strategy": "cpsgd", "trainer": "update-dp", "trust": "distributed",
+                     "lr": 0.1},
 }
 METHODS.update(MIA_METHODS)
 # dpfl attack on each attack-cell run: the target client, the attacker's sizes
@@ -124,13 +128,12 @@ PAPER_MIA: dict[float, dict[str, tuple[float, float, float, float]]] = {
 }
 # our arm -> the paper's row; the attack names of dpfl attack -> the paper's columns
 MIA_PAPER_ROW = {"dpfedavg-dpsgd": "DP-FedAvg", "fedasgp-dpsgd": "DP-FedASGP",
-                 "fedsmp-dpsgd": "FedSMP"}
+                 "fedsmp-dpsgd": "FedSMP", "cpsgd-secagg": "cpSGD"}
 MIA_COLUMNS = (("loss", "Basic-MIA"), ("ml-leaks", "ML-Leaks"),
                ("gradient-norm", "White-box (grad. norm)"), ("cs-mia", "CS-MIA"),
                ("rmia", "RMIA (best threshold)"))
 # rows the paper has that no arm here runs, and why
-MIA_PENDING = {"cpSGD": "pending: being built (issue 29, another branch)",
-               "DP-FedSNLC": "not implemented: its algorithm is not available (README)"}
+MIA_PENDING = {"DP-FedSNLC": "not implemented: its algorithm is not available (README)"}
 LABELS = {
     "dpfedavg": "DP-FedAvg (client-level, Gaussian)",
     "fedasgp-paper": "DP-FedASGP as published (not DP)",
@@ -142,6 +145,7 @@ LABELS = {
     "fedasgp-dpsgd": "DP-FedASGP (DP-SGD; paper = strict here)",
     "fedsmp-dpsgd": "Fed-SMP top-k (DP-SGD)",
     "fedavg-plain": "FedAvg, no DP (overfitted ceiling)",
+    "cpsgd-secagg": "cpSGD over SecAgg+ (client-level)",
 }
 # Table VI, MNIST CNN, % accuracy: epsilon -> (DP-FedAvg, DP-FedASGP)
 PAPER: dict[float, tuple[float, float]] = {
@@ -397,7 +401,10 @@ def _mia_section(runs: list[dict[str, Any]], table: dict[str, Any]) -> list[str]
                         for name, _ in MIA_COLUMNS},
                 "verdict": "; ".join(sorted({honest_verdict(r) for r in rs})),
                 "paper": paper}
-        for row, why in MIA_PENDING.items():
+        missing = {row: f"not run in this cell (arm `{arm}`)"
+                   for arm, row in MIA_PAPER_ROW.items()
+                   if not any(r["method"] == arm and "attack" in r for r in cell_runs)}
+        for row, why in {**missing, **MIA_PENDING}.items():
             paper = PAPER_MIA[eps][row]
             lines.append(f"| {eps:g} | {budget:.3g} | {row}: {why} | — | — | "
                          + " | ".join("—" for _ in MIA_COLUMNS)
