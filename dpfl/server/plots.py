@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from matplotlib.figure import Figure
-from matplotlib.ticker import MaxNLocator
+# matplotlib is imported where a figure is drawn: its import (~1 s of CPU) is not paid by
+# every ServerApp and launcher that imports this module
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*")
 LINESTYLES = ("-", "--", "-.", ":")
@@ -40,6 +42,8 @@ def _integer_rounds(ax, rounds: list[int]) -> None:
         if lo == hi:
             ax.set_xlim(lo - 0.5, hi + 0.5)
     else:
+        from matplotlib.ticker import MaxNLocator
+
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
 
 
@@ -59,6 +63,8 @@ def accuracy_figure(rounds: list[dict[str, Any]], title: str = "") -> Figure:
     accuracy of every round in which k of the n clients asked were not aggregated."""
     central = [r for r in rounds if "central" in r]
     xs = [r["round"] for r in central]
+    from matplotlib.figure import Figure
+
     fig = Figure(figsize=(5, 3.5))
     ax = fig.subplots()
     for key in ("accuracy", "macro-f1"):
@@ -120,6 +126,8 @@ def epsilon_figure(per_client: dict[str, Series], budget: float | None = None,
     """Cumulative epsilon by round: one step line per group of identical curves, each with
     its own marker and line style; the budget as a red dashed line."""
     groups = identical_groups(per_client)
+    from matplotlib.figure import Figure
+
     fig = Figure(figsize=(5.5, 3.5))
     ax = fig.subplots()
     for i, (names, points) in enumerate(groups):
