@@ -23,9 +23,9 @@ def macro_recall_f1(y: torch.Tensor, preds: torch.Tensor) -> tuple[float, float]
     tp = (true & said).sum(0).double()
     fn = (true & ~said).sum(0).double()
     fp = (~true & said).sum(0).double()
-    recall = torch.where(tp + fn > 0, tp / (tp + fn).clamp(min=1), torch.zeros_like(tp))
-    f1 = torch.where(2 * tp + fp + fn > 0, 2 * tp / (2 * tp + fp + fn).clamp(min=1),
-                     torch.zeros_like(tp))
+    # counts are whole: clamping a zero denominator to 1 gives 0 / 1 = 0 (zero_division=0)
+    recall = tp / (tp + fn).clamp(min=1)
+    f1 = 2 * tp / (2 * tp + fp + fn).clamp(min=1)
     return float(recall.mean()), float(f1.mean())
 
 
