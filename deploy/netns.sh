@@ -2,11 +2,12 @@
 # A multi-host dpfl federation on one machine: Linux network namespaces as hosts.
 #
 #   deploy/netns.sh up   STATE_DIR [--nodes N] [--prefix dpfl] [--insecure] [--start-window S]
-#                        [--own-nodes I,J]
+#                        [--own-nodes I,J] [--cold-clientapps]
 #   deploy/netns.sh run  STATE_DIR [flwr run options...]     # e.g. --run-config "num-rounds=2"
 #   deploy/netns.sh restart-superlink STATE_DIR               # stop and start it again
 #   deploy/netns.sh node-stop  STATE_DIR I                     # SuperNode I leaves
 #   deploy/netns.sh node-start STATE_DIR I [--superlink H:P] [--start-window S]  # ... (re)joins
+#                              [--cold-clientapps]
 #   deploy/netns.sh down STATE_DIR
 #
 # up: a bridge in namespace <prefix>-hub joins host namespaces by veth pairs on 10.77.0.0/24:
@@ -14,8 +15,12 @@
 #     (certificates and keys from deploy/certs.sh), <prefix>-n<i> (10.77.0.<i+2>) each run a
 #     flower-supernode with partition-id i that dials the SuperLink's gRPC Fleet API over
 #     TLS, authenticated by its registered EC key. --insecure (prints a warning) drops TLS/auth.
-#     --start-window S: the SuperNodes run as `python -m dpfl.supernode --clientapp-start-window
-#     S` (a ClientApp process may take S seconds to start instead of Flower's fixed 30).
+#     The SuperNodes run as `python -m dpfl.supernode --warm-clientapps`: each node forks its
+#     ClientApps from a process that has imported torch, Opacus and Flower once
+#     (dpfl/warm_clientapps.py); --cold-clientapps runs Flower's flower-supernode instead,
+#     which starts a new interpreter per instruction.
+#     --start-window S: the SuperNodes also get `--clientapp-start-window S` (a ClientApp
+#     process may take S seconds to start instead of Flower's fixed 30).
 #     --own-nodes I,J (TLS only): supernode-I's key is registered and mapped like the others,
 #     and its namespace made, but no SuperNode is started there: the caller runs its own node
 #     with certs/keys/supernode-I in <prefix>-n<I> (e.g. the hostile node of
@@ -111,7 +116,7 @@ start_superlink() {  # start_superlink STATE_DIR: from the options saved by `up`
   wait_port "$prefix-link" "${control%:*}" "${control##*:}"
 }
 
-start_supernode() {  # start_supernode STATE_DIR I SUPERLINK [WINDOW]: SuperNode I, its own key
+start_supernode() {  # start_supernode STATE_DIR I SUPERLINK [WINDOW] [COLD]: SuperNode I, its own key
   local prefix nodes tls_node=(--insecure)
   prefix=$(cat "$1/prefix")
   nodes=$(cat "$1/nodes")
@@ -119,8 +124,11 @@ start_supernode() {  # start_supernode STATE_DIR I SUPERLINK [WINDOW]: SuperNode
     tls_node=(--root-certificates "$1/certs/ca.crt"
               --auth-supernode-private-key "$1/certs/keys/supernode-$2")
   fi
-  local window=${4:-$(cat "$1/start-window" 2>/dev/null || true)} launcher=(flower-supernode)
-  [ -z "$window" ] || launcher=(python -m dpfl.supernode --clientapp-start-window "$window")
+  local window=${4:-$(cat "$1/start-window" 2>/dev/null || true)}
+  local launcher=(python -m dpfl.supernode --warm-clientapps)
+  [ ! -e "$1/cold-clientapps" ] && [ -z "${5:-}" ] || launcher=(python -m dpfl.supernode)
+  [ -z "$window" ] || launcher+=(--clientapp-start-window "$window")
+  [ "${launcher[*]}" != "python -m dpfl.supernode" ] || launcher=(flower-supernode)
   [ ! -e "$1/supernode-$2.log" ] || mv "$1/supernode-$2.log" "$1/supernode-$2.log.$(date +%s%N)"
   FLWR_HOME=$1/node-$2-home start_in_ns "$prefix-n$2" "supernode-$2" \
     "${launcher[@]}" "${tls_node[@]}" --superlink "$3" --port 9094 \
@@ -214,7 +222,7 @@ on_up_exit() {  # EXIT trap of `up`: a failure after the checks takes down what 
 
 case "$cmd" in
 up)
-  nodes=2 prefix=dpfl insecure=0 window="" own=""
+  nodes=2 prefix=dpfl insecure=0 window="" own="" cold=0
   while [ $# -gt 0 ]; do
     case "$1" in
       --nodes|--prefix|--start-window|--own-nodes) [ $# -ge 2 ] || die 2 "$1 needs a value" ;;
@@ -224,8 +232,9 @@ up)
       --prefix) prefix=$2; shift 2 ;;
       --own-nodes) own=$2; shift 2 ;;
       --insecure) insecure=1; shift ;;
+      --cold-clientapps) cold=1; shift ;;
       --start-window) window=$(check_window "$2"); shift 2 ;;
-      *) die 2 "unknown argument '$1' (up STATE_DIR [--nodes N] [--prefix P] [--insecure] [--start-window S] [--own-nodes I,J])" ;;
+      *) die 2 "unknown argument '$1' (up STATE_DIR [--nodes N] [--prefix P] [--insecure] [--start-window S] [--own-nodes I,J] [--cold-clientapps])" ;;
     esac
   done
   [[ $nodes =~ ^[1-9][0-9]{0,2}$ ]] && [ "$nodes" -le 253 ] \
@@ -252,6 +261,7 @@ up)
   echo "$nodes" > "$state/nodes"
   echo "$insecure" > "$state/insecure"
   [ -z "$window" ] || echo "$window" > "$state/start-window"
+  [ "$cold" = 0 ] || : > "$state/cold-clientapps"
   hub=$prefix-hub
   ip netns add "$hub"
   ip -n "$hub" link set lo up
@@ -338,7 +348,7 @@ node-stop|node-start)
   [ $# -ge 1 ] || die 2 "node index missing ($cmd STATE_DIR I)"
   node=$1
   shift
-  superlink=$link_ip:9092 window=""
+  superlink=$link_ip:9092 window="" cold=""
   while [ $# -gt 0 ]; do
     case "$cmd $1" in
       "node-start --superlink")
@@ -348,7 +358,8 @@ node-stop|node-start)
       "node-start --start-window")
         [ $# -ge 2 ] || die 2 "--start-window needs a value (seconds)"
         window=$(check_window "$2"); shift 2 ;;
-      *) die 2 "unknown argument '$1' (node-stop STATE_DIR I; node-start STATE_DIR I [--superlink HOST:PORT] [--start-window S])" ;;
+      "node-start --cold-clientapps") cold=1; shift ;;
+      *) die 2 "unknown argument '$1' (node-stop STATE_DIR I; node-start STATE_DIR I [--superlink HOST:PORT] [--start-window S] [--cold-clientapps])" ;;
     esac
   done
   require_root
@@ -367,7 +378,7 @@ node-stop|node-start)
     if [ -f "$pidfile" ] && kill -0 "$(cat "$pidfile")" 2>/dev/null; then
       die 2 "SuperNode $node is running (PID $(cat "$pidfile")); node-stop it first"
     fi
-    start_supernode "$state" "$node" "$superlink" "$window"
+    start_supernode "$state" "$node" "$superlink" "$window" "$cold"
     echo "SuperNode $node started (dials $superlink)"
   fi
   ;;

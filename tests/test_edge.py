@@ -37,6 +37,8 @@ def test_edge_unit_renders_secure_settings(tmp_path):
     assert "-m dpfl.supernode --clientapp-start-window ${DPFL_CLIENTAPP_START_WINDOW}" \
         in " ".join(exec_start.replace("\\\n", " ").split())
     assert "DPFL_CLIENTAPP_START_WINDOW=300" in env
+    # and its ClientApps start warm (dpfl/warm_clientapps.py)
+    assert "--warm-clientapps" in exec_start
     assert "Restart=always" in unit and "KillSignal=SIGINT" in unit
     assert "@" not in unit.split("[Unit]", 1)[1]  # every placeholder filled
 

@@ -137,7 +137,9 @@ def fed(tmp_path_factory):
     work = tmp_path_factory.mktemp("control-api")
     state = work / "fed"
     try:
-        up = _sh("up", str(state), "--nodes", "1", "--prefix", PREFIX, check=False)
+        # no training round here: nothing for a warm node's zygote to preload for
+        up = _sh("up", str(state), "--nodes", "1", "--prefix", PREFIX, "--cold-clientapps",
+                 check=False)
         assert up.returncode == 0 and "federation up" in up.stdout, up.stdout + up.stderr
         yield Federation(state, work)
     finally:

@@ -165,7 +165,10 @@ def test_tls_authenticated_federation_across_namespaces(tmp_path):
         link_log = (state / "superlink.log").read_text()
         assert link_log.count("[Fleet.ActivateNode] Activated") == 2  # only the real nodes
         _sh("node-stop", str(state), "1")
-        _sh("node-start", str(state), "1", env=_slow_clientapp_env(tmp_path, 35.0))
+        # cold ClientApps (a new interpreter per task, as Flower starts them) on the slow
+        # node: its interpreter start is what the window has to cover
+        _sh("node-start", str(state), "1", "--cold-clientapps",
+            env=_slow_clientapp_env(tmp_path, 35.0))
         _sh("run", str(state), "--run-config",
             'dataset="digits" num-rounds=1 batch-size=32 lr=0.5 target-epsilon=8.0 '
             f'run-name="ns" output-dir="{tmp_path / "runs"}"', timeout=600)
@@ -265,5 +268,9 @@ def test_superlink_restarted_mid_run_resumes_from_checkpoint(tmp_path):
             acc.history = [(e["sigma"], e["rate"], e["steps"]) for e in info["events"]]
             assert info["epsilon"] == pytest.approx(acc.get_epsilon(1e-5), rel=1e-9)
             assert info["reported-epsilon"] == pytest.approx(info["epsilon"], rel=1e-9)
+        # node 0 trained 3 rounds across the restart with ClientApps forked from one warm
+        # zygote (dpfl.supernode --warm-clientapps), none started as a new interpreter
+        node_log = (state / "supernode-0.log").read_text()
+        assert node_log.count("dpfl.warm_clientapps: ClientApp") >= 3, node_log[-3000:]
     finally:
         _sh("down", str(state), check=False)

@@ -1,0 +1,277 @@
+"""Warm ClientApps: a SuperNode's ClientApp processes start from libraries already imported.
+
+    python -m dpfl.supernode --warm-clientapps [flower-supernode options...]
+
+Flower 1.39's SuperNode hands every instruction to a new ``flwr-clientapp`` process, started
+by its SuperExec (``flower-superexec``, Flower's ``SubprocessExecutor``). That process
+imports torch, Opacus, dp-accounting, SciPy and Flower before it reads its message: about
+6 s of CPU on this project's x86 test machine, for every node in every round, and more than
+Flower's 30 s start window on a slow ARM64 board (``results/edge/``).
+
+Here the SuperNode's SuperExec is Flower's own (:func:`main` runs ``flower-superexec`` with
+its arguments), with one change: a ClientApp task is not started with ``Popen`` but forked
+from a *zygote*, a child process of the SuperExec that imported those libraries once
+(:data:`PRELOAD`). The forked child runs Flower's own ``flwr-clientapp`` entry point with
+the arguments Flower's ``SubprocessExecutor`` would pass (:func:`clientapp_args`), so it
+pulls its message, installs the FAB, loads the app from the FAB, runs one task and exits,
+as before. dpfl's own modules are never taken from the zygote: the FAB's code runs
+(:func:`forget_dpfl_modules`). Every other task type, and any task when the zygote is gone,
+starts the cold way.
+
+What a fork shares and what it must not:
+- the zygote only imports (no tensor is computed, no thread is started), so a fork is safe;
+- the DP noise of dpfl draws fresh operating-system entropy at every release
+  (:mod:`dpfl.privacy.randomness`), never the process's generators; the child still reseeds
+  NumPy's and torch's global generators from the OS, as a new process would have its own;
+- the zygote ignores SIGCHLD (the kernel reaps its children: no zombie); the child restores
+  the default, so its own subprocesses can be waited for.
+
+Memory: the zygote holds the imported libraries (about 0.4 GB resident here, most of it
+shared libraries that every process maps from the same files); a ClientApp's own pages are
+copied only when written.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Sequence
+from typing import IO, Any
+
+_log = logging.getLogger("flwr.dpfl.warm")
+
+# Imported once by the zygote: everything heavy that dpfl's ClientApp imports, none of
+# dpfl's own modules. torch._dynamo is imported by the first torch optimizer a process
+# builds (torch.optim.Optimizer.__init__): 2.1 s of CPU here, the largest single import. A module that cannot be imported here is skipped (it then loads in
+# the child, as it would without the zygote).
+PRELOAD = (
+    "numpy", "torch", "torch.nn", "torch.optim", "torch._dynamo", "opacus", "dp_accounting",
+    "dp_accounting.pld", "dp_accounting.rdp", "scipy.optimize", "scipy.signal", "scipy.stats",
+    "sklearn.datasets", "flwr.app", "flwr.clientapp", "flwr.supernode.cli",
+    "flwr.supernode.runtime.run_clientapp",
+)
+
+ZYGOTE_FLAG = "--zygote"
+
+
+def clientapp_args(spec: Any) -> list[str]:
+    """The ``flwr-clientapp`` arguments Flower 1.39's ``SubprocessExecutor.launch`` builds
+    for ``spec`` (an ``ExecutionSpec``), without the program name. (Checked against
+    Flower's own in tests/test_warm_clientapps.py.)"""
+    from flwr.supercore.constant import TASK_TYPE_TO_APPIO_API_ADDRESS_ARG
+
+    args = [TASK_TYPE_TO_APPIO_API_ADDRESS_ARG[spec.task_type], spec.runtime_api_address,
+            "--token", spec.token]
+    if spec.insecure:
+        args.append("--insecure")
+    elif spec.root_certificates_path is not None:
+        args.extend(["--root-certificates", spec.root_certificates_path])
+    if spec.parent_pid is not None:
+        args.extend(["--parent-pid", str(spec.parent_pid)])
+    if spec.runtime_dependency_install:
+        args.append("--allow-runtime-dependency-installation")
+    return args
+
+
+def forget_dpfl_modules() -> list[str]:
+    """Drop every ``dpfl`` module from ``sys.modules`` (Flower's app loader reuses a module
+    already imported): the FAB's copy of dpfl is the one that runs. Returns the names."""
+    names = [m for m in sys.modules if m == "dpfl" or m.startswith("dpfl.")]
+    for name in names:
+        del sys.modules[name]
+    return names
+
+
+def preload(modules: Sequence[str] = PRELOAD) -> list[str]:
+    """Import ``modules``; returns those that could not be imported."""
+    import importlib
+
+    missing = []
+    for name in modules:
+        try:
+            importlib.import_module(name)
+        except Exception:  # noqa: BLE001 - an optional library: it loads in the child
+            missing.append(name)
+    return missing
+
+
+def _reseed_global_generators() -> None:
+    """A fresh process's NumPy and torch global generators differ from its siblings'."""
+    np = sys.modules.get("numpy")
+    if np is not None:
+        np.random.seed(int.from_bytes(os.urandom(4), "little"))
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        torch.manual_seed(int.from_bytes(os.urandom(8), "little") >> 1)
+
+
+def _run_clientapp_in_child(request: dict[str, Any]) -> None:
+    """In a forked child: become ``flwr-clientapp`` with the request's arguments, run one
+    task, and exit with its code (never returns)."""
+    code = 1
+    try:
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, signal.default_int_handler if sig == signal.SIGINT
+                          else signal.SIG_DFL)
+        os.dup2(os.open(os.devnull, os.O_RDONLY), 0)  # the zygote's request pipe is not ours
+        if request.get("suppress-output"):
+            null = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(null, 1)
+            os.dup2(null, 2)
+        forget_dpfl_modules()
+        _reseed_global_generators()
+        from flwr.supernode.cli import flwr_clientapp
+
+        sys.argv = [request.get("program", "flwr-clientapp"), *request["args"]]
+        try:
+            flwr_clientapp()
+            code = 0
+        except SystemExit as exc:
+            code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    except BaseException:  # noqa: BLE001 - a child never returns into the zygote's loop
+        import traceback
+
+        traceback.print_exc()
+    finally:
+        try:
+            logging.shutdown()
+            sys.stdout.flush()
+            sys.stderr.flush()
+        finally:
+            os._exit(code)
+
+
+def serve(requests: IO[str]) -> int:
+    """The zygote: import :data:`PRELOAD`, then fork one ClientApp per JSON line read from
+    ``requests`` (``{"args": [...], "suppress-output": bool}``) until end of file (the
+    SuperExec closed the pipe or died). Returns the number of children forked."""
+    signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # the kernel reaps the children
+    signal.signal(signal.SIGINT, signal.SIG_IGN)   # a Ctrl-C is for the SuperNode's tree
+    preload()  # what is missing (scikit-learn in the image) loads in each ClientApp
+    forked = 0
+    for line in requests:
+        try:
+            request = json.loads(line)
+            if not isinstance(request.get("args"), list):
+                raise ValueError("no 'args' list")
+        except ValueError as exc:
+            print(f"dpfl.warm_clientapps: bad request skipped ({exc})", file=sys.stderr,
+                  flush=True)
+            continue
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:
+            _run_clientapp_in_child(request)
+        forked += 1
+        print(f"dpfl.warm_clientapps: ClientApp {forked} forked (pid {pid})", file=sys.stderr,
+              flush=True)
+    return forked
+
+
+class WarmClientAppExecutor:
+    """Flower's ``SubprocessExecutor`` whose ClientApp launches are forks of a zygote.
+
+    Implements Flower 1.39's SuperExec ``Executor`` protocol by delegation; the zygote is
+    started on the first ClientApp task (a SuperExec that never gets one never pays for it)
+    and ends when this executor closes or its process dies (end of file on its stdin)."""
+
+    def __init__(self) -> None:
+        from flwr.supercore.superexec.executor.subprocess_executor import SubprocessExecutor
+
+        self._cold = SubprocessExecutor()
+        self._zygote: subprocess.Popen[str] | None = None
+        self.warm_launches = 0
+
+    def start_zygote(self) -> None:
+        """Start the zygote now (it imports while the node waits for its first task)."""
+        if self._zygote is None or self._zygote.poll() is not None:
+            self._zygote = subprocess.Popen(  # noqa: S603 - this interpreter, this module
+                [sys.executable, "-m", "dpfl.warm_clientapps", ZYGOTE_FLAG],
+                stdin=subprocess.PIPE, text=True)
+
+    def get_eligible_capacity(self, supported_task_types, **kwargs):  # noqa: ANN001, ANN201
+        return self._cold.get_eligible_capacity(supported_task_types, **kwargs)
+
+    def wait_for_capacity(self, task_type=None, **kwargs) -> None:  # noqa: ANN001
+        self._cold.wait_for_capacity(task_type, **kwargs)
+
+    def launch(self, spec: Any) -> Any:
+        """Fork a ClientApp task from the zygote; any other task, or a dead zygote: Flower's
+        cold launch."""
+        from flwr.supercore.constant import TASK_TYPE_TO_COMMAND, TaskType
+
+        if spec.task_type != TaskType.CLIENT_APP:
+            return self._cold.launch(spec)
+        request = {"program": TASK_TYPE_TO_COMMAND[spec.task_type],
+                   "args": clientapp_args(spec), "suppress-output": bool(spec.suppress_output)}
+        try:
+            self.start_zygote()
+            assert self._zygote is not None and self._zygote.stdin is not None
+            self._zygote.stdin.write(json.dumps(request) + "\n")
+            self._zygote.stdin.flush()
+        except OSError as exc:
+            _log.warning("warm ClientApp launch failed (%s): starting task %d cold", exc,
+                         spec.task_id)
+            return self._cold.launch(spec)
+        self.warm_launches += 1
+        from flwr.supercore.superexec.executor.types import LaunchResult
+
+        return LaunchResult.accepted()
+
+    def reconcile(self) -> None:
+        self._cold.reconcile()
+
+    def close(self) -> None:
+        """Close the zygote's pipe (it exits at end of file); running ClientApps finish."""
+        zygote, self._zygote = self._zygote, None
+        if zygote is not None:
+            try:
+                if zygote.stdin is not None:
+                    zygote.stdin.close()
+                zygote.wait(timeout=10)
+            except (OSError, subprocess.TimeoutExpired):
+                zygote.kill()
+                zygote.wait()
+        self._cold.close()
+
+
+def use_warm_executor() -> None:
+    """Make this process's Flower SuperExec launch ClientApps with
+    :class:`WarmClientAppExecutor` (local subprocess executor only)."""
+    from flwr.supercore.constant import ExecutorType
+    from flwr.supercore.superexec import run_superexec as module
+
+    flower_get_executor = module.get_executor
+
+    def get_executor(executor_type, executor_config=None, **kwargs):  # noqa: ANN001, ANN202
+        if executor_type == ExecutorType.SUBPROCESS:
+            executor = WarmClientAppExecutor()
+            executor.start_zygote()
+            return executor
+        return flower_get_executor(executor_type, executor_config, **kwargs)
+
+    module.get_executor = get_executor
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """``--zygote``: serve fork requests on stdin. Otherwise: Flower's ``flower-superexec``
+    with the arguments given, its ClientApps forked from a zygote."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    if args == [ZYGOTE_FLAG]:
+        serve(sys.stdin)
+        return
+    use_warm_executor()
+    from flwr.supercore.cli import flower_superexec
+
+    sys.argv = ["flower-superexec", *args]
+    flower_superexec()
+
+
+if __name__ == "__main__":
+    main()

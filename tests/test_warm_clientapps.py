@@ -1,0 +1,180 @@
+"""Warm ClientApps (dpfl/warm_clientapps.py, `dpfl.supernode --warm-clientapps`): the
+forked ClientApp gets exactly the arguments Flower's own SubprocessExecutor would give a new
+`flwr-clientapp` process; the SuperNode starts dpfl's SuperExec in place of Flower's; a
+forked child loads the FAB's dpfl, not the zygote's, and draws its own random numbers; the
+zygote reaps its children. (The whole path runs in every network-namespace deployment test:
+tests/e2e/test_netns.py checks the forks in a node's log.)"""
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+from flwr.supercore.constant import TaskType
+from flwr.supercore.superexec.executor import subprocess_executor
+from flwr.supercore.superexec.executor.types import ExecutionSpec
+
+from dpfl import supernode, warm_clientapps
+
+
+def _spec(**overrides) -> ExecutionSpec:
+    fields = dict(task_type=TaskType.CLIENT_APP, runtime_api_address="127.0.0.1:9094",
+                  token="tok-1", insecure=True, root_certificates_path=None,
+                  runtime_dependency_install=False, parent_pid=None, suppress_output=False,
+                  task_id=7)
+    fields.update(overrides)
+    return ExecutionSpec(**fields)
+
+
+@pytest.mark.parametrize("overrides", [
+    {},
+    {"insecure": False, "root_certificates_path": "/certs/ca.crt"},
+    {"insecure": False, "root_certificates_path": None},
+    {"parent_pid": 4242},
+    {"runtime_dependency_install": True, "parent_pid": 1},
+    {"suppress_output": True, "insecure": False, "root_certificates_path": "/c.pem"},
+])
+def test_forked_clientapp_gets_flowers_own_arguments(monkeypatch, overrides):
+    launched = []
+
+    class Popen:
+        def __init__(self, args, **kwargs):
+            launched.append(list(args))
+
+    monkeypatch.setattr(subprocess_executor.subprocess, "Popen", Popen)
+    spec = _spec(**overrides)
+    subprocess_executor.SubprocessExecutor().launch(spec)
+    assert launched == [["flwr-clientapp", *warm_clientapps.clientapp_args(spec)]]
+
+
+def test_executor_sends_clientapps_to_the_zygote_and_other_tasks_cold(monkeypatch):
+    """A ClientApp task becomes one JSON line on the zygote's stdin; a ServerApp task (not
+    the zygote's business) goes to Flower's SubprocessExecutor."""
+    executor = warm_clientapps.WarmClientAppExecutor()
+    cold = []
+    monkeypatch.setattr(executor._cold, "launch", lambda spec: cold.append(spec) or "cold")
+
+    class Pipe:
+        lines: list[str] = []
+
+        def write(self, text):
+            self.lines.append(text)
+
+        def flush(self):
+            pass
+
+        def close(self):
+            pass
+
+    class Zygote:
+        stdin = Pipe()
+
+        def poll(self):
+            return None
+
+        def wait(self, timeout=None):
+            return 0
+
+    executor._zygote = Zygote()
+    spec = _spec(suppress_output=True)
+    assert executor.launch(spec).status == "accepted"
+    request = json.loads(Pipe.lines[0])
+    assert request == {"program": "flwr-clientapp", "args": warm_clientapps.clientapp_args(spec),
+                       "suppress-output": True}
+    server = _spec(task_type=TaskType.SERVER_APP)
+    assert executor.launch(server) == "cold" and cold == [server]
+    assert executor.warm_launches == 1
+    executor.close()
+
+
+def test_a_dead_zygote_falls_back_to_a_cold_launch(monkeypatch):
+    executor = warm_clientapps.WarmClientAppExecutor()
+    cold = []
+    monkeypatch.setattr(executor._cold, "launch", lambda spec: cold.append(spec) or "cold")
+
+    def broken():
+        raise BrokenPipeError("zygote gone")
+    monkeypatch.setattr(executor, "start_zygote", broken)
+    spec = _spec()
+    assert executor.launch(spec) == "cold" and cold == [spec]
+    assert executor.warm_launches == 0
+
+
+def test_supernode_starts_dpfls_superexec_in_place_of_flowers(monkeypatch):
+    from flwr.supernode import start_client_internal
+
+    started = []
+    monkeypatch.setattr(subprocess, "Popen", lambda command, *a, **k: started.append(command))
+    monkeypatch.setattr(start_client_internal, "subprocess", start_client_internal.subprocess)
+    supernode.use_warm_clientapps()
+    start_client_internal.subprocess.Popen(["flower-superexec", "--insecure",
+                                            "--runtime-api-address", "127.0.0.1:9094"])
+    start_client_internal.subprocess.Popen(["something-else", "--x"])
+    assert started == [[sys.executable, "-m", "dpfl.warm_clientapps", "--insecure",
+                        "--runtime-api-address", "127.0.0.1:9094"], ["something-else", "--x"]]
+    assert start_client_internal.subprocess.DEVNULL == subprocess.DEVNULL
+
+
+@pytest.mark.parametrize("argv,warm,rest", [
+    (["--warm-clientapps", "--insecure"], True, ["--insecure"]),
+    (["--insecure"], False, ["--insecure"]),
+])
+def test_split_warm(argv, warm, rest):
+    assert supernode.split_warm(argv) == (warm, rest)
+
+
+@pytest.mark.parametrize("argv", [["--warm-clientapps", "--isolation", "process"],
+                                  ["--warm-clientapps", "--isolation=process"],
+                                  ["--warm-clientapps=1"]])
+def test_warm_clientapps_refuses_what_it_cannot_do_in_one_line(argv):
+    proc = subprocess.run([sys.executable, "-m", "dpfl.supernode", *argv, "--insecure"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("dpfl.supernode: --warm-clientapps"), \
+        proc.stderr
+
+
+CHILD = """
+import json, os, sys
+import numpy, torch
+print(json.dumps({"pid": os.getpid(), "dpfl": sorted(m for m in sys.modules
+                  if m == "dpfl" or m.startswith("dpfl.")),
+                  "numpy": int(numpy.random.randint(2**31)),
+                  "torch": int(torch.randint(2**31, (1,)))}), flush=True)
+"""
+
+
+def test_zygote_children_forget_dpfl_reseed_and_are_reaped(tmp_path):
+    """The zygote's loop with Flower's entry point replaced by a probe: each forked child
+    reports which dpfl modules it still sees (none), and NumPy and torch draws that differ
+    between siblings; the zygote leaves no zombie and exits at end of its input."""
+    probe = tmp_path / "probe.py"
+    probe.write_text(CHILD)
+    script = f"""
+import sys
+from dpfl import warm_clientapps as w
+w.PRELOAD = ("numpy", "torch")
+def fake_clientapp():
+    exec(open({str(probe)!r}).read(), {{"__name__": "probe"}})
+import flwr.supernode.cli as cli
+cli.flwr_clientapp = fake_clientapp
+w.serve(sys.stdin)
+"""
+    zygote = subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    request = json.dumps({"args": ["--insecure"]}) + "\n"
+    out, err = zygote.communicate(request * 3 + "not json\n", timeout=120)
+    assert zygote.returncode == 0, err
+    reports = [json.loads(line) for line in out.splitlines()]
+    assert len(reports) == 3
+    assert all(r["dpfl"] == [] for r in reports)  # the FAB's dpfl would load afresh
+    assert len({r["pid"] for r in reports}) == 3
+    assert len({r["numpy"] for r in reports}) == 3 and len({r["torch"] for r in reports}) == 3
+    assert err.count("forked (pid") == 3 and "bad request skipped" in err
+    # reaped: none of the children is left, not even as a zombie
+    time.sleep(0.2)
+    for r in reports:
+        assert not os.path.exists(f"/proc/{r['pid']}"), r["pid"]
