@@ -19,7 +19,10 @@ as before. dpfl's own modules are never taken from the zygote: the FAB's code ru
 starts the cold way.
 
 What a fork shares and what it must not:
-- the zygote only imports (no tensor is computed, no thread is started), so a fork is safe;
+- the zygote only imports: it computes no tensor (torch's OpenMP pool starts in each child)
+  and starts no thread of its own. The pools that libraries start at import (NumPy's and
+  SciPy's OpenBLAS: 3 threads in all here) reinitialise in a forked child, as they do in
+  PyTorch's DataLoader workers and in every `multiprocessing` fork;
 - the DP noise of dpfl draws fresh operating-system entropy at every release
   (:mod:`dpfl.privacy.randomness`), never the process's generators; the child still reseeds
   NumPy's and torch's global generators from the OS, as a new process would have its own;
@@ -45,13 +48,15 @@ from typing import IO, Any
 _log = logging.getLogger("flwr.dpfl.warm")
 
 # Imported once by the zygote: everything heavy that dpfl's ClientApp imports, none of
-# dpfl's own modules. torch._dynamo is imported by the first torch optimizer a process
-# builds (torch.optim.Optimizer.__init__): 2.1 s of CPU here, the largest single import. A module that cannot be imported here is skipped (it then loads in
-# the child, as it would without the zygote).
+# dpfl's own modules, nor scikit-learn (only the small digits dataset needs it, and it starts
+# a jemalloc thread at import). torch._dynamo is imported by the first torch optimizer a
+# process builds (torch.optim.Optimizer.__init__): 2.1 s of CPU here, the largest single
+# import. A module that cannot be imported here is skipped: it then loads in the child, as
+# it would without the zygote.
 PRELOAD = (
     "numpy", "torch", "torch.nn", "torch.optim", "torch._dynamo", "opacus", "dp_accounting",
     "dp_accounting.pld", "dp_accounting.rdp", "scipy.optimize", "scipy.signal", "scipy.stats",
-    "sklearn.datasets", "flwr.app", "flwr.clientapp", "flwr.supernode.cli",
+    "flwr.app", "flwr.clientapp", "flwr.supernode.cli",
     "flwr.supernode.runtime.run_clientapp",
 )
 
@@ -152,7 +157,7 @@ def serve(requests: IO[str]) -> int:
     SuperExec closed the pipe or died). Returns the number of children forked."""
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # the kernel reaps the children
     signal.signal(signal.SIGINT, signal.SIG_IGN)   # a Ctrl-C is for the SuperNode's tree
-    preload()  # what is missing (scikit-learn in the image) loads in each ClientApp
+    preload()  # what could not be imported loads in each ClientApp
     forked = 0
     for line in requests:
         try:

@@ -140,6 +140,11 @@ def test_warm_clientapps_refuses_what_it_cannot_do_in_one_line(argv):
 CHILD = """
 import json, os, sys
 import numpy, torch
+# the libraries' thread pools work after the fork: torch's OpenMP matmul on 2 threads and
+# NumPy's OpenBLAS, each checked against a single-threaded result
+torch.set_num_threads(2)
+a = torch.randn(300, 300, dtype=torch.float64)
+assert torch.allclose(a @ a, torch.from_numpy(a.numpy() @ a.numpy()))
 print(json.dumps({"pid": os.getpid(), "dpfl": sorted(m for m in sys.modules
                   if m == "dpfl" or m.startswith("dpfl.")),
                   "numpy": int(numpy.random.randint(2**31)),
@@ -148,15 +153,15 @@ print(json.dumps({"pid": os.getpid(), "dpfl": sorted(m for m in sys.modules
 
 
 def test_zygote_children_forget_dpfl_reseed_and_are_reaped(tmp_path):
-    """The zygote's loop with Flower's entry point replaced by a probe: each forked child
-    reports which dpfl modules it still sees (none), and NumPy and torch draws that differ
-    between siblings; the zygote leaves no zombie and exits at end of its input."""
+    """The zygote's loop (its real preload) with Flower's entry point replaced by a probe:
+    each forked child multiplies matrices on torch's and NumPy's thread pools, reports which
+    dpfl modules it still sees (none), and NumPy and torch draws that differ between
+    siblings; the zygote leaves no zombie and exits at the end of its input."""
     probe = tmp_path / "probe.py"
     probe.write_text(CHILD)
     script = f"""
 import sys
 from dpfl import warm_clientapps as w
-w.PRELOAD = ("numpy", "torch")
 def fake_clientapp():
     exec(open({str(probe)!r}).read(), {{"__name__": "probe"}})
 import flwr.supernode.cli as cli
@@ -166,7 +171,7 @@ w.serve(sys.stdin)
     zygote = subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     request = json.dumps({"args": ["--insecure"]}) + "\n"
-    out, err = zygote.communicate(request * 3 + "not json\n", timeout=120)
+    out, err = zygote.communicate(request * 3 + "not json\n", timeout=300)
     assert zygote.returncode == 0, err
     reports = [json.loads(line) for line in out.splitlines()]
     assert len(reports) == 3
