@@ -389,7 +389,7 @@ def main() -> None:
     results["threads-per-clientapp"] = 1
     t_up = time.monotonic()
     # cold ClientApps (Flower's own launch), as results/faults/ was measured: a warm node's
-    # zygote stays resident (~0.9 GB RSS with this host's CUDA torch), 20 of them ~18 GB
+    # zygote stays resident (~0.8 GB RSS with this host's CUDA torch), 20 of them ~16 GB
     up = sh("up", str(state), "--nodes", str(args.nodes), "--prefix", PREFIX,
             "--cold-clientapps", check=False)
     if up.returncode != 0:

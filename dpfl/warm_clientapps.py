@@ -29,9 +29,9 @@ What a fork shares and what it must not:
 - the zygote ignores SIGCHLD (the kernel reaps its children: no zombie); the child restores
   the default, so its own subprocesses can be waited for.
 
-Memory: the zygote holds the imported libraries (about 0.4 GB resident here, most of it
-shared libraries that every process maps from the same files); a ClientApp's own pages are
-copied only when written.
+Memory: the zygote stays resident, 0.82 GB RSS here (0.48 GB anonymous; `import torch`
+alone is 0.5 GB with this host's CUDA build); a ClientApp's own pages are copied only when
+written.
 """
 
 from __future__ import annotations
