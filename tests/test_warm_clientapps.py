@@ -170,16 +170,45 @@ w.serve(sys.stdin)
 """
     zygote = subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    request = json.dumps({"args": ["--insecure"]}) + "\n"
-    out, err = zygote.communicate(request * 3 + "not json\n", timeout=300)
-    assert zygote.returncode == 0, err
-    reports = [json.loads(line) for line in out.splitlines()]
-    assert len(reports) == 3
-    assert all(r["dpfl"] == [] for r in reports)  # the FAB's dpfl would load afresh
-    assert len({r["pid"] for r in reports}) == 3
-    assert len({r["numpy"] for r in reports}) == 3 and len({r["torch"] for r in reports}) == 3
-    assert err.count("forked (pid") == 3 and "bad request skipped" in err
-    # reaped: none of the children is left, not even as a zombie
-    time.sleep(0.2)
-    for r in reports:
-        assert not os.path.exists(f"/proc/{r['pid']}"), r["pid"]
+    try:
+        request = json.dumps({"args": ["--insecure"]}) + "\n"
+        zygote.stdin.write(request * 3 + "not json\n")
+        zygote.stdin.flush()
+        reports = [json.loads(line) for line in _lines_within(zygote.stdout, 3, 300)]
+        assert all(r["dpfl"] == [] for r in reports)  # the FAB's dpfl would load afresh
+        assert len({r["pid"] for r in reports}) == 3
+        assert len({r["numpy"] for r in reports}) == 3
+        assert len({r["torch"] for r in reports}) == 3
+        # reaped by the kernel while their zygote lives: none is left, not even a zombie
+        # (checked before the zygote exits: an orphan would be init's to reap)
+        deadline = time.monotonic() + 30
+        while (any(os.path.exists(f"/proc/{r['pid']}") for r in reports)
+               and time.monotonic() < deadline):
+            time.sleep(0.1)
+        left = [r["pid"] for r in reports if os.path.exists(f"/proc/{r['pid']}")]
+        assert not left, [open(f"/proc/{p}/stat").read() for p in left]
+        zygote.stdin.close()
+        assert zygote.wait(timeout=60) == 0
+        err = zygote.stderr.read()
+        assert err.count("forked (pid") == 3 and "bad request skipped" in err, err
+    finally:
+        if zygote.poll() is None:
+            zygote.kill()
+            zygote.wait()
+
+
+def _lines_within(stream, count: int, seconds: float) -> list[str]:
+    """The next ``count`` lines of the pipe ``stream``, read from its file descriptor (a
+    text wrapper's buffer would hide lines from select), failing after ``seconds``."""
+    import select
+
+    newline = b"\n"
+    data, deadline = b"", time.monotonic() + seconds
+    while data.count(newline) < count:
+        ready, _, _ = select.select([stream], [], [], max(0.0, deadline - time.monotonic()))
+        got = data.count(newline)
+        assert ready, f"{got} of {count} lines within {seconds} s"
+        chunk = os.read(stream.fileno(), 65536)
+        assert chunk, f"end of output after {got} of {count} lines"
+        data += chunk
+    return data.decode().splitlines()[:count]
