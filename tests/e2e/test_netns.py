@@ -228,6 +228,10 @@ def test_supernode_killed_mid_round(tmp_path):
         assert ledger["clients"]["client-0"]["rounds"] == [1, 2]
         summary = json.loads((runs / "kill" / "summary.json").read_text())
         assert summary["final"]["accuracy"] > summary["initial"]["accuracy"]
+        # node 0's two rounds ran on ClientApps forked from its warm zygote
+        # (dpfl.supernode --warm-clientapps, netns.sh's default), not on new interpreters
+        node_log = (state / "supernode-0.log").read_text()
+        assert node_log.count("dpfl.warm_clientapps: ClientApp") >= 2, node_log[-3000:]
     finally:
         _sh("down", str(state), check=False)
 
@@ -248,7 +252,12 @@ def test_superlink_restarted_mid_run_resumes_from_checkpoint(tmp_path):
               'accountant="rdp" '
               f'round-timeout=120.0 run-name="restart" output-dir="{runs}"')
     try:
-        _sh("up", str(state), "--nodes", "2", "--prefix", "dpflr")
+        # cold ClientApps: a new interpreter per task takes seconds to start, so the restart
+        # right after round 1 lands before any round-2 release. With warm ClientApps round 2
+        # is usually released first and lost in the restart: the node keeps it, reports the
+        # higher epsilon, and the ledger flags a mismatch and keeps the report as the floor
+        # (dpfl.privacy.ledger.Ledger.record); that path is not what this test checks.
+        _sh("up", str(state), "--nodes", "2", "--prefix", "dpflr", "--cold-clientapps")
         run = subprocess.Popen([str(SCRIPT), "run", str(state), "--run-config", config],
                                cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                start_new_session=True)
@@ -268,9 +277,5 @@ def test_superlink_restarted_mid_run_resumes_from_checkpoint(tmp_path):
             acc.history = [(e["sigma"], e["rate"], e["steps"]) for e in info["events"]]
             assert info["epsilon"] == pytest.approx(acc.get_epsilon(1e-5), rel=1e-9)
             assert info["reported-epsilon"] == pytest.approx(info["epsilon"], rel=1e-9)
-        # node 0 trained 3 rounds across the restart with ClientApps forked from one warm
-        # zygote (dpfl.supernode --warm-clientapps), none started as a new interpreter
-        node_log = (state / "supernode-0.log").read_text()
-        assert node_log.count("dpfl.warm_clientapps: ClientApp") >= 3, node_log[-3000:]
     finally:
         _sh("down", str(state), check=False)
