@@ -125,10 +125,10 @@ start_supernode() {  # start_supernode STATE_DIR I SUPERLINK [WINDOW] [COLD]: Su
               --auth-supernode-private-key "$1/certs/keys/supernode-$2")
   fi
   local window=${4:-$(cat "$1/start-window" 2>/dev/null || true)}
-  local launcher=(python -m dpfl.supernode --warm-clientapps)
-  [ ! -e "$1/cold-clientapps" ] && [ -z "${5:-}" ] || launcher=(python -m dpfl.supernode)
-  [ -z "$window" ] || launcher+=(--clientapp-start-window "$window")
-  [ "${launcher[*]}" != "python -m dpfl.supernode" ] || launcher=(flower-supernode)
+  local options=() launcher=(flower-supernode)
+  [ -e "$1/cold-clientapps" ] || [ -n "${5:-}" ] || options+=(--warm-clientapps)
+  [ -z "$window" ] || options+=(--clientapp-start-window "$window")
+  [ ${#options[@]} = 0 ] || launcher=(python -m dpfl.supernode "${options[@]}")
   [ ! -e "$1/supernode-$2.log" ] || mv "$1/supernode-$2.log" "$1/supernode-$2.log.$(date +%s%N)"
   FLWR_HOME=$1/node-$2-home start_in_ns "$prefix-n$2" "supernode-$2" \
     "${launcher[@]}" "${tls_node[@]}" --superlink "$3" --port 9094 \

@@ -91,17 +91,15 @@ def forget_dpfl_modules() -> list[str]:
     return names
 
 
-def preload(modules: Sequence[str] = PRELOAD) -> list[str]:
-    """Import ``modules``; returns those that could not be imported."""
+def preload(modules: Sequence[str] = PRELOAD) -> None:
+    """Import ``modules``, skipping any that cannot be imported (it loads in the child)."""
     import importlib
 
-    missing = []
     for name in modules:
         try:
             importlib.import_module(name)
-        except Exception:  # noqa: BLE001 - an optional library: it loads in the child
-            missing.append(name)
-    return missing
+        except Exception:  # noqa: BLE001, S112 - an optional library: it loads in the child
+            continue
 
 
 def _reseed_global_generators() -> None:
@@ -120,9 +118,8 @@ def _run_clientapp_in_child(request: dict[str, Any]) -> None:
     code = 1
     try:
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, signal.default_int_handler if sig == signal.SIGINT
-                          else signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
         os.dup2(os.open(os.devnull, os.O_RDONLY), 0)  # the zygote's request pipe is not ours
         if request.get("suppress-output"):
             null = os.open(os.devnull, os.O_WRONLY)
@@ -157,7 +154,7 @@ def serve(requests: IO[str]) -> int:
     SuperExec closed the pipe or died). Returns the number of children forked."""
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # the kernel reaps the children
     signal.signal(signal.SIGINT, signal.SIG_IGN)   # a Ctrl-C is for the SuperNode's tree
-    preload()  # what could not be imported loads in each ClientApp
+    preload()
     forked = 0
     for line in requests:
         try:
@@ -182,9 +179,11 @@ def serve(requests: IO[str]) -> int:
 class WarmClientAppExecutor:
     """Flower's ``SubprocessExecutor`` whose ClientApp launches are forks of a zygote.
 
-    Implements Flower 1.39's SuperExec ``Executor`` protocol by delegation; the zygote is
-    started on the first ClientApp task (a SuperExec that never gets one never pays for it)
-    and ends when this executor closes or its process dies (end of file on its stdin)."""
+    Implements Flower 1.39's SuperExec ``Executor`` protocol by delegation.
+    :func:`use_warm_executor` starts the zygote with the executor, so it imports while the
+    node waits for its first task; a zygote found dead is started again on the next
+    ClientApp task. It ends when this executor closes or its process dies (end of file on
+    its stdin)."""
 
     def __init__(self) -> None:
         from flwr.supercore.superexec.executor.subprocess_executor import SubprocessExecutor
