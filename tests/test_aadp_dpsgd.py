@@ -13,8 +13,9 @@ from dp_accounting.rdp import rdp_privacy_accountant
 from flwr.app import ArrayRecord, ConfigRecord
 from opacus.accountants import RDPAccountant
 
+from dpfl.errors import UserError
 from dpfl.methods import build_strategy, guarantee, parse_run_config, run_config
-from dpfl.methods.aadp import AADPClient, dpsgd_round_noise_multiplier
+from dpfl.methods.aadp import DPSGD_ROUND_EXTRA_ORDERS, AADPClient, dpsgd_round_noise_multiplier
 from dpfl.models import build_model
 from dpfl.privacy.events import PrivacyEvent
 from dpfl.privacy.filter import RenyiFilter
@@ -53,6 +54,39 @@ def test_round_sigma_costs_the_round_epsilon_by_dp_accounting(eps, n, batch, epo
     pld = pld_privacy_accountant.PLDAccountant()
     pld.compose(_round_event(sigma, n, batch, epochs))
     assert pld.get_epsilon(D) <= eps
+
+
+def test_a_round_below_the_order_63_floor_still_gets_its_sigma():
+    """At delta 1e-5 no sigma brings one round below eps 0.103 at Opacus' orders (they stop
+    at 63), and eq. 2 gives small clients less than that at a whole-run eps of 1 (the
+    frontier's MNIST eps-1 cell crashed on it). The round's sigma is searched over Opacus'
+    orders and higher ones: dp-accounting's RDP accountant at those orders puts the round at
+    eps_i^t, while Opacus' orders alone still measure it at their floor or above."""
+    cfg = _cfg(batch_size=256)
+    n = 200                                # n <= B: q = 1, one step (a plain Gaussian)
+    extended = list(RDPAccountant.DEFAULT_ALPHAS) + list(DPSGD_ROUND_EXTRA_ORDERS)
+    sigma = dpsgd_round_noise_multiplier(cfg, 0.05, n)
+
+    def rdp_eps(s, orders):
+        acc = rdp_privacy_accountant.RdpAccountant(orders=orders)
+        acc.compose(_round_event(s, n, 256, 1))
+        return acc.get_epsilon(D)
+
+    assert rdp_eps(sigma, extended) == pytest.approx(0.05, rel=2e-4)
+    assert rdp_eps(sigma * (1 - 1e-3), extended) > 0.05
+    assert rdp_eps(sigma, list(RDPAccountant.DEFAULT_ALPHAS)) >= 0.103
+
+
+def test_a_per_round_epsilon_no_sigma_reaches_stops_the_run_at_start():
+    """eq. 2 at aadp-epsilon 1e-4 gives every client ~1e-4 per round, below the search's
+    floor (~3.5e-3 at order 1024): the strategy refuses when it learns the sizes, naming the
+    key; eq. 3 only raises eps_i^t later, so round 1 is the one to check."""
+    strategy = build_strategy(_cfg(batch_size=256, aadp_epsilon=1e-4))
+    with pytest.raises(UserError, match="run-config key 'aadp-epsilon'.*partition 0"):
+        strategy.bind_partition_sizes({0: 200, 1: 200})
+    ok = build_strategy(_cfg(batch_size=256, aadp_epsilon=0.05))
+    ok.bind_partition_sizes({0: 100, 1: 200})   # eps_i 0.033 and 0.067: below 0.103, fine
+    assert ok.plan_sigma(0, 1) > ok.plan_sigma(1, 1) > 0
 
 
 def test_a_round_at_the_target_is_admitted_alone_and_not_twice():

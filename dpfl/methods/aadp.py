@@ -62,6 +62,7 @@ import torch
 from flwr.serverapp import Grid
 
 from dpfl.config import RunConfig, need
+from dpfl.errors import UserError
 from dpfl.method import ClientHalf, Method, MethodParams, UpdateClip
 from dpfl.privacy.accounting import calibrate_dpsgd_noise, calibrate_noise
 from dpfl.privacy.longitudinal import longitudinal_clip
@@ -76,6 +77,12 @@ AADP_NOISE = ("calibrated", "paper")
 # relative precision of a DP-SGD round's calibration: its RDP epsilon is in
 # [eps_i^t (1 - DPSGD_ROUND_RTOL), eps_i^t]
 DPSGD_ROUND_RTOL = 1e-4
+# RDP orders the DP-SGD round's sigma is searched with, beyond Opacus' (which stop at 63):
+# at order 63 no sigma brings one round below eps 0.103 at delta 1e-5, and eq. 2 gives a
+# small client less than that at small budgets; order 1024 moves that floor to ~3.5e-3. Where
+# the best order is <= 63 the search returns the same sigma as with Opacus' orders alone.
+# The guarantee is the Rényi filter's, at its own order.
+DPSGD_ROUND_EXTRA_ORDERS = (80, 96, 128, 192, 256, 384, 512, 768, 1024)
 
 
 @dataclass(frozen=True)
@@ -180,9 +187,22 @@ class AADPStrategy(DPFLStrategy):
         self.num_params = sum(p.numel() for p in model.parameters())
 
     def bind_partition_sizes(self, sizes: Mapping[int, int]) -> None:
-        """Training-set sizes per partition id (public: derived from the run-config)."""
+        """Training-set sizes per partition id (public: derived from the run-config). Under
+        DP-SGD every partition's first-round sigma is computed here, so that an eps_i^1 no
+        sigma reaches stops the run at start (eq. 3 only raises eps_i^t later)."""
         super().bind_partition_sizes(sizes)
         self.budgets = allocate_budgets(self.partition_sizes, self.cfg.params.aadp_epsilon)
+        if self.cfg.trainer != "dpsgd":
+            return
+        for pid, eps in sorted(self.budgets.items()):
+            try:
+                dpsgd_round_noise_multiplier(self.cfg, eps, self.partition_sizes[pid])
+            except ValueError as exc:
+                raise UserError(
+                    f"run-config key 'aadp-epsilon': {self.cfg.params.aadp_epsilon:g} gives "
+                    f"partition {pid} ({self.partition_sizes[pid]} examples) a per-round "
+                    f"epsilon of {eps:.3g} (eq. 2), and no noise multiplier reaches it at "
+                    f"delta {self.cfg.delta:g} ({exc}); raise aadp-epsilon") from None
 
     def round_sigma(self, epsilon: float, num_examples: int | None = None) -> float | None:
         """The noise multiplier of one round at the per-round eps_i^t: of one update-dp
@@ -283,15 +303,20 @@ def dpsgd_round_noise_multiplier(cfg: RunConfig, epsilon: float, num_examples: i
     """sigma of one AADP-FL round over DP-SGD at the per-round eps_i^t (eqs. 2-3 read as a
     sample-level epsilon): Poisson rate q = 1 / ceil(n / B) and E ceil(n / B) steps (the
     shared plan's), and the sigma whose round costs eps_i^t at delta, to a relative
-    ``DPSGD_ROUND_RTOL``, by Opacus' RDP accountant — the orders and RDP -> (eps, delta)
-    conversion of the Rényi filter that bounds the run, so a round at eps_i^t <=
-    ``target-epsilon`` is admitted on its own. (PLD would give less noise for the same
-    eps_i^t but a round the RDP filter measures above eps_i^t.) Public inputs only: client
-    and server compute the same sigma."""
+    ``DPSGD_ROUND_RTOL``, by Opacus' RDP accountant — the RDP -> (eps, delta) conversion of
+    the Rényi filter that bounds the run, over its orders and ``DPSGD_ROUND_EXTRA_ORDERS``
+    (so that a round below the one-round floor of order 63 still has a sigma). A round at
+    eps_i^t <= ``target-epsilon`` whose best order is <= 63 is admitted on its own. (PLD
+    would give less noise for the same eps_i^t but a round the RDP filter measures above
+    eps_i^t.) Public inputs only: client and server compute the same sigma. ValueError when
+    no sigma reaches eps_i^t (below ~3.5e-3 at delta 1e-5)."""
+    from opacus.accountants import RDPAccountant
+
+    orders = tuple(RDPAccountant.DEFAULT_ALPHAS) + DPSGD_ROUND_EXTRA_ORDERS
     return calibrate_dpsgd_noise(epsilon, cfg.delta,
                                  dpsgd_sample_rate(num_examples, cfg.batch_size),
                                  planned_dpsgd_steps(num_examples, cfg), accountant="rdp",
-                                 tolerance=DPSGD_ROUND_RTOL * epsilon)
+                                 tolerance=DPSGD_ROUND_RTOL * epsilon, orders=orders)
 
 
 def round_epsilon_for(config: Mapping[str, Any], partition_id: int) -> float:

@@ -311,11 +311,13 @@ def dpsgd_epsilon(sample_rate: float, noise_multiplier: float, steps: int, delta
 @lru_cache(maxsize=256)
 def calibrate_dpsgd_noise(target_epsilon: float, delta: float, sample_rate: float, steps: int,
                           accountant: str = "rdp", tolerance: float = 0.01,
-                          rel_tol: float = 1e-3) -> float:
+                          rel_tol: float = 1e-3,
+                          orders: tuple[float, ...] | None = None) -> float:
     """Smallest sigma whose DP-SGD epsilon after ``steps`` steps is <= ``target_epsilon``.
 
     ``rdp``/``prv``: Opacus' ``get_noise_multiplier`` (epsilon in
-    [target - ``tolerance``, target]). ``pld``: bisection in sigma on
+    [target - ``tolerance``, target]); ``orders``: the RDP orders of that search (``rdp``
+    only; default Opacus', which stop at 63). ``pld``: bisection in sigma on
     :func:`dpsgd_epsilon` (the very function the history is later accounted with, so a
     calibrated run never overshoots by rounding): returns sigma with epsilon(sigma) <=
     target < epsilon(sigma * (1 - ``rel_tol``)).
@@ -332,9 +334,13 @@ def calibrate_dpsgd_noise(target_epsilon: float, delta: float, sample_rate: floa
         raise ValueError(f"accountant must be one of {DPSGD_ACCOUNTANTS}, got {accountant!r}")
     from opacus.accountants.utils import get_noise_multiplier
 
+    extra = {} if orders is None else {"alphas": list(orders)}
+    if extra and accountant != "rdp":
+        raise ValueError("orders apply to the rdp accountant only")
     return float(get_noise_multiplier(target_epsilon=target_epsilon, target_delta=delta,
                                       sample_rate=sample_rate, steps=steps,
-                                      accountant=accountant, epsilon_tolerance=tolerance))
+                                      accountant=accountant, epsilon_tolerance=tolerance,
+                                      **extra))
 
 
 # ---------------------------------------------------------------------------------------
