@@ -240,9 +240,17 @@ def test_supernode_killed_mid_round(tmp_path):
 def test_superlink_restarted_mid_run_resumes_from_checkpoint(tmp_path):
     """The SuperLink (and with it the ServerApp) is restarted while round 2 trains; the run
     is resumed from its last checkpoint: every round appears once, each client's ledger holds
-    one event per round (nothing lost, nothing double-counted) and its epsilon equals an
-    Opacus accountant over those rounds; the clients, whose run state is new, get their
-    recorded events back from the server and report the same epsilon."""
+    one event per round it was charged (nothing double-counted) and its recomputed epsilon
+    equals an Opacus accountant over those events; the clients, whose run state is new, get
+    their recorded events back from the server.
+
+    Two outcomes are valid, and which one happens is a matter of timing:
+    - the restart lands before a client released round 2: it reports the ledger's epsilon;
+    - the client released round 2 and the restart lost the reply: the node keeps that
+      release, so its report counts one more round-2 event than the ledger holds; the
+      ledger flags the mismatch and takes the report as the client's floor
+      (dpfl.privacy.ledger.Ledger.record), and the client never passes its budget (it
+      refuses round 3 when the lost round used it up)."""
     _require()
     from opacus.accountants import RDPAccountant
 
@@ -252,12 +260,7 @@ def test_superlink_restarted_mid_run_resumes_from_checkpoint(tmp_path):
               'accountant="rdp" '
               f'round-timeout=120.0 run-name="restart" output-dir="{runs}"')
     try:
-        # cold ClientApps: a new interpreter per task takes seconds to start, so the restart
-        # right after round 1 lands before any round-2 release. With warm ClientApps round 2
-        # is usually released first and lost in the restart: the node keeps it, reports the
-        # higher epsilon, and the ledger flags a mismatch and keeps the report as the floor
-        # (dpfl.privacy.ledger.Ledger.record); that path is not what this test checks.
-        _sh("up", str(state), "--nodes", "2", "--prefix", "dpflr", "--cold-clientapps")
+        _sh("up", str(state), "--nodes", "2", "--prefix", "dpflr")
         run = subprocess.Popen([str(SCRIPT), "run", str(state), "--run-config", config],
                                cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                start_new_session=True)
@@ -270,12 +273,31 @@ def test_superlink_restarted_mid_run_resumes_from_checkpoint(tmp_path):
         rounds = [json.loads(l) for l in rounds_file.read_text().splitlines()]
         assert [r["round"] for r in rounds] == [1, 2, 3]
         ledger = json.loads((runs / "restart" / "ledger.json").read_text())
-        assert ledger["mismatches"] == []
-        for name, info in ledger["clients"].items():
-            assert [e["round"] for e in info["events"]] == [1, 2, 3], name
+        lost = {m["client"] for m in ledger["mismatches"]}
+        assert all(m["round"] == 2 and m["reported"] > m["recomputed"]
+                   for m in ledger["mismatches"]), ledger["mismatches"]
+
+        def opacus_epsilon(events):
             acc = RDPAccountant()
-            acc.history = [(e["sigma"], e["rate"], e["steps"]) for e in info["events"]]
-            assert info["epsilon"] == pytest.approx(acc.get_epsilon(1e-5), rel=1e-9)
-            assert info["reported-epsilon"] == pytest.approx(info["epsilon"], rel=1e-9)
+            acc.history = [(e["sigma"], e["rate"], e["steps"]) for e in events]
+            return acc.get_epsilon(1e-5)
+
+        for name, info in ledger["clients"].items():
+            rounds_charged = [e["round"] for e in info["events"]]
+            own = opacus_epsilon(info["events"])
+            assert info["recomputed-epsilon"] == pytest.approx(own, rel=1e-9)
+            if name not in lost:
+                assert rounds_charged == [1, 2, 3], name
+                assert info["epsilon"] == pytest.approx(own, rel=1e-9)
+                assert info["reported-epsilon"] == pytest.approx(own, rel=1e-9)
+                continue
+            print(f"{name}: round 2's release was lost in the restart; reported "
+                  f"{info['reported-epsilon']:.4f}, ledger {own:.4f}, rounds {rounds_charged}")
+            assert rounds_charged in ([1, 2], [1, 2, 3]), name
+            round2 = next(e for e in info["events"] if e["round"] == 2)
+            with_lost = opacus_epsilon([*info["events"], round2])
+            assert info["reported-epsilon"] == pytest.approx(with_lost, rel=1e-9), name
+            assert info["epsilon"] == pytest.approx(with_lost, rel=1e-9), name  # the floor
+            assert info["epsilon"] <= 8.0, name
     finally:
         _sh("down", str(state), check=False)
