@@ -57,6 +57,14 @@ E2E_FILE_COST = {
 }
 
 
+def pytest_sessionfinish(session, exitstatus):
+    """Stop the Ray head the end-to-end tests of this process shared (tests/e2e/federation.py),
+    if they started one."""
+    federation = sys.modules.get("federation")
+    if federation is not None:
+        federation.stop_shared_ray()
+
+
 def pytest_collection_modifyitems(session, config, items):
     """Longest files first (see :data:`E2E_FILE_COST`); a stable sort keeps each file's own
     order."""

@@ -19,6 +19,7 @@ from dpfl.privacy.binomial import (
     binomial_curve,
     binomial_event,
     restricted_divergence,
+    restricted_divergences,
     support_delta,
     support_mass,
 )
@@ -33,6 +34,17 @@ def _exact(n: int, s: int, alpha: int) -> float:
         tot += p ** alpha / q ** (alpha - 1)
         ps += p
     return math.log(tot / ps) / (alpha - 1)
+
+
+@pytest.mark.parametrize("n,max_shift", [(3, 5), (333, 9), (12345, 20), (10 ** 6, 4)])
+def test_all_shifts_at_once_are_each_shifts_divergence_bit_for_bit(n, max_shift):
+    """restricted_divergences (D_s kept on the union of the windows, one term added per
+    shift) returns exactly restricted_divergence's float at every order and shift, inf where
+    the supports do not meet (s > n)."""
+    fast = restricted_divergences(n, max_shift)
+    assert set(fast) == {(a, s) for a in ORDERS for s in range(1, max_shift + 1)}
+    for (a, s), value in fast.items():
+        assert value == restricted_divergence(n, s, a), (a, s)   # ==: inf == inf too
 
 
 def test_restricted_divergence_by_hand():

@@ -2,9 +2,15 @@
 
 import ast
 import json
+import os
 import re
+import shutil
+import signal
+import socket
 import subprocess
 import sys
+import tempfile
+import time
 from functools import lru_cache
 from pathlib import Path
 
@@ -19,13 +25,98 @@ ROOT = Path(__file__).resolve().parents[2]
 ONE_ACTOR = ("--parallel-clients", "1")
 
 
+# The method tests' federations run their ClientApps on one Ray head per test process (an
+# xdist worker), started on first use and stopped at the session's end, through
+# `dpfl simulate --ray-address` (docs/ray-cluster.md): a private Ray per federation costs
+# ~3 s of CPU and ~4.5 s of wall time more to start and stop (GCS, raylet, dashboard and
+# runtime-env agents, log and autoscaler monitors: 30.5 vs 27.6 s of CPU, 28.9 vs 24.5 s
+# wall for a 2-client, 2-round digits run, measured system-wide on an idle machine). The
+# head has one CPU: one ClientApp actor, the clients one after the other, as ONE_ACTOR.
+# The launcher's own private Ray (the default a user runs) keeps its tests: test_simulation,
+# test_readme_examples, test_record_integrity_federation, test_interruptions. Set
+# DPFL_TEST_PRIVATE_RAY=1 to run every federation on its own private Ray.
+PRIVATE_RAY_ENV = "DPFL_TEST_PRIVATE_RAY"
+
+
+class SharedRayHead:
+    """``ray start --head --block`` on loopback with one CPU, its sockets and logs in a
+    short temporary folder; :meth:`stop` stops it by process group and PID."""
+
+    def __init__(self) -> None:
+        ray = Path(sys.executable).parent / "ray"
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        self.address = f"127.0.0.1:{port}"
+        self.tmp = Path(tempfile.mkdtemp(prefix="dpfl-ray-", dir="/tmp"))  # AF_UNIX: short
+        env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+        env.update(RAY_USAGE_STATS_ENABLED="0", PYTHONWARNINGS="ignore")
+        self.log = self.tmp / "head.log"
+        with open(self.log, "w") as out:
+            self.proc = subprocess.Popen(
+                [str(ray), "start", "--head", "--block", "--node-ip-address", "127.0.0.1",
+                 "--port", str(port), "--num-cpus", "1", "--temp-dir", str(self.tmp / "r"),
+                 "--include-dashboard", "false", "--disable-usage-stats",
+                 "--object-store-memory", str(150 * 1024 * 1024)],
+                env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.monotonic() + 120
+        while "Ray runtime started" not in self.log.read_text():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                text = self.log.read_text()[-3000:]
+                self.stop()
+                raise RuntimeError(f"the tests' Ray head did not start:\n{text}")
+            time.sleep(0.3)
+
+    def stop(self) -> None:
+        from dpfl.watchdog import alive, descendants
+
+        pids = [self.proc.pid, *descendants(self.proc.pid)]
+        for sig, grace in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 5.0)):
+            living = [p for p in pids if alive(p)]
+            targets = [(os.killpg, self.proc.pid)] if sig == signal.SIGTERM else []
+            for kill, target in targets + [(os.kill, p) for p in living]:
+                try:
+                    kill(target, sig)
+                except (ProcessLookupError, PermissionError):
+                    pass
+            deadline = time.monotonic() + grace
+            while any(alive(p) for p in pids) and time.monotonic() < deadline:
+                self.proc.poll()
+                time.sleep(0.2)
+        self.proc.wait(timeout=5)
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+_shared_head: SharedRayHead | None = None
+
+
+def client_runtime_args() -> tuple[str, ...]:
+    """Where a test federation's ClientApps run: the shared Ray head of this test process
+    (started now if it is not up yet), or ONE_ACTOR on a private Ray with
+    DPFL_TEST_PRIVATE_RAY=1."""
+    global _shared_head
+    if os.environ.get(PRIVATE_RAY_ENV) == "1":
+        return ONE_ACTOR
+    if _shared_head is None:
+        _shared_head = SharedRayHead()
+    return ("--ray-address", _shared_head.address)
+
+
+def stop_shared_ray() -> None:
+    """Stop this test process' Ray head, if it started one (at the session's end)."""
+    global _shared_head
+    if _shared_head is not None:
+        _shared_head.stop()
+        _shared_head = None
+
+
 def simulate_digits(tmp_path: Path, name: str, *overrides: str, clients: int = 2) -> Path:
-    """`dpfl simulate` on digits (batch 32), one ClientApp actor; returns the run
-    directory."""
+    """`dpfl simulate` on digits (batch 32), one ClientApp actor on the shared Ray head;
+    returns the run directory."""
     proc = subprocess.run(
-        [sys.executable, "-m", "dpfl.cli", "simulate", "--clients", str(clients), *ONE_ACTOR,
-         "--output-dir", str(tmp_path), "dataset=digits", "batch-size=32", f"run-name={name}",
-         *overrides],
+        [sys.executable, "-m", "dpfl.cli", "simulate", "--clients", str(clients),
+         *client_runtime_args(), "--output-dir", str(tmp_path), "dataset=digits",
+         "batch-size=32", f"run-name={name}", *overrides],
         cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return tmp_path / name

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from federation import ONE_ACTOR, ROOT
+from federation import ROOT, client_runtime_args
 from federation import read_run as _read
 from federation import simulate_digits as _simulate
 
@@ -31,8 +31,8 @@ pytestmark = pytest.mark.e2e
 ])
 def test_method_runs_by_name(tmp_path, strategy, extra):
     proc = subprocess.run(
-        [sys.executable, "-m", "dpfl.cli", "simulate", "--clients", "2", *ONE_ACTOR, "--output-dir",
-         str(tmp_path), f"strategy={strategy}", "dataset=digits", "num-rounds=2",
+        [sys.executable, "-m", "dpfl.cli", "simulate", "--clients", "2", *client_runtime_args(),
+         "--output-dir", str(tmp_path), f"strategy={strategy}", "dataset=digits", "num-rounds=2",
          "batch-size=32", "lr=0.5", "target-epsilon=8.0", "run-name=m", *extra],
         cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -129,8 +129,8 @@ def test_pegasus_selects_below_mean_clients(tmp_path):
     """Size-skewed clients have different sampling rates, hence different epsilons: from
     round 2 on only clients strictly below the mean epsilon are asked to train."""
     proc = subprocess.run(
-        [sys.executable, "-m", "dpfl.cli", "simulate", "--clients", "3", *ONE_ACTOR, "--output-dir",
-         str(tmp_path), "strategy=pegasus", "dataset=digits", "partitioning=size",
+        [sys.executable, "-m", "dpfl.cli", "simulate", "--clients", "3", *client_runtime_args(),
+         "--output-dir", str(tmp_path), "strategy=pegasus", "dataset=digits", "partitioning=size",
          "num-rounds=3", "batch-size=32", "lr=0.5", "target-epsilon=8.0",
          "noise-multiplier=1.0", "run-name=p"],
         cwd=ROOT, capture_output=True, text=True, timeout=600)
