@@ -177,7 +177,8 @@ def cmd_audit(args: argparse.Namespace) -> int:
 
     def run(num_clients: int, overrides: dict, output_root: Path) -> Path:
         return simulate(root, num_clients, overrides, output_root,
-                        num_cpus=args.cpus_per_client, parallel=args.parallel_clients)
+                        num_cpus=args.cpus_per_client, parallel=args.parallel_clients,
+                        ray_address=args.ray_address)
 
     try:
         report = audit(run_dir, run, args.canaries, args.audit_seed)
@@ -359,6 +360,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--parallel-clients", type=int, default=None, metavar="N",
                    help="at most N ClientApp processes (~1.5-1.9 GB each) at once (default: "
                         "one per --cpus-per-client of this machine's CPUs)")
+    p.add_argument("--ray-address", metavar="HOST:PORT", help="run the audit run's clients on "
+                   "this Ray cluster (as `dpfl simulate --ray-address`)")
     p.set_defaults(func=cmd_audit)
     p = sub.add_parser("privacy-report", help="per-client privacy table and epsilon plot")
     p.add_argument("run_dir")

@@ -13,7 +13,7 @@ import pytest
 
 from dpfl.privacy.canaries import canary_bits
 
-from federation import ONE_ACTOR, ROOT, simulate_digits
+from federation import ROOT, client_runtime_args, simulate_digits
 
 pytestmark = pytest.mark.e2e
 CLIENTS = 12
@@ -63,7 +63,7 @@ def test_non_private_run_is_attacked_then_audited(tmp_path):
         assert a["auc"] > 0.6, a
     assert (run / "attack" / "roc-update.png").stat().st_size > 0
 
-    proc = _dpfl("audit", str(run), *ONE_ACTOR, "--audit-seed", "11")
+    proc = _dpfl("audit", str(run), *client_runtime_args(), "--audit-seed", "11")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     audit_run = run / "audit" / "audit-run"
     audit = json.loads((audit_run / "audit.json").read_text())
@@ -92,7 +92,7 @@ def test_formal_client_level_audit_stays_under_a_small_ledger(tmp_path):
     run = _simulate(tmp_path, "dp", "strategy=dpfedavg", "trainer=update-dp", "num-rounds=2",
                     "target-epsilon=0.3", f"audit-canaries={CLIENTS}", "audit-seed=5",
                     "audit-canary-norm=5.0")
-    proc = _dpfl("audit", str(run), *ONE_ACTOR)
+    proc = _dpfl("audit", str(run), *client_runtime_args())
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     audit = json.loads((run / "audit.json").read_text())
     assert audit["verdict"] == "formal" and audit["canaries-seen"] == CLIENTS
@@ -112,7 +112,7 @@ def test_dpsgd_run_is_audited_with_canary_examples(tmp_path):
     assert summary["ledger-mismatches"] == 0 and summary["charges-not-matching-plan"] == 0
     rounds = [json.loads(l) for l in (run / "rounds.jsonl").read_text().splitlines()]
     assert [r["train"]["accepted"] for r in rounds] == [CLIENTS, CLIENTS]
-    proc = _dpfl("audit", str(run), *ONE_ACTOR)
+    proc = _dpfl("audit", str(run), *client_runtime_args())
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     audit = json.loads((run / "audit.json").read_text())
     assert audit["canary-kind"].startswith("examples") and audit["canaries-seen"] == 60
