@@ -68,23 +68,46 @@ class SharedRayHead:
             time.sleep(0.3)
 
     def stop(self) -> None:
-        from dpfl.watchdog import alive, descendants
-
-        pids = [self.proc.pid, *descendants(self.proc.pid)]
-        for sig, grace in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 5.0)):
-            living = [p for p in pids if alive(p)]
-            targets = [(os.killpg, self.proc.pid)] if sig == signal.SIGTERM else []
-            for kill, target in targets + [(os.kill, p) for p in living]:
-                try:
-                    kill(target, sig)
-                except (ProcessLookupError, PermissionError):
-                    pass
-            deadline = time.monotonic() + grace
-            while any(alive(p) for p in pids) and time.monotonic() < deadline:
-                self.proc.poll()
-                time.sleep(0.2)
-        self.proc.wait(timeout=5)
+        stop_ray_processes([self.proc], grace=3.0)   # nothing to keep: its runs are over
         shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+def process_cmdline(pid: int) -> str:
+    try:
+        raw = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return "?"
+    return raw.replace(b"\0", b" ").decode(errors="replace").strip()
+
+
+def stop_ray_processes(procs: list[subprocess.Popen], grace: float = 10.0) -> list[str]:
+    """Stop ``ray start --block`` processes (each started in its own session) and all they
+    started: SIGTERM to each one's process group and every descendant, then SIGKILL to what
+    is left after ``grace`` seconds (after a run, a head's `ray start`, GCS and autoscaler
+    monitor were seen still there 20 s after SIGTERM); never signals a PID that has exited.
+    Returns the command lines that needed SIGKILL."""
+    from dpfl.watchdog import alive, descendants
+
+    pids = [p for proc in procs for p in (proc.pid, *descendants(proc.pid))]
+    sigkilled: list[str] = []
+    for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 5.0)):
+        living = [p for p in pids if alive(p)]
+        if sig == signal.SIGKILL:
+            sigkilled = [process_cmdline(p)[:100] for p in living]
+        groups = [proc.pid for proc in procs] if sig == signal.SIGTERM else []
+        for kill, target in [(os.killpg, g) for g in groups] + [(os.kill, p) for p in living]:
+            try:
+                kill(target, sig)
+            except (ProcessLookupError, PermissionError):
+                pass
+        deadline = time.monotonic() + wait
+        while any(alive(p) for p in pids) and time.monotonic() < deadline:
+            for proc in procs:
+                proc.poll()   # reap the `ray start` processes
+            time.sleep(0.2)
+    for proc in procs:
+        proc.wait(timeout=5)
+    return sigkilled
 
 
 _shared_head: SharedRayHead | None = None

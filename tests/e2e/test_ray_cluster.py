@@ -36,6 +36,7 @@ from pathlib import Path
 
 import pytest
 
+from federation import process_cmdline, stop_ray_processes
 from requirements import command_works, require
 
 pytestmark = pytest.mark.e2e
@@ -72,14 +73,6 @@ def _netns_pids(ns: str) -> list[int]:
     return [int(p) for p in out if p.isdigit() and alive(int(p))]
 
 
-def _cmdline(pid: int) -> str:
-    try:
-        raw = Path(f"/proc/{pid}/cmdline").read_bytes()
-    except OSError:
-        return "?"
-    return raw.replace(b"\0", b" ").decode(errors="replace").strip()
-
-
 class TwoNodeCluster:
     """Two namespaces joined by a veth link, a Ray head in the first and a worker node in
     the second; :meth:`stop` stops what it started by PID and returns what was left."""
@@ -91,7 +84,6 @@ class TwoNodeCluster:
         # Ray's sockets live under --temp-dir: a short path (AF_UNIX paths <= 107 bytes)
         self.ray_tmp = Path(tempfile.mkdtemp(prefix=f"{tag}-", dir="/tmp"))
         self.procs: list[subprocess.Popen] = []
-        self.pgids: set[int] = set()
         self.sigkilled: list[str] = []   # what SIGTERM did not stop within its grace
         self.env = _env()
 
@@ -119,7 +111,6 @@ class TwoNodeCluster:
                  str(OBJECT_STORE), "--disable-usage-stats", *args],
                 env=self.env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
         self.procs.append(proc)
-        self.pgids.add(proc.pid)
         deadline = time.monotonic() + 120
         while "Ray runtime started" not in log.read_text():
             assert proc.poll() is None, f"ray start ({name}) exited:\n{log.read_text()[-3000:]}"
@@ -135,37 +126,16 @@ class TwoNodeCluster:
                    "--node-ip-address", WORKER_IP)
 
     def stop(self) -> list[str]:
-        """Stop both nodes at once (SIGTERM to each ``ray start`` process group and to every
-        descendant, SIGKILL after 10 s: after a run the head's ``ray start``, GCS and
-        autoscaler monitor were seen still there 20 s after SIGTERM), then SIGKILL anything
-        still in the namespaces (and report it), then delete them."""
-        from dpfl.watchdog import alive, descendants
-
-        pids = [p for proc in self.procs for p in (proc.pid, *descendants(proc.pid))]
-        for sig, grace in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 5.0)):
-            living = [p for p in pids if alive(p)]   # never signal a PID that has exited
-            if sig == signal.SIGKILL:
-                self.sigkilled = [_cmdline(p)[:100] for p in living]
-            groups = self.pgids if sig == signal.SIGTERM else set()
-            for kill, target in [(os.killpg, g) for g in groups] + [(os.kill, p) for p in living]:
-                try:
-                    kill(target, sig)
-                except (ProcessLookupError, PermissionError):
-                    pass
-            deadline = time.monotonic() + grace
-            while any(alive(p) for p in pids) and time.monotonic() < deadline:
-                for proc in self.procs:
-                    proc.poll()   # reap the `ray start` processes
-                time.sleep(0.2)
-        for proc in self.procs:
-            proc.wait(timeout=5)
+        """Stop both nodes at once (:func:`federation.stop_ray_processes`), then SIGKILL
+        anything still in the namespaces (and report it), then delete them."""
+        self.sigkilled = stop_ray_processes(self.procs)
         left = []
         for ns in (self.head_ns, self.worker_ns):
             deadline = time.monotonic() + 10
             while _netns_pids(ns) and time.monotonic() < deadline:
                 time.sleep(0.5)
             for pid in _netns_pids(ns):
-                left.append(f"{ns}: {pid} {_cmdline(pid)[:120]}")
+                left.append(f"{ns}: {pid} {process_cmdline(pid)[:120]}")
                 try:
                     os.kill(pid, signal.SIGKILL)
                 except ProcessLookupError:
