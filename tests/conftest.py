@@ -57,12 +57,23 @@ E2E_FILE_COST = {
 }
 
 
-def pytest_sessionfinish(session, exitstatus):
-    """Stop the Ray head the end-to-end tests of this process shared (tests/e2e/federation.py),
-    if they started one."""
+def _stop_shared_ray() -> None:
     federation = sys.modules.get("federation")
     if federation is not None:
         federation.stop_shared_ray()
+
+
+def pytest_runtest_teardown(item, nextitem):
+    """After a test file's last test, stop the Ray head its federations shared
+    (tests/e2e/federation.py; the next file that needs one starts it again): an idle head
+    costs ~1.4 s of CPU a minute (raylet, log monitor, GCS), measured here."""
+    if nextitem is None or nextitem.path != item.path:
+        _stop_shared_ray()
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """Stop the Ray head of this process, if one is still up."""
+    _stop_shared_ray()
 
 
 def pytest_collection_modifyitems(session, config, items):
