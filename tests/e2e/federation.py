@@ -27,9 +27,10 @@ ONE_ACTOR = ("--parallel-clients", "1")
 
 # The method tests' federations run their ClientApps on one Ray head per test process (an
 # xdist worker), started on first use and stopped after each test file (tests/conftest.py:
-# an idle head costs ~1.4 s of CPU a minute), through
-# `dpfl simulate --ray-address` (docs/ray-cluster.md): a private Ray per federation costs
-# ~3 s of CPU and ~4.5 s of wall time more to start and stop (GCS, raylet, dashboard and
+# an idle head costs ~1.4 s of CPU a minute). They are submitted with `flwr run` to one
+# simulation SuperLink per test file (SharedSimulation, stopped with the head); the audits
+# run through `dpfl audit --ray-address` (docs/ray-cluster.md). A private Ray per
+# federation costs ~3 s of CPU and ~4.5 s of wall time more to start and stop (GCS, raylet, dashboard and
 # runtime-env agents, log and autoscaler monitors: 30.5 vs 27.6 s of CPU, 28.9 vs 24.5 s
 # wall for a 2-client, 2-round digits run, measured system-wide on an idle machine). The
 # head has one CPU: one ClientApp actor, the clients one after the other, as ONE_ACTOR.
@@ -111,7 +112,80 @@ def stop_ray_processes(procs: list[subprocess.Popen], grace: float = 10.0) -> li
     return sigkilled
 
 
+class SharedSimulation:
+    """One simulation SuperLink (``flower-superlink --simulation`` and its SuperExec, under
+    dpfl's watchdog, as ``dpfl simulate`` starts it: :func:`dpfl.launch.simulation_superlink`)
+    whose runs' ClientApps go to the shared Ray head. :meth:`run` submits one run to it with
+    ``flwr run --stream``, as an operator submits runs to a running SuperLink; the SuperExec
+    starts a ``flwr-simulation`` process per run. A `dpfl simulate` per run would start a
+    launcher, a SuperLink and a SuperExec for each one (~7 s of CPU and ~6 s of wall time
+    more a run); the launcher's own checks and exit codes keep their tests
+    (test_simulation.py, test_record_integrity_federation.py, test_interruptions.py)."""
+
+    def __init__(self, ray_address: str) -> None:
+        from dpfl.fab import stage_app
+        from dpfl.launch import flower_env, simulation_superlink, write_flower_config
+
+        self.home = Path(tempfile.mkdtemp(prefix="dpfl-sim-", dir="/tmp"))
+        self.env = flower_env(self.home)
+        self.env["RAY_ADDRESS"] = ray_address
+        self.app = stage_app(ROOT, self.home / "app")
+        self._superlink = simulation_superlink(self.home, self.env)
+        try:
+            write_flower_config(self.home, self._superlink.__enter__())
+        except BaseException:
+            shutil.rmtree(self.home, ignore_errors=True)
+            raise
+
+    def run(self, run_dir: Path, clients: int, overrides: dict[str, object]) -> Path:
+        """One run of ``clients`` simulated SuperNodes writing ``run_dir``; fails the test
+        with the run's output when the ServerApp wrote no summary."""
+        from dpfl.launch import CONNECTION, federation_config, run_config_arg
+
+        config = {**overrides, "output-dir": str(run_dir.parent), "run-name": run_dir.name}
+        proc = subprocess.run(
+            [str(Path(sys.executable).parent / "flwr"), "run", str(self.app), CONNECTION,
+             "--stream", "--run-config", run_config_arg(config),
+             "--federation-config", federation_config(clients, 1.0, None)],
+            env=self.env, cwd=ROOT, capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0 and (run_dir / "summary.json").exists(), \
+            proc.stdout[-3000:] + proc.stderr[-3000:] + self.log_tail()
+        return run_dir
+
+    def log_tail(self) -> str:
+        log = self.home / "superlink.log"
+        return "\nsuperlink.log: " + (log.read_text()[-3000:] if log.exists() else "none")
+
+    def stop(self) -> None:
+        try:
+            self._superlink.__exit__(None, None, None)
+        finally:
+            shutil.rmtree(self.home, ignore_errors=True)
+
+
 _shared_head: SharedRayHead | None = None
+_shared_simulation: SharedSimulation | None = None
+
+
+def simulate(tmp_path: Path, name: str, overrides: list[str] | tuple[str, ...],
+             clients: int = 2) -> Path:
+    """A federation of ``clients`` on the shared simulation SuperLink and Ray head (or, with
+    DPFL_TEST_PRIVATE_RAY=1, a `dpfl simulate` on a private Ray, ONE_ACTOR); ``overrides``
+    as ``key=value`` strings. Returns the run directory ``tmp_path/name``."""
+    global _shared_simulation
+    if os.environ.get(PRIVATE_RAY_ENV) == "1":
+        proc = subprocess.run(
+            [sys.executable, "-m", "dpfl.cli", "simulate", "--clients", str(clients),
+             *ONE_ACTOR, "--output-dir", str(tmp_path), f"run-name={name}", *overrides],
+            cwd=ROOT, capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        return tmp_path / name
+    from dpfl.cli import _overrides
+
+    address = client_runtime_args()[1]
+    if _shared_simulation is None:
+        _shared_simulation = SharedSimulation(address)
+    return _shared_simulation.run(tmp_path / name, clients, _overrides(list(overrides)))
 
 
 def client_runtime_args() -> tuple[str, ...]:
@@ -128,22 +202,20 @@ def client_runtime_args() -> tuple[str, ...]:
 
 def stop_shared_ray() -> None:
     """Stop this test process' Ray head, if it started one (at the session's end)."""
-    global _shared_head
-    if _shared_head is not None:
-        _shared_head.stop()
-        _shared_head = None
+    global _shared_head, _shared_simulation
+    try:
+        if _shared_simulation is not None:
+            _shared_simulation.stop()
+    finally:
+        _shared_simulation = None
+        if _shared_head is not None:
+            _shared_head.stop()
+            _shared_head = None
 
 
 def simulate_digits(tmp_path: Path, name: str, *overrides: str, clients: int = 2) -> Path:
-    """`dpfl simulate` on digits (batch 32), one ClientApp actor on the shared Ray head;
-    returns the run directory."""
-    proc = subprocess.run(
-        [sys.executable, "-m", "dpfl.cli", "simulate", "--clients", str(clients),
-         *client_runtime_args(), "--output-dir", str(tmp_path), "dataset=digits",
-         "batch-size=32", f"run-name={name}", *overrides],
-        cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return tmp_path / name
+    """A federation on digits (batch 32) by :func:`simulate`; returns the run directory."""
+    return simulate(tmp_path, name, ("dataset=digits", "batch-size=32", *overrides), clients)
 
 
 def read_run(run: Path) -> tuple[list[dict], dict, dict, dict]:

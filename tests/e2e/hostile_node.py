@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import socket
 import ssl
 import sys
@@ -293,7 +294,10 @@ def run_probe(args) -> int:
 
 
 def run_flood(args) -> int:
-    """TLS handshakes and unauthenticated gRPC calls for ``--seconds`` (bounded)."""
+    """TLS handshakes and unauthenticated gRPC calls for ``--seconds`` (bounded), or until
+    SIGUSR1 (the test has measured what it needs)."""
+    deadline = [time.monotonic() + args.seconds]   # the handler first, before the imports
+    signal.signal(signal.SIGUSR1, lambda *_: deadline.__setitem__(0, time.monotonic()))
     from flwr.proto.fleet_pb2 import PullMessagesRequest
     from flwr.proto.fleet_pb2_grpc import FleetStub
     from flwr.proto.node_pb2 import Node
@@ -301,7 +305,6 @@ def run_flood(args) -> int:
 
     host, port = args.superlink.rsplit(":", 1)
     ca = Path(args.ca).read_bytes()
-    stop = time.monotonic() + args.seconds
     counts: dict[str, int] = {}
     lock = threading.Lock()
 
@@ -313,7 +316,7 @@ def run_flood(args) -> int:
         ctx = ssl.create_default_context(cadata=ca.decode())
         ctx.check_hostname = False
         ctx.set_alpn_protocols(["h2"])
-        while time.monotonic() < stop:
+        while time.monotonic() < deadline[0]:
             try:
                 with socket.create_connection((host, int(port)), timeout=5) as raw:
                     with ctx.wrap_socket(raw, server_hostname=host):
@@ -322,7 +325,7 @@ def run_flood(args) -> int:
                 count(f"tls-{type(exc).__name__}")
 
     def calls() -> None:
-        while time.monotonic() < stop:   # a new channel (TCP + TLS) for every call
+        while time.monotonic() < deadline[0]:   # a new channel (TCP + TLS) for every call
             channel = create_channel(args.superlink, False, ca)
             try:
                 FleetStub(channel).PullMessages(PullMessagesRequest(node=Node(node_id=1)),

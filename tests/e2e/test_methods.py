@@ -1,4 +1,5 @@
-"""Every DP method runs from `flwr run` by name (2 clients, 2-3 rounds, real simulation) and
+"""Every DP method runs from `flwr run` by name (2 clients, 2-3 rounds, real simulation: each
+run submitted to one simulation SuperLink per test file, tests/e2e/federation.py) and
 does what the method does, read back from its run directory: GCFL's conflict counts and the
 projection they cause, DP-SCAFFOLD's server control variate, FedExP's step size against its
 closed form, PEGASUS' selection rule, AADP-FL's Rényi filter stopping a client, FedACG's
@@ -6,12 +7,9 @@ momentum. (FedCompDP,
 DP-FedASGP and Fed-SMP: test_methods_sparse_adaptive.py.)"""
 
 import json
-import subprocess
-import sys
 
 import pytest
 
-from federation import ROOT, client_runtime_args
 from federation import read_run as _read
 from federation import simulate_digits as _simulate
 
@@ -30,12 +28,8 @@ pytestmark = pytest.mark.e2e
     ("fedacg", ["acg-lambda=0.85", "acg-beta=0.002"]),
 ])
 def test_method_runs_by_name(tmp_path, strategy, extra):
-    proc = subprocess.run(
-        [sys.executable, "-m", "dpfl.cli", "simulate", "--clients", "2", *client_runtime_args(),
-         "--output-dir", str(tmp_path), f"strategy={strategy}", "dataset=digits", "num-rounds=2",
-         "batch-size=32", "lr=0.5", "target-epsilon=8.0", "run-name=m", *extra],
-        cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    _simulate(tmp_path, "m", f"strategy={strategy}", "num-rounds=2", "lr=0.5",
+              "target-epsilon=8.0", *extra)
     summary = json.loads((tmp_path / "m" / "summary.json").read_text())
     rounds = [json.loads(l) for l in (tmp_path / "m" / "rounds.jsonl").read_text().splitlines()]
     assert summary["guarantee"]["verdict"] == "formal"
@@ -128,13 +122,8 @@ def test_dpfedexp_step_size_follows_the_closed_form(tmp_path):
 def test_pegasus_selects_below_mean_clients(tmp_path):
     """Size-skewed clients have different sampling rates, hence different epsilons: from
     round 2 on only clients strictly below the mean epsilon are asked to train."""
-    proc = subprocess.run(
-        [sys.executable, "-m", "dpfl.cli", "simulate", "--clients", "3", *client_runtime_args(),
-         "--output-dir", str(tmp_path), "strategy=pegasus", "dataset=digits", "partitioning=size",
-         "num-rounds=3", "batch-size=32", "lr=0.5", "target-epsilon=8.0",
-         "noise-multiplier=1.0", "run-name=p"],
-        cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    _simulate(tmp_path, "p", "strategy=pegasus", "partitioning=size", "num-rounds=3", "lr=0.5",
+              "target-epsilon=8.0", "noise-multiplier=1.0", clients=3)
     rounds = [json.loads(l) for l in (tmp_path / "p" / "rounds.jsonl").read_text().splitlines()]
     assert len(rounds[0]["sampled-nodes"]) == 3
     for prev, cur in zip(rounds, rounds[1:]):
