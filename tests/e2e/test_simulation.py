@@ -13,7 +13,7 @@ import pytest
 from dp_accounting.pld import pld_privacy_accountant
 from opacus.accountants import RDPAccountant
 
-from federation import client_runtime_args, foreign_warnings
+from federation import foreign_warnings, simulate_digits
 
 pytestmark = pytest.mark.e2e
 ROOT = Path(__file__).resolve().parents[2]
@@ -104,14 +104,11 @@ def test_late_replies_are_charged_when_they_arrive(tmp_path):
     """round-timeout = 2 s: the first round's replies come after the round closed (the
     simulation's workers take longer than that to start). They are never aggregated, but
     each is charged to its client when it arrives; every update the server received is in
-    the ledger, and nothing is charged twice. (On the tests' shared Ray head: the first
-    ClientApp actor of a run still starts a new worker process, as on a private Ray.)"""
-    proc = _dpfl("simulate", "--clients", "2", *client_runtime_args(), "--output-dir",
-                 str(tmp_path),
-                 "dataset=digits", "num-rounds=3", "batch-size=32", "lr=0.5", "target-epsilon=20.0",
-                 "noise-multiplier=1.0", "round-timeout=2", "run-name=late")
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    run = tmp_path / "late"
+    the ledger, and nothing is charged twice. (Submitted to the tests' shared simulation
+    SuperLink and Ray head: the first ClientApp actor of a run still starts a new worker
+    process, as on a private Ray.)"""
+    run = simulate_digits(tmp_path, "late", "num-rounds=3", "lr=0.5", "target-epsilon=20.0",
+                          "noise-multiplier=1.0", "round-timeout=2")
     rounds = [json.loads(l) for l in (run / "rounds.jsonl").read_text().splitlines()]
     ledger = json.loads((run / "ledger.json").read_text())
     assert rounds[0]["train"] == {} or rounds[0]["train"].get("accepted", 0) == 0
