@@ -30,9 +30,10 @@ ONE_ACTOR = ("--parallel-clients", "1")
 # an idle head costs ~1.4 s of CPU a minute). They are submitted with `flwr run` to one
 # simulation SuperLink per test file (SharedSimulation, stopped with the head); the audits
 # run through `dpfl audit --ray-address` (docs/ray-cluster.md). A private Ray per
-# federation costs ~3 s of CPU and ~4.5 s of wall time more to start and stop (GCS, raylet, dashboard and
-# runtime-env agents, log and autoscaler monitors: 30.5 vs 27.6 s of CPU, 28.9 vs 24.5 s
-# wall for a 2-client, 2-round digits run, measured system-wide on an idle machine). The
+# federation costs ~3 s of CPU and ~4.5 s of wall time more to start and stop (GCS,
+# raylet, dashboard and runtime-env agents, log and autoscaler monitors: 30.5 vs 27.6 s
+# of CPU, 28.9 vs 24.5 s wall for a 2-client, 2-round digits run, measured system-wide on
+# an idle machine). The
 # head has one CPU: one ClientApp actor, the clients one after the other, as ONE_ACTOR.
 # The launcher's own private Ray (the default a user runs) keeps its tests: test_simulation,
 # test_readme_examples, test_record_integrity_federation, test_interruptions. Set
@@ -201,7 +202,8 @@ def client_runtime_args() -> tuple[str, ...]:
 
 
 def stop_shared_ray() -> None:
-    """Stop this test process' Ray head, if it started one (at the session's end)."""
+    """Stop this test process' shared simulation SuperLink and Ray head, if it started them
+    (after each test file's last test, and at the session's end: tests/conftest.py)."""
     global _shared_head, _shared_simulation
     try:
         if _shared_simulation is not None:
