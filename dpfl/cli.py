@@ -74,7 +74,7 @@ def _parse_value(text: str) -> object:
         return text
 
 
-def _overrides(pairs: list[str]) -> dict[str, object]:
+def parse_overrides(pairs: list[str]) -> dict[str, object]:
     """``key=value`` arguments as run-config overrides; a key given twice is refused (which
     one should win is a guess either way: Flower's ``--run-config`` keeps the last)."""
     out: dict[str, object] = {}
@@ -103,7 +103,7 @@ def app_dir() -> Path:
 def cmd_simulate(args: argparse.Namespace) -> int:
     """Invalid settings stop before any process starts (exit 2); a federation that did not
     finish exits 1, whatever files an earlier run left."""
-    overrides = _overrides(args.overrides)   # before the imports below (seconds)
+    overrides = parse_overrides(args.overrides)   # before the imports below (seconds)
     from dpfl.launch import RunFailed, simulate
     from dpfl.server.report import epsilon_table
 

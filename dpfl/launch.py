@@ -115,7 +115,8 @@ def flower_env(flwr_home: Path, output_root: Path | None = None) -> dict[str, st
     return env
 
 
-def _bin(name: str) -> str:
+def flower_bin(name: str) -> str:
+    """The path of a Flower command (`flwr`, `flower-superlink`, ...) of this venv, else PATH's."""
     local = Path(sys.executable).parent / name
     found = str(local) if local.exists() else shutil.which(name)
     if not found:
@@ -189,7 +190,7 @@ def simulation_superlink(flwr_home: Path, env: dict[str, str]) -> Iterator[str]:
     http_port, control_port, fleet_port = free_port(), free_port(), free_port()
     log_file = flwr_home / "superlink.log"
     flwr_home.mkdir(parents=True, exist_ok=True)
-    cmd = [_bin("flower-superlink"), "--insecure", "--simulation", "--isolation", "subprocess",
+    cmd = [flower_bin("flower-superlink"), "--insecure", "--simulation", "--isolation", "subprocess",
            "--host", "127.0.0.1", "--port", str(http_port),
            "--control-api-address", f"127.0.0.1:{control_port}",
            "--fleet-api-address", f"127.0.0.1:{fleet_port}",
@@ -420,7 +421,7 @@ def _launch(app_dir: Path, cfg: RunConfig, num_clients: int, overrides: dict[str
     app = stage_app(app_dir, flwr_home / "app")  # flwr run would walk the whole checkout
     with simulation_superlink(flwr_home, env) as address:
         write_flower_config(flwr_home, address)
-        cmd = [_bin("flwr"), "run", str(app), CONNECTION, "--stream",
+        cmd = [flower_bin("flwr"), "run", str(app), CONNECTION, "--stream",
                "--run-config", run_config_arg(overrides),
                "--federation-config",
                federation_config(num_clients, num_cpus, parallel)]

@@ -432,6 +432,8 @@ def test_compose_rejects_bad_arguments_and_states(unprivileged, shared_dir, args
     ("image.sh", ["--tag"], "--tag needs a value"),
     ("image.sh", ["--tag", "Upper:1"], "--tag 'Upper:1': not an image name"),
     ("image.sh", ["--flavour", "x"], "unknown argument '--flavour'"),
+    ("image.sh", ["--wheels-only", "--from-wheelhouse"],
+     "--wheels-only and --from-wheelhouse exclude each other"),
     ("base-image.sh", [], "usage: deploy/base-image.sh TAG [WORK_DIR]"),
     ("base-image.sh", ["Not A Tag"], "TAG 'Not A Tag': not an image name"),
 ])

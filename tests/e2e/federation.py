@@ -11,6 +11,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from contextlib import ExitStack
 from functools import lru_cache
 from pathlib import Path
 
@@ -131,21 +132,23 @@ class SharedSimulation:
         self.env = flower_env(self.home)
         self.env["RAY_ADDRESS"] = ray_address
         self.app = stage_app(ROOT, self.home / "app")
-        self._superlink = simulation_superlink(self.home, self.env)
+        self._stack = ExitStack()
+        self._stack.callback(shutil.rmtree, self.home, ignore_errors=True)
         try:
-            write_flower_config(self.home, self._superlink.__enter__())
+            address = self._stack.enter_context(simulation_superlink(self.home, self.env))
+            write_flower_config(self.home, address)
         except BaseException:
-            shutil.rmtree(self.home, ignore_errors=True)
+            self._stack.close()
             raise
 
     def run(self, run_dir: Path, clients: int, overrides: dict[str, object]) -> Path:
         """One run of ``clients`` simulated SuperNodes writing ``run_dir``; fails the test
         with the run's output when the ServerApp wrote no summary."""
-        from dpfl.launch import CONNECTION, federation_config, run_config_arg
+        from dpfl.launch import CONNECTION, federation_config, flower_bin, run_config_arg
 
         config = {**overrides, "output-dir": str(run_dir.parent), "run-name": run_dir.name}
         proc = subprocess.run(
-            [str(Path(sys.executable).parent / "flwr"), "run", str(self.app), CONNECTION,
+            [flower_bin("flwr"), "run", str(self.app), CONNECTION,
              "--stream", "--run-config", run_config_arg(config),
              "--federation-config", federation_config(clients, 1.0, None)],
             env=self.env, cwd=ROOT, capture_output=True, text=True, timeout=600)
@@ -158,10 +161,8 @@ class SharedSimulation:
         return "\nsuperlink.log: " + (log.read_text()[-3000:] if log.exists() else "none")
 
     def stop(self) -> None:
-        try:
-            self._superlink.__exit__(None, None, None)
-        finally:
-            shutil.rmtree(self.home, ignore_errors=True)
+        """Stop the SuperLink and its SuperExec, then remove their folder."""
+        self._stack.close()
 
 
 _shared_head: SharedRayHead | None = None
@@ -181,12 +182,12 @@ def simulate(tmp_path: Path, name: str, overrides: list[str] | tuple[str, ...],
             cwd=ROOT, capture_output=True, text=True, timeout=600)
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
         return tmp_path / name
-    from dpfl.cli import _overrides
+    from dpfl.cli import parse_overrides
 
     address = client_runtime_args()[1]
     if _shared_simulation is None:
         _shared_simulation = SharedSimulation(address)
-    return _shared_simulation.run(tmp_path / name, clients, _overrides(list(overrides)))
+    return _shared_simulation.run(tmp_path / name, clients, parse_overrides(list(overrides)))
 
 
 def client_runtime_args() -> tuple[str, ...]:
