@@ -186,8 +186,8 @@ def docker_env(tmp_path_factory):
     Its folder is a tmpfs (8 GiB at most; ~4.3 GB during the build, ~2.1 GB once the build
     stage is pruned): on this machine's disk (ext4, mounted with ``discard``) removing the
     engine's layers afterwards took 152 s, unmounting a tmpfs takes none. Module scope: the
-    engine stops after this file's last test (an idle dockerd and containerd took ~1 min of
-    CPU over the rest of a session when it lived until the session's end)."""
+    engine stops after this file's last test (in session scope it lived, idle, until the
+    worker's last test, and its teardown was charged to whatever test that was)."""
     if missing_requirements(NEEDED, root=True):
         yield None
         return
