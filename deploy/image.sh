@@ -41,6 +41,7 @@ done
 [[ $tag =~ ^[a-z0-9][a-z0-9._/:-]*(:[A-Za-z0-9_.-]+)?$ ]] \
   || die 2 "--tag '$tag': not an image name (lowercase name[:tag], e.g. dpfl:0.1.0)"
 wheels=$repo/deploy/wheelhouse
+has_wheels() { ls "$wheels"/dpfl-*.whl "$wheels"/torch-*.whl > /dev/null 2>&1; }
 if [ "$steps" != wheels-only ]; then
   command -v docker > /dev/null || die 2 "'docker' not found on PATH (apt-get install docker.io)"
 fi
@@ -48,7 +49,7 @@ if [ "$steps" != from-wheelhouse ]; then
   command -v "$python" > /dev/null || die 2 "PYTHON '$python' not found (set PYTHON to a Python 3.11-3.12 with pip)"
   "$python" -m pip --version > /dev/null 2>&1 || die 2 "PYTHON '$python' has no pip (set PYTHON to one that has)"
 else
-  ls "$wheels"/dpfl-*.whl "$wheels"/torch-*.whl "$wheels"/constraints.txt > /dev/null 2>&1 \
+  has_wheels && [ -f "$wheels/constraints.txt" ] \
     || die 2 "--from-wheelhouse: $wheels holds no dpfl or torch wheel or no constraints.txt (make it with $me --wheels-only)"
 fi
 if [ "$steps" != wheels-only ]; then
@@ -66,8 +67,7 @@ if [ "$steps" != from-wheelhouse ]; then
   "$python" -m pip wheel -q --disable-pip-version-check -w "$wheels" -c "$wheels/constraints.txt" \
     "$repo[mnist]" "$torch_spec" > "$logs/pip-wheel.log" 2>&1 \
     || die 1 "pip wheel failed: $(grep -v 'is ignored: it is neither' "$logs/pip-wheel.log" | grep -v '^[[:space:]]*$' | tail -1) (log: $logs/pip-wheel.log)"
-  ls "$wheels"/dpfl-*.whl "$wheels"/torch-*.whl > /dev/null 2>&1 \
-    || die 1 "pip wheel made no dpfl or torch wheel in $wheels (log: $logs/pip-wheel.log)"
+  has_wheels || die 1 "pip wheel made no dpfl or torch wheel in $wheels (log: $logs/pip-wheel.log)"
   if [ "$steps" = wheels-only ]; then
     rm -rf "$logs"
     echo "$wheels"

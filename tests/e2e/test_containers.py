@@ -152,9 +152,9 @@ def _run(cmd: list[str], env: dict[str, str], timeout: float = 900) -> str:
 
 
 def _build_images(env: dict[str, str], home: Path) -> None:
-    """The base image (debootstrap) and the wheelhouse (pip wheel) side by side: both wait on
-    the network most of their time (146 s and 85 s wall for ~30 and 20 s of CPU, measured
-    here); then the dpfl image from that wheelhouse, and the build stage's layers dropped."""
+    """The base image (debootstrap, 146 s) and the wheelhouse (pip wheel, 85 s wall for 19 s
+    of CPU) side by side, as both wait on the network most of their time (measured here);
+    then the dpfl image from that wheelhouse, and the build stage's layers dropped."""
     logs = {name: open(home / f"{name}.log", "w") for name in ("base", "wheels")}
     steps = {
         "base": subprocess.Popen([str(ROOT / "deploy" / "base-image.sh"), BASE,
