@@ -145,10 +145,13 @@ import numpy, torch
 torch.set_num_threads(2)
 a = torch.randn(300, 300, dtype=torch.float64)
 assert torch.allclose(a @ a, torch.from_numpy(a.numpy() @ a.numpy()))
-print(json.dumps({"pid": os.getpid(), "dpfl": sorted(m for m in sys.modules
-                  if m == "dpfl" or m.startswith("dpfl.")),
-                  "numpy": int(numpy.random.randint(2**31)),
-                  "torch": int(torch.randint(2**31, (1,)))}), flush=True)
+# one write(2) per report: under PYTHONUNBUFFERED, print() writes the text and its newline
+# in two calls, and siblings' reports interleave ("{...}{...}\\n\\n")
+report = json.dumps({"pid": os.getpid(), "dpfl": sorted(m for m in sys.modules
+                     if m == "dpfl" or m.startswith("dpfl.")),
+                     "numpy": int(numpy.random.randint(2**31)),
+                     "torch": int(torch.randint(2**31, (1,)))})
+os.write(1, (report + "\\n").encode())
 """
 
 
