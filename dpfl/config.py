@@ -156,6 +156,9 @@ class RunConfig:
     # keep the global model of every round (globals/round-<r>.pt) for CS-MIA, the attack
     # on the confidence series of a record across the rounds' global models
     record_global_models: bool = False
+    # draw the run's figures (labels.png, accuracy.png, epsilon.png); off in a sweep whose
+    # runs nobody looks at one by one (matplotlib costs a ServerApp ~1.5 s of CPU)
+    plots: bool = True
     # trust model (dpfl.privacy.trust): local = noise on each client (no amplification);
     # central = clients clip, a trusted server samples clients by Poisson(fraction-train),
     # adds N(0, sigma^2 C^2) to the sum (amplification accounted, every client charged every
@@ -332,6 +335,9 @@ KEY_HELP: dict[str, str] = {
                             "`dpfl attack`'s CS-MIA (the confidence series of a record across "
                             "the rounds' global models); the global models are what every "
                             "sampled client receives anyway: no privacy cost",
+    "plots": "draw the run's figures: `labels.png` (the clients' label counts), "
+             "`accuracy.png` and, in a private run, `epsilon.png`; `false` in a sweep of "
+             "many runs saves a ServerApp ~1.5 s of CPU (matplotlib)",
     "trust": "who adds the noise (see Trust models): `local` (each client), `central` (a "
              "trusted server; `fraction-train` becomes a Poisson rate and amplification is "
              "accounted), `distributed` (Skellam or discrete Gaussian shares under Flower's "

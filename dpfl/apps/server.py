@@ -211,8 +211,9 @@ def _set_up(grid: Grid, cfg: RunConfig, run_dir: RunDir, t_start: float) -> Fede
         first_round_affordable(strategy, cfg)
     run_dir.create()
     counts = label_counts(ds.y_train, splits, ds.num_classes)
-    plot_label_counts(counts, run_dir.file("labels.png"),
-                      f"{cfg.dataset}, {cfg.partitioning}, {num_nodes} clients")
+    if cfg.plots:
+        plot_label_counts(counts, run_dir.file("labels.png"),
+                          f"{cfg.dataset}, {cfg.partitioning}, {num_nodes} clients")
     ledger = Ledger(cfg.delta, cfg.accountant,
                     budget=cfg.target_epsilon if cfg.is_private else None)
     strategy.bind_ledger(ledger)
@@ -497,8 +498,10 @@ def finish(fed: Federation) -> dict[str, Any]:
         "run-dir": str(fed.run_dir.path),
     }
     fed.run_dir.write_json("summary.json", summary)
-    plot_accuracy(rounds, fed.run_dir.file("accuracy.png"), f"{cfg.strategy} on {cfg.dataset}")
-    if cfg.is_private:
+    if cfg.plots:
+        plot_accuracy(rounds, fed.run_dir.file("accuracy.png"),
+                      f"{cfg.strategy} on {cfg.dataset}")
+    if cfg.plots and cfg.is_private:
         plot_epsilon(_epsilon_series(rounds), fed.run_dir.file("epsilon.png"),
                      cfg.target_epsilon)
     if launcher_prints_summary():   # dpfl simulate prints the table when the run ends

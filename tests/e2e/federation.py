@@ -173,8 +173,10 @@ def simulate(tmp_path: Path, name: str, overrides: list[str] | tuple[str, ...],
              clients: int = 2) -> Path:
     """A federation of ``clients`` on the shared simulation SuperLink and Ray head (or, with
     DPFL_TEST_PRIVATE_RAY=1, a `dpfl simulate` on a private Ray, ONE_ACTOR); ``overrides``
-    as ``key=value`` strings. Returns the run directory ``tmp_path/name``."""
+    as ``key=value`` strings, after ``plots=false`` (these tests read the run's records;
+    test_simulation.py checks the figures). Returns the run directory ``tmp_path/name``."""
     global _shared_simulation
+    overrides = ("plots=false", *overrides)
     if os.environ.get(PRIVATE_RAY_ENV) == "1":
         proc = subprocess.run(
             [sys.executable, "-m", "dpfl.cli", "simulate", "--clients", str(clients),

@@ -26,7 +26,7 @@ from dpfl.privacy.ledger import Ledger
 from federation import ONE_ACTOR, ROOT, read_run
 
 BASE = ["dataset=digits", "batch-size=32", "model=mlp", "trainer=update-dp", "clip-norm=0.5",
-        "noise-multiplier=2.0", "target-epsilon=50", "lr=0.1"]
+        "noise-multiplier=2.0", "target-epsilon=50", "lr=0.1", "plots=false"]
 
 
 def _dpfl(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
