@@ -30,7 +30,7 @@ demo: $(STAMP)
 	$(VENV)/bin/dpfl simulate --clients 4
 
 test: $(STAMP)
-	$(VENV)/bin/python -m pytest -q --durations=25 -n 3 --dist loadfile --no-loadscope-reorder
+	$(VENV)/bin/python -m pytest -q --durations=25 -n 2 --dist loadfile --no-loadscope-reorder
 
 bench: $(STAMP)
 	$(VENV)/bin/python bench/dpsgd_throughput.py

@@ -47,9 +47,9 @@ def dpfl_memo(tmp_path_factory):
     os.environ.pop(CACHE_ENV, None)
 
 
-# The order `make test`'s three xdist workers take the test files in (`--dist loadfile
+# The order `make test`'s two xdist workers take the test files in (`--dist loadfile
 # --no-loadscope-reorder`): the end-to-end files first, longest first, so that the short
-# unit-test files fill the end and no worker waits on another's last long file.
+# unit-test files fill the end and neither worker waits on the other's last long file.
 # (xdist's default reorder starts the files with the MOST tests, the unit files, and left
 # the whole e2e suite, and the image build, for the end.) Rough cost in seconds of each
 # file's tests on this 2-core machine (a clean-clone CI's junit); files not listed follow,
