@@ -37,6 +37,7 @@ def test_method_runs_by_name(tmp_path, strategy, extra):
     assert summary["guarantee"]["unit"] == "sample"
     assert summary["final"]["accuracy"] > summary["initial"]["accuracy"]
     assert all(c["epsilon"] <= 8.0 for c in summary["clients"].values())
+    assert not list((tmp_path / "m").glob("*.png"))  # plots=false (federation.simulate)
     if strategy == "fedacg":   # m after round 1 is the mean update: non-zero, recorded
         assert all(r["train"]["acg-momentum-norm"] > 0 for r in rounds)
 
