@@ -210,8 +210,8 @@ def _set_up(grid: Grid, cfg: RunConfig, run_dir: RunDir, t_start: float) -> Fede
     if not cfg.resume:
         first_round_affordable(strategy, cfg)
     run_dir.create()
-    counts = label_counts(ds.y_train, splits, ds.num_classes)
     if cfg.plots:
+        counts = label_counts(ds.y_train, splits, ds.num_classes)
         plot_label_counts(counts, run_dir.file("labels.png"),
                           f"{cfg.dataset}, {cfg.partitioning}, {num_nodes} clients")
     ledger = Ledger(cfg.delta, cfg.accountant,
@@ -501,9 +501,9 @@ def finish(fed: Federation) -> dict[str, Any]:
     if cfg.plots:
         plot_accuracy(rounds, fed.run_dir.file("accuracy.png"),
                       f"{cfg.strategy} on {cfg.dataset}")
-    if cfg.plots and cfg.is_private:
-        plot_epsilon(_epsilon_series(rounds), fed.run_dir.file("epsilon.png"),
-                     cfg.target_epsilon)
+        if cfg.is_private:
+            plot_epsilon(_epsilon_series(rounds), fed.run_dir.file("epsilon.png"),
+                         cfg.target_epsilon)
     if launcher_prints_summary():   # dpfl simulate prints the table when the run ends
         log.info("privacy summary: %s (verdict %s)", fed.run_dir.file("summary.json"),
                  summary["guarantee"]["verdict"])
