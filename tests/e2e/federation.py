@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from contextlib import ExitStack
 from functools import lru_cache
@@ -118,7 +119,8 @@ class SharedSimulation:
     """One simulation SuperLink (``flower-superlink --simulation`` and its SuperExec, under
     dpfl's watchdog, as ``dpfl simulate`` starts it: :func:`dpfl.launch.simulation_superlink`)
     whose runs' ClientApps go to the shared Ray head. :meth:`run` submits one run to it with
-    ``flwr run --stream``, as an operator submits runs to a running SuperLink; the SuperExec
+    ``flwr run --stream``, as an operator submits runs to a running SuperLink (Flower's CLI
+    forked from a process that imported it once: tests/e2e/flwr_forks.py); the SuperExec
     starts a ``flwr-simulation`` process per run. A `dpfl simulate` per run would start a
     launcher, a SuperLink and a SuperExec for each one (~7 s of CPU and ~6 s of wall time
     more a run); the launcher's own checks and exit codes keep their tests
@@ -137,23 +139,60 @@ class SharedSimulation:
         try:
             address = self._stack.enter_context(simulation_superlink(self.home, self.env))
             write_flower_config(self.home, address)
+            # `flwr`, imported once and forked per run (tests/e2e/flwr_forks.py)
+            self._flwr = subprocess.Popen(
+                [sys.executable, str(Path(__file__).with_name("flwr_forks.py"))],
+                env=self.env, cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                text=True, start_new_session=True)
+            self._stack.callback(self._stop_flwr)
         except BaseException:
             self._stack.close()
             raise
 
+    def _stop_flwr(self) -> None:
+        self._flwr.stdin.close()   # its loop ends at end of input
+        try:
+            self._flwr.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self._flwr.kill()
+            self._flwr.wait()
+
+    def _flwr_command(self, argv: list[str], out: Path, timeout: float) -> int:
+        """``flwr ARGV`` from the forking `flwr` (output to ``out``); its exit code. Past
+        ``timeout`` seconds the command is killed and the test fails."""
+        self._flwr.stdin.write(json.dumps({"argv": argv, "out": str(out)}) + "\n")
+        self._flwr.stdin.flush()
+        pid = int(self._flwr.stdout.readline())
+        killed = threading.Event()
+
+        def kill() -> None:
+            killed.set()
+            os.kill(pid, signal.SIGKILL)
+
+        timer = threading.Timer(timeout, kill)
+        timer.start()
+        try:
+            code = int(self._flwr.stdout.readline())   # the child's exit code, once reaped
+        finally:
+            timer.cancel()
+        assert not killed.is_set(), \
+            f"flwr {argv[0]} took over {timeout:.0f} s:\n{out.read_text()[-3000:]}" \
+            + self.log_tail()
+        return code
+
     def run(self, run_dir: Path, clients: int, overrides: dict[str, object]) -> Path:
         """One run of ``clients`` simulated SuperNodes writing ``run_dir``; fails the test
         with the run's output when the ServerApp wrote no summary."""
-        from dpfl.launch import CONNECTION, federation_config, flower_bin, run_config_arg
+        from dpfl.launch import CONNECTION, federation_config, run_config_arg
 
         config = {**overrides, "output-dir": str(run_dir.parent), "run-name": run_dir.name}
-        proc = subprocess.run(
-            [flower_bin("flwr"), "run", str(self.app), CONNECTION,
-             "--stream", "--run-config", run_config_arg(config),
-             "--federation-config", federation_config(clients, 1.0, None)],
-            env=self.env, cwd=ROOT, capture_output=True, text=True, timeout=600)
-        assert proc.returncode == 0 and (run_dir / "summary.json").exists(), \
-            proc.stdout[-3000:] + proc.stderr[-3000:] + self.log_tail()
+        out = self.home / f"flwr-run-{run_dir.name}-{time.monotonic_ns()}.log"
+        code = self._flwr_command(
+            ["run", str(self.app), CONNECTION, "--stream", "--run-config",
+             run_config_arg(config), "--federation-config",
+             federation_config(clients, 1.0, None)], out, timeout=600)
+        assert code == 0 and (run_dir / "summary.json").exists(), \
+            out.read_text()[-6000:] + self.log_tail()
         return run_dir
 
     def log_tail(self) -> str:
@@ -169,14 +208,25 @@ _shared_head: SharedRayHead | None = None
 _shared_simulation: SharedSimulation | None = None
 
 
+# What these federations set unless a test names the key itself: plots=false (the tests
+# read the run's records; test_simulation.py checks the figures).
+TEST_RUN_DEFAULTS = ("plots=false",)
+
+
+def with_test_defaults(overrides: list[str] | tuple[str, ...]) -> tuple[str, ...]:
+    """:data:`TEST_RUN_DEFAULTS` whose key ``overrides`` does not give, then ``overrides``."""
+    given = {o.split("=", 1)[0].strip() for o in overrides}
+    return (*(d for d in TEST_RUN_DEFAULTS if d.split("=", 1)[0] not in given), *overrides)
+
+
 def simulate(tmp_path: Path, name: str, overrides: list[str] | tuple[str, ...],
              clients: int = 2) -> Path:
     """A federation of ``clients`` on the shared simulation SuperLink and Ray head (or, with
     DPFL_TEST_PRIVATE_RAY=1, a `dpfl simulate` on a private Ray, ONE_ACTOR); ``overrides``
-    as ``key=value`` strings, after ``plots=false`` (these tests read the run's records;
-    test_simulation.py checks the figures). Returns the run directory ``tmp_path/name``."""
+    as ``key=value`` strings, after :data:`TEST_RUN_DEFAULTS`. Returns the run directory
+    ``tmp_path/name``."""
     global _shared_simulation
-    overrides = ("plots=false", *overrides)
+    overrides = with_test_defaults(overrides)
     if os.environ.get(PRIVATE_RAY_ENV) == "1":
         proc = subprocess.run(
             [sys.executable, "-m", "dpfl.cli", "simulate", "--clients", str(clients),
