@@ -146,3 +146,52 @@ def test_secure_check_refuses_too_little_noise():
     with pytest.raises(ValueError, match="support"):
         cfg.params.secure_check(cfg, 64, 0.001, 4, 4, 10 ** 8)
     assert cfg.params.secure_check(cfg, 64, 2.0, 4, 4, 10 ** 8) >= 0
+
+
+@pytest.mark.parametrize("guess", [0.5, 5.0, 50.0])
+def test_bracket_and_bisect_finds_the_smallest_sigma_to_one_percent(guess):
+    """eps(sigma) = 10 / sigma, target 2: sigma* = 5, from any starting guess."""
+    calls = []
+
+    def eps(sigma):
+        calls.append(sigma)
+        return 10.0 / sigma
+
+    sigma = cp.bracket_and_bisect(eps, 2.0, guess)
+    assert 5.0 <= sigma <= 5.0 * 1.01
+    assert len(calls) <= 30
+    with pytest.raises(ValueError, match="unreachable"):
+        cp.bracket_and_bisect(lambda s: 1.0, 0.5, 1.0)
+
+
+def _small_cfg(target):
+    return parse_run_config({"strategy": "cpsgd", "trainer": "update-dp",
+                             "trust": "distributed", "cpsgd-levels": 4, "num-rounds": 5,
+                             "target-epsilon": target, "delta": 1e-5})
+
+
+def _eps(cfg, dim, sigma):
+    return history_epsilon([cfg.params.secure_event(cfg, 1, dim, sigma)] * cfg.num_rounds,
+                           cfg.delta, "rdp")
+
+
+def test_calibration_is_the_smallest_sigma_and_its_memo_is_checked(tmp_path, monkeypatch,
+                                                                  caplog):
+    """The calibrated sigma meets the target and 1 % less does not; a second process (the
+    in-process cache cleared) takes it from the memo without a search; a memo entry below
+    the target is refused and the search runs again."""
+    monkeypatch.setenv("DPFL_CACHE_DIR", str(tmp_path))
+    cfg, dim = _small_cfg(8.0), 64
+    sigma = cfg.params._calibrate(cfg, dim)
+    assert _eps(cfg, dim, sigma) <= 8.0 < _eps(cfg, dim, sigma / 1.01)
+    searches = []
+    search = cp.bracket_and_bisect
+    monkeypatch.setattr(cp, "bracket_and_bisect",
+                        lambda *a, **k: searches.append(a) or search(*a, **k))
+    assert cfg.params._calibrate(cfg, dim) == sigma and searches == []
+    key = cp._memo_key(cfg.params, cfg, dim)
+    cp.calibration_cache.store(key, sigma / 2)   # an edited entry: too little noise
+    assert cfg.params._calibrate(cfg, dim) == sigma and len(searches) == 1
+    assert "above the target epsilon" in caplog.text
+    other = _small_cfg(4.0)                       # another question, another entry
+    assert other.params._calibrate(other, dim) > sigma and len(searches) == 2

@@ -35,17 +35,20 @@ BTRS rejection, like the Skellam path's ``torch.poisson``), not a bit-exact samp
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass
 from functools import lru_cache
+from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import torch
 
+from dpfl import memo
 from dpfl.config import RunConfig, need
 from dpfl.method import Method, MethodParams
-from dpfl.privacy import binomial
-from dpfl.privacy.events import PrivacyEvent, history_epsilon
+from dpfl.privacy import accounting, binomial, calibration_cache, events
 from dpfl.privacy.mechanisms import l2_clip
 from dpfl.privacy.plan import UPDATE_DP_RELATION
 from dpfl.privacy.skellam import randomized_round
@@ -54,6 +57,8 @@ from dpfl.server.strategy import DPFLStrategy
 
 ROTATION_TAG = 0x43505347          # "CPSG": the rotation signs' public stream
 DELTA_SHARE = 1e-3                 # the share of delta left for the excluded support mass
+
+log = logging.getLogger("flwr.dpfl.cpsgd")
 
 
 # -- the math ----------------------------------------------------------------------------
@@ -160,7 +165,7 @@ class CpsgdParams(MethodParams):
         return dp, x_max, level_scale(self.cpsgd_levels, x_max)
 
     def secure_event(self, cfg: RunConfig, server_round: int, dim: int, sigma: float
-                     ) -> PrivacyEvent:
+                     ) -> events.PrivacyEvent:
         dp, _, s = self._geometry(cfg, dim)
         return binomial.binomial_event(
             server_round, total_trials(sigma, cfg.clip_norm, s), self.cpsgd_levels - 1,
@@ -176,19 +181,34 @@ class CpsgdParams(MethodParams):
                            cfg.target_epsilon, dim)
 
     def _calibrate(self, cfg: RunConfig, dim: int) -> float:
+        """The smallest sigma (to 1 %) whose ``num-rounds`` events meet ``target-epsilon``:
+        eps(sigma) <= target < eps(sigma / 1.01). Each eps(sigma) sums the binomial's pmf
+        over N ~ 4 (sigma C s)^2 trials (tens of seconds at N ~ 1e10), so the answer is
+        memoised on disk (:mod:`dpfl.privacy.calibration_cache`; a kept sigma is returned
+        only once eps(sigma) <= target is confirmed), and the bisection starts from the
+        Gaussian's multiplier for the binomial's sensitivity, which it approaches as N
+        grows."""
         def eps(sigma: float) -> float:
             ev = self.secure_event(cfg, 1, dim, sigma)
-            return history_epsilon([ev] * cfg.num_rounds, cfg.delta, "rdp")
+            return events.history_epsilon([ev] * cfg.num_rounds, cfg.delta, "rdp")
 
-        lo, hi = 0.25, 1.0
-        while eps(hi) > cfg.target_epsilon:
-            lo, hi = hi, 2.0 * hi
-            if hi > 1e4:
-                raise ValueError("target epsilon unreachable with sigma <= 1e4")
-        while hi / lo > 1.01:
-            mid = math.sqrt(lo * hi)
-            lo, hi = (lo, mid) if eps(mid) <= cfg.target_epsilon else (mid, hi)
-        return hi
+        key = _memo_key(self, cfg, dim)
+        cached = calibration_cache.lookup(key)
+        if cached is not None:
+            if eps(cached) <= cfg.target_epsilon:
+                return cached
+            log.warning("calibration memo gave cpSGD sigma %.6g above the target epsilon "
+                        "%.6g: calibrating afresh", cached, cfg.target_epsilon)
+        # the Gaussian's multiplier, scaled by the rounding's share of the sensitivity
+        # (B = C s + sqrt(d') against C s): near the binomial's at large N
+        dp, _, s = self._geometry(cfg, dim)
+        guess = accounting.calibrate_noise(cfg.target_epsilon, cfg.delta, cfg.num_rounds,
+                                           accountant="rdp", relation=UPDATE_DP_RELATION
+                                           ) * (cfg.clip_norm * s + math.sqrt(dp)) / (
+                                               cfg.clip_norm * s)
+        sigma = bracket_and_bisect(eps, cfg.target_epsilon, guess)
+        calibration_cache.store(key, sigma)
+        return sigma
 
     def secure_share(self, cfg: RunConfig, update: torch.Tensor, clip: float, sigma: float,
                      n_min: int, generator: torch.Generator, server_round: int
@@ -234,6 +254,36 @@ class CpsgdParams(MethodParams):
                 "exact restricted-support Renyi divergence of dpfl.privacy.binomial (NOT "
                 "the paper's Theorem 1), its support-mismatch mass <= 1e-3 delta paid by "
                 "converting at delta (1 - 1e-3),")
+
+
+def bracket_and_bisect(eps: Callable[[float], float], target: float, guess: float,
+                       ratio: float = 1.01) -> float:
+    """The smallest sigma to ``ratio`` with eps(sigma) <= target, for eps decreasing in
+    sigma: a bracket [lo, hi] around ``guess`` (widened by 1.25 per step until eps(lo) >
+    target >= eps(hi)), then bisection on log sigma until hi / lo <= ``ratio``."""
+    lo, hi = guess / 1.05, guess * 1.1
+    while eps(hi) > target:
+        lo, hi = hi, hi * 1.25
+        if hi > 1e4:
+            raise ValueError("target epsilon unreachable with sigma <= 1e4")
+    while lo > 1e-3 and eps(lo) <= target:
+        lo, hi = lo / 1.25, lo
+    while hi / lo > ratio:
+        mid = math.sqrt(lo * hi)
+        lo, hi = (lo, mid) if eps(mid) <= target else (mid, hi)
+    return hi
+
+
+def _memo_key(params: CpsgdParams, cfg: RunConfig, dim: int) -> str:
+    """The calibration's memo key: the code that answers (dp-accounting's version, the
+    sources of this module, of the binomial accounting and of the events' RDP) and the
+    question."""
+    version = memo.code_version("dp-accounting", Path(__file__), Path(binomial.__file__),
+                                Path(accounting.__file__), Path(events.__file__))
+    return version + "\ncpsgd " + repr((params.cpsgd_levels, params.cpsgd_range,
+                                        params.cpsgd_rotate, cfg.clip_norm, cfg.num_rounds,
+                                        cfg.delta, cfg.target_epsilon, dim,
+                                        UPDATE_DP_RELATION, DELTA_SHARE))
 
 
 @lru_cache(maxsize=32)
