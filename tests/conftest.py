@@ -54,8 +54,11 @@ def dpfl_memo(tmp_path_factory):
 # the whole e2e suite, and the image build, for the end.) Rough cost in seconds of each
 # file's tests on this 2-core machine (a clean-clone CI's junit); files not listed follow,
 # in collection order.
+# test_containers.py (its own cost ~550) comes third, after the two longest files,
+# which need no image: its image's network-bound steps run from the session's start (pytest_sessionstart),
+# and are done by the time a worker takes it.
 E2E_FILE_COST = {
-    "test_containers.py": 550, "test_netns.py": 400, "test_methods.py": 370,
+    "test_netns.py": 400, "test_methods.py": 370, "test_containers.py": 360,
     "test_methods_sparse_adaptive.py": 280, "test_attack_audit.py": 260,
     "test_trust_federation.py": 200, "test_hostile_nodes.py": 175,
     "test_record_integrity_federation.py": 170, "test_interruptions.py": 110,
@@ -78,9 +81,30 @@ def pytest_runtest_teardown(item, nextitem):
         _stop_shared_ray()
 
 
+_PREBUILD = pytest.StashKey()
+
+
+def pytest_sessionstart(session):
+    """The container tests' network-bound image steps start now, in the background
+    (``tests/image_prebuild.py``): in the controller of an xdist session (before it starts
+    the workers, which inherit the folder's name), or in a session without workers."""
+    if hasattr(session.config, "workerinput"):
+        return
+    import image_prebuild
+
+    folder = image_prebuild.start(list(session.config.args))
+    if folder is not None:
+        session.config.stash[_PREBUILD] = folder
+
+
 def pytest_sessionfinish(session, exitstatus):
-    """Stop the Ray head of this process, if one is still up."""
+    """Stop the Ray head of this process, if one is still up, and the image prebuild."""
     _stop_shared_ray()
+    folder = session.config.stash.get(_PREBUILD, None)
+    if folder is not None:
+        import image_prebuild
+
+        image_prebuild.stop(folder)
 
 
 def pytest_collection_modifyitems(session, config, items):

@@ -436,6 +436,9 @@ def test_compose_rejects_bad_arguments_and_states(unprivileged, shared_dir, args
      "--wheels-only and --from-wheelhouse exclude each other"),
     ("base-image.sh", [], "usage: deploy/base-image.sh TAG [WORK_DIR]"),
     ("base-image.sh", ["Not A Tag"], "TAG 'Not A Tag': not an image name"),
+    ("base-image.sh", ["--rootfs-only"], "usage: deploy/base-image.sh TAG [WORK_DIR]"),
+    ("base-image.sh", ["--from-rootfs", "/tmp"], "usage: deploy/base-image.sh TAG [WORK_DIR]"),
+    ("base-image.sh", ["--from-rootfs", "/tmp", "Not A Tag"], "TAG 'Not A Tag'"),
 ])
 def test_image_scripts_reject_bad_arguments(unprivileged, shared_dir, script, args, message):
     proc = _script(DEPLOY / script, *args, user=unprivileged,

@@ -30,10 +30,11 @@ from pathlib import Path
 
 import pytest
 
+import image_prebuild
 from requirements import missing_requirements, require
 
 ROOT = Path(__file__).resolve().parents[2]
-NEEDED = ("dockerd", "docker", "docker-compose", "debootstrap", "openssl", "ssh-keygen")
+NEEDED = image_prebuild.NEEDED
 IMAGE = "dpfl:test"
 BASE = "dpfl-local/python:3.11"
 RUN_CONFIG = 'dataset="digits" batch-size=32 lr=0.5 target-epsilon=8.0 '
@@ -61,6 +62,23 @@ def test_missing_engine_tools_fail_under_ci_and_skip_outside(monkeypatch):
     monkeypatch.setattr(os, "geteuid", lambda: 1000)
     with pytest.raises(pytest.fail.Exception, match="root"):
         _require_engine({"CI": "true"})
+
+
+def test_the_image_prebuild_starts_only_for_a_session_that_selects_this_file(tmp_path):
+    """tests/image_prebuild.py: the session's path arguments decide (no steps are run)."""
+    here = Path(__file__)
+    for args in (["tests"], [str(here.parent)], [f"{here}::test_compose_files_validate"],
+                 ["tests/test_cpsgd.py", str(here)]):
+        assert image_prebuild.selects_container_tests(args), args
+    for args in (["tests/test_cpsgd.py"], [str(here.parent / "test_netns.py")], []):
+        assert not image_prebuild.selects_container_tests(args), args
+    (tmp_path / "base.rc").write_text("0\n")
+    (tmp_path / "wheels.rc").write_text("1\n")
+    (tmp_path / "wheels.log").write_text("pip wheel failed: no network\n")
+    assert image_prebuild.wait(tmp_path, timeout=1) == {
+        "wheels": "exit 1: pip wheel failed: no network\n"}
+    image_prebuild.stop(tmp_path)
+    assert not tmp_path.exists()
 
 
 NOOP_APP = {
@@ -152,9 +170,27 @@ def _run(cmd: list[str], env: dict[str, str], timeout: float = 900) -> str:
 
 
 def _build_images(env: dict[str, str], home: Path) -> None:
-    """The base image (debootstrap, 146 s) and the wheelhouse (pip wheel, 85 s wall for 19 s
-    of CPU) side by side, as both wait on the network most of their time (measured here);
-    then the dpfl image from that wheelhouse, and the build stage's layers dropped."""
+    """The base image and the dpfl image, from the root filesystem (debootstrap) and the
+    wheelhouse (pip wheel) that the session started at its start (``tests/image_prebuild.py``),
+    or, without that prebuild or when it failed, made here side by side (both wait on the
+    network most of their time); then the build stage's layers dropped."""
+    folder = os.environ.get(image_prebuild.ENV)
+    failed = image_prebuild.wait(Path(folder)) if folder and Path(folder).is_dir() else None
+    if failed == {}:
+        _run([str(ROOT / "deploy" / "base-image.sh"), "--from-rootfs",
+              str(Path(folder) / "base"), BASE], env)
+    else:
+        if failed:
+            print(f"image prebuild failed, building here: {failed}")
+            image_prebuild.stop(Path(folder))
+        _make_base_and_wheels(env, home)
+    _run([str(ROOT / "deploy" / "image.sh"), "--from-wheelhouse", "--base", BASE, "--tag",
+          IMAGE], env, timeout=1500)
+    _run(["docker", "image", "prune", "--force"], env)
+
+
+def _make_base_and_wheels(env: dict[str, str], home: Path) -> None:
+    """The base image (debootstrap) and the wheelhouse (pip wheel) side by side."""
     logs = {name: open(home / f"{name}.log", "w") for name in ("base", "wheels")}
     steps = {
         "base": subprocess.Popen([str(ROOT / "deploy" / "base-image.sh"), BASE,
@@ -173,9 +209,6 @@ def _build_images(env: dict[str, str], home: Path) -> None:
                 proc.wait()
             logs[name].close()
     assert not failed, "\n".join(f"{n}: {(home / f'{n}.log').read_text()[-2000:]}" for n in failed)
-    _run([str(ROOT / "deploy" / "image.sh"), "--from-wheelhouse", "--base", BASE, "--tag",
-          IMAGE], env, timeout=1500)
-    _run(["docker", "image", "prune", "--force"], env)
 
 
 @pytest.fixture(scope="module")
