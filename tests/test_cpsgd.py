@@ -159,7 +159,7 @@ def test_bracket_and_bisect_finds_the_smallest_sigma_to_one_percent(guess):
 
     sigma = cp.bracket_and_bisect(eps, 2.0, guess)
     assert 5.0 <= sigma <= 5.0 * 1.01
-    assert len(calls) <= 30
+    assert len(calls) <= 30 and len(set(calls)) == len(calls)   # no sigma evaluated twice
     with pytest.raises(ValueError, match="unreachable"):
         cp.bracket_and_bisect(lambda s: 1.0, 0.5, 1.0)
 

@@ -262,11 +262,12 @@ def bracket_and_bisect(eps: Callable[[float], float], target: float, guess: floa
     sigma: a bracket [lo, hi] around ``guess`` (widened by 1.25 per step until eps(lo) >
     target >= eps(hi)), then bisection on log sigma until hi / lo <= ``ratio``."""
     lo, hi = guess / 1.05, guess * 1.1
+    lo_above = False            # eps(lo) > target known already (each eps costs a pmf sum)
     while eps(hi) > target:
-        lo, hi = hi, hi * 1.25
+        lo, hi, lo_above = hi, hi * 1.25, True
         if hi > 1e4:
             raise ValueError("target epsilon unreachable with sigma <= 1e4")
-    while lo > 1e-3 and eps(lo) <= target:
+    while not lo_above and lo > 1e-3 and eps(lo) <= target:
         lo, hi = lo / 1.25, lo
     while hi / lo > ratio:
         mid = math.sqrt(lo * hi)
