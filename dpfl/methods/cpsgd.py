@@ -35,7 +35,6 @@ BTRS rejection, like the Skellam path's ``torch.poisson``), not a bit-exact samp
 
 from __future__ import annotations
 
-import logging
 import math
 from dataclasses import dataclass
 from functools import lru_cache
@@ -57,8 +56,6 @@ from dpfl.server.strategy import DPFLStrategy
 
 ROTATION_TAG = 0x43505347          # "CPSG": the rotation signs' public stream
 DELTA_SHARE = 1e-3                 # the share of delta left for the excluded support mass
-
-log = logging.getLogger("flwr.dpfl.cpsgd")
 
 
 # -- the math ----------------------------------------------------------------------------
@@ -192,23 +189,18 @@ class CpsgdParams(MethodParams):
             ev = self.secure_event(cfg, 1, dim, sigma)
             return events.history_epsilon([ev] * cfg.num_rounds, cfg.delta, "rdp")
 
-        key = _memo_key(self, cfg, dim)
-        cached = calibration_cache.lookup(key)
-        if cached is not None:
-            if eps(cached) <= cfg.target_epsilon:
-                return cached
-            log.warning("calibration memo gave cpSGD sigma %.6g above the target epsilon "
-                        "%.6g: calibrating afresh", cached, cfg.target_epsilon)
-        # the Gaussian's multiplier, scaled by the rounding's share of the sensitivity
-        # (B = C s + sqrt(d') against C s): near the binomial's at large N
-        dp, _, s = self._geometry(cfg, dim)
-        guess = accounting.calibrate_noise(cfg.target_epsilon, cfg.delta, cfg.num_rounds,
-                                           accountant="rdp", relation=UPDATE_DP_RELATION
-                                           ) * (cfg.clip_norm * s + math.sqrt(dp)) / (
-                                               cfg.clip_norm * s)
-        sigma = bracket_and_bisect(eps, cfg.target_epsilon, guess)
-        calibration_cache.store(key, sigma)
-        return sigma
+        def search() -> float:
+            # from the Gaussian's multiplier, scaled by the rounding's share of the
+            # sensitivity (B = C s + sqrt(d') against C s): near the binomial's at large N
+            dp, _, s = self._geometry(cfg, dim)
+            guess = accounting.calibrate_noise(
+                cfg.target_epsilon, cfg.delta, cfg.num_rounds, accountant="rdp",
+                relation=UPDATE_DP_RELATION) * (cfg.clip_norm * s + math.sqrt(dp)) / (
+                    cfg.clip_norm * s)
+            return bracket_and_bisect(eps, cfg.target_epsilon, guess)
+
+        return calibration_cache.memoised(_memo_key(self, cfg, dim), eps,
+                                          cfg.target_epsilon, search)
 
     def secure_share(self, cfg: RunConfig, update: torch.Tensor, clip: float, sigma: float,
                      n_min: int, generator: torch.Generator, server_round: int

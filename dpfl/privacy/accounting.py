@@ -653,15 +653,9 @@ def _calibrate_pld(items: Callable[[float], tuple], delta: float, target: float,
     is returned only if the accounting function confirms eps(sigma) <= target."""
     key = memo_version() + "\n" + repr(
         (tuple(_canonical(items(p)) for p in _KEY_PROBES), delta, target, rel_tol))
-    cached = calibration_cache.lookup(key)
-    if cached is not None:
-        if _pld_detail(_canonical(items(cached)), delta)[0] <= target:
-            return cached
-        log.warning("calibration memo gave sigma %.6g above the target epsilon %.6g: "
-                    "calibrating afresh", cached, target)
-    sigma = _search_pld(items, delta, target, rel_tol)
-    calibration_cache.store(key, sigma)
-    return sigma
+    return calibration_cache.memoised(
+        key, lambda sigma: _pld_detail(_canonical(items(sigma)), delta)[0], target,
+        lambda: _search_pld(items, delta, target, rel_tol))
 
 
 def _search_pld(items: Callable[[float], tuple], delta: float, target: float,

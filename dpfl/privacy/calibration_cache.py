@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+from typing import Callable
 
 from dpfl import memo
 
@@ -47,3 +48,19 @@ def store(key: str, sigma: float) -> None:
     """Keep ``sigma`` for ``key``."""
     memo.write(KIND, key, json.dumps({"key": key, "sigma": float(sigma).hex()}).encode(),
                SUFFIX)
+
+
+def memoised(key: str, epsilon: Callable[[float], float], target: float,
+             search: Callable[[], float]) -> float:
+    """The sigma kept for ``key`` if ``epsilon`` confirms it meets ``target``; else
+    ``search()``'s answer, kept for ``key`` (a kept sigma above the target is logged and
+    calibrated afresh)."""
+    cached = lookup(key)
+    if cached is not None:
+        if epsilon(cached) <= target:
+            return cached
+        log.warning("calibration memo gave sigma %.6g above the target epsilon %.6g: "
+                    "calibrating afresh", cached, target)
+    sigma = search()
+    store(key, sigma)
+    return sigma
