@@ -54,9 +54,9 @@ def dpfl_memo(tmp_path_factory):
 # the whole e2e suite, and the image build, for the end.) Rough cost in seconds of each
 # file's tests on this 2-core machine (a clean-clone CI's junit); files not listed follow,
 # in collection order.
-# test_containers.py (its own cost ~550) comes third, after the two longest files,
-# which need no image: its image's network-bound steps run from the session's start (pytest_sessionstart),
-# and are done by the time a worker takes it.
+# test_containers.py (its own cost ~550) comes third, after the two longest files, which need
+# no image: its image's network-bound steps run from the session's start
+# (pytest_sessionstart) and are done by the time a worker takes it.
 E2E_FILE_COST = {
     "test_netns.py": 400, "test_methods.py": 370, "test_containers.py": 360,
     "test_methods_sparse_adaptive.py": 280, "test_attack_audit.py": 260,

@@ -52,6 +52,13 @@ def start(args: list[str]) -> Path | None:
     their folder in :data:`ENV` (inherited by the xdist workers started after this)."""
     if not selects_container_tests(args) or missing_requirements(NEEDED, root=True):
         return None
+    folder = launch()
+    os.environ[ENV] = str(folder)
+    return folder
+
+
+def launch() -> Path:
+    """Start both steps in the background in a new folder, and return it."""
     folder = Path(tempfile.mkdtemp(prefix="dpfl-prebuild-"))
     env = {**os.environ, "PYTHON": sys.executable,
            "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
@@ -63,7 +70,6 @@ def start(args: list[str]) -> Path | None:
                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                 start_new_session=True)
         (folder / f"{name}.pid").write_text(str(proc.pid))
-    os.environ[ENV] = str(folder)
     return folder
 
 
@@ -77,10 +83,11 @@ def wait(folder: Path, timeout: float = 900.0) -> dict[str, str]:
             time.sleep(0.5)
         log = folder / f"{name}.log"
         tail = log.read_text()[-2000:] if log.exists() else ""
-        if not rc.exists():
+        code = rc.read_text().strip() if rc.exists() else None
+        if code is None:
             failed[name] = f"not done after {timeout:.0f} s: {tail}"
-        elif rc.read_text().strip() != "0":
-            failed[name] = f"exit {rc.read_text().strip()}: {tail}"
+        elif code != "0":
+            failed[name] = f"exit {code}: {tail}"
     return failed
 
 

@@ -169,46 +169,30 @@ def _run(cmd: list[str], env: dict[str, str], timeout: float = 900) -> str:
     return proc.stdout
 
 
-def _build_images(env: dict[str, str], home: Path) -> None:
+def _build_images(env: dict[str, str]) -> None:
     """The base image and the dpfl image, from the root filesystem (debootstrap) and the
     wheelhouse (pip wheel) that the session started at its start (``tests/image_prebuild.py``),
-    or, without that prebuild or when it failed, made here side by side (both wait on the
-    network most of their time); then the build stage's layers dropped."""
-    folder = os.environ.get(image_prebuild.ENV)
-    failed = image_prebuild.wait(Path(folder)) if folder and Path(folder).is_dir() else None
-    if failed == {}:
-        _run([str(ROOT / "deploy" / "base-image.sh"), "--from-rootfs",
-              str(Path(folder) / "base"), BASE], env)
-    else:
-        if failed:
-            print(f"image prebuild failed, building here: {failed}")
-            image_prebuild.stop(Path(folder))
-        _make_base_and_wheels(env, home)
+    or, without that prebuild or when it failed, started here the same way (both wait on
+    the network most of their time); then the build stage's layers dropped."""
+    prebuilt = os.environ.get(image_prebuild.ENV)
+    folder = Path(prebuilt) if prebuilt and Path(prebuilt).is_dir() else None
+    failed = image_prebuild.wait(folder) if folder else None
+    try:
+        if failed != {}:
+            if folder:
+                print(f"image prebuild failed, building here: {failed}")
+                image_prebuild.stop(folder)
+            folder = image_prebuild.launch()
+            failed = image_prebuild.wait(folder)
+            assert not failed, failed
+        _run([str(ROOT / "deploy" / "base-image.sh"), "--from-rootfs", str(folder / "base"),
+              BASE], env)
+    finally:
+        if folder is not None:
+            image_prebuild.stop(folder)
     _run([str(ROOT / "deploy" / "image.sh"), "--from-wheelhouse", "--base", BASE, "--tag",
           IMAGE], env, timeout=1500)
     _run(["docker", "image", "prune", "--force"], env)
-
-
-def _make_base_and_wheels(env: dict[str, str], home: Path) -> None:
-    """The base image (debootstrap) and the wheelhouse (pip wheel) side by side."""
-    logs = {name: open(home / f"{name}.log", "w") for name in ("base", "wheels")}
-    steps = {
-        "base": subprocess.Popen([str(ROOT / "deploy" / "base-image.sh"), BASE,
-                                  str(home / "base")], cwd=ROOT, env=env, text=True,
-                                 stdout=logs["base"], stderr=subprocess.STDOUT),
-        "wheels": subprocess.Popen([str(ROOT / "deploy" / "image.sh"), "--wheels-only"],
-                                   cwd=ROOT, env=env, text=True, stdout=logs["wheels"],
-                                   stderr=subprocess.STDOUT),
-    }
-    try:
-        failed = [name for name, proc in steps.items() if proc.wait(timeout=900) != 0]
-    finally:
-        for name, proc in steps.items():
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-            logs[name].close()
-    assert not failed, "\n".join(f"{n}: {(home / f'{n}.log').read_text()[-2000:]}" for n in failed)
 
 
 @pytest.fixture(scope="module")
@@ -244,7 +228,7 @@ def docker_env(tmp_path_factory):
             assert daemon.poll() is None and time.monotonic() < deadline, \
                 (home / "dockerd.log").read_text()[-2000:]
             time.sleep(0.5)
-        _build_images(env, home)
+        _build_images(env)
         yield env
     finally:
         daemon.send_signal(signal.SIGTERM)
