@@ -351,9 +351,10 @@ KEY_HELP: dict[str, str] = {
     "clip-count-stddev": "`adaptive-clip`: the noise std of the clipped count (0 = expected "
                          "clients per round / 20)",
     "central-impl": "`trust=central`: `dpfl`, or `flower` to run the same round through "
-                    "Flower's `DifferentialPrivacyServerSide{Adaptive,Fixed}Clipping` "
-                    "wrapper (fixed-size sampling; its ε charged without amplification) for "
-                    "a side-by-side",
+                    "Flower's `DifferentialPrivacyServerSideFixedClipping` wrapper "
+                    "(fixed-size sampling, missing replies as zero updates; its ε charged "
+                    "without amplification, under replace-one) for a side-by-side; not with "
+                    "`adaptive-clip`",
     "secagg-min-survivors": "`trust=distributed`: n_min, the guaranteed minimum of "
                             "surviving clients per round (0 = every sampled client); each "
                             "adds 1/n_min of the noise variance, fewer survivors discard "
@@ -504,6 +505,11 @@ def validate(cfg: RunConfig) -> RunConfig:
          cfg.clip_count_stddev)
     if cfg.adaptive_clip:
         need(cfg.trust == "central", "adaptive-clip", "needs trust=central",
+             cfg.adaptive_clip)
+        need(cfg.central_impl != "flower", "adaptive-clip",
+             "central-impl=flower's adaptive wrapper noises each round with the clip it has "
+             "just moved by that round's noisy count, a data-dependent noise no fixed "
+             "composition bounds: use central-impl=dpfl or adaptive-clip=false",
              cfg.adaptive_clip)
     need(cfg.secagg_min_survivors >= 0, "secagg-min-survivors", "must be >= 0",
          cfg.secagg_min_survivors)

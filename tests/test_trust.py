@@ -209,6 +209,41 @@ def test_overflow_check_refuses_a_scale_that_can_wrap():
     assert check_overflow(cfg.replace(secagg_scale=1e4), 1.0, 1000, 100, 100) < 1e-300
 
 
+def test_overflow_is_counted_over_every_share_and_round_in_delta():
+    """The privacy review's case: secagg-scale 1.11e6, d = 1e5, 100 clients, 100 rounds,
+    epsilon 4 passed a per-share check (p <= 1e-3 delta) while the run's shares may wrap
+    with probability up to 1e4 p: the sound delta is delta + (1 + e^4) 1e4 p ~ 5.2e-3. Now
+    refused; a scale that passes states delta + (1 + e^eps) P, typed in by hand from
+    Bernstein's bound (skellam.overflow_bound's formula) and the union over shares x rounds."""
+    from dpfl.apps.server import with_overflow
+    from dpfl.privacy.verdict import guarantee_for
+
+    d, n, rounds = 100_000, 100, 100
+    cfg = _cfg(trust="distributed", secagg_scale=1.11e6, num_rounds=rounds,
+               target_epsilon=4.0, noise_multiplier=23.0)
+
+    def by_hand(scale: float) -> float:
+        limit = (2 ** 32) // (2 * (n + 1)) - 1
+        t = limit - 1.0 * scale - 1.0
+        v = (23.0 * 1.0 * scale) ** 2 / n
+        p_share = 2 * d * math.exp(-t * t / (2 * (v + t / 3)))
+        return (1 + math.exp(4.0)) * p_share * n * rounds
+
+    assert by_hand(1.11e6) > 300 * 1e-5     # the unsound run: delta 3.3e-3, not 1e-5
+    with pytest.raises(ValueError, match="overflow.*100 shares x 100 rounds"):
+        check_overflow(cfg, 23.0, d, n, n)
+    with pytest.raises(ValueError, match="overflow"):                # 2.8e-6 > 1e-8
+        check_overflow(cfg.replace(secagg_scale=1e6), 23.0, d, n, n)
+    ok = cfg.replace(secagg_scale=9e5)
+    added = check_overflow(ok, 23.0, d, n, n)
+    assert 0 < added == pytest.approx(by_hand(9e5), rel=1e-9) and added < 1e-3 * 1e-5
+    claim = with_overflow(guarantee_for(ok), added)
+    assert claim.delta == pytest.approx(1e-5 + added, rel=1e-12)
+    assert "added to delta" in claim.scope
+    # a scale far from the modulus adds nothing measurable and the claim keeps delta
+    assert with_overflow(guarantee_for(ok), 0.0).delta == 1e-5
+
+
 def test_distributed_calibration_meets_the_target():
     cfg = _cfg(trust="distributed", num_rounds=20, target_epsilon=8.0)
     sigma = distributed_noise_multiplier(cfg, 80_000, 100)
@@ -324,23 +359,43 @@ def test_flowers_adaptive_clipping_moves_c_the_wrong_way_and_dpfls_does_not():
 
 
 @pytest.mark.usefixtures("task_identity")
-def test_flower_central_arm_charges_the_effective_noise():
-    """Flower's wrapper clips with C_t but draws its noise with the C_{t+1} it has just
-    computed: dpfl charges sigma_Delta C_{t+1} / C_t, and the noise it measures on the
-    mean matches that (std sigma_Delta C_{t+1} / k)."""
-    from dpfl.server.central import FlowerCentralAggregator
-
-    cfg = _cfg(trust="central", central_impl="flower", adaptive_clip=True, fraction_train=0.5,
-               noise_multiplier=2.0, clip_count_stddev=2.0, clip_norm=1.0)
-    agg = FlowerCentralAggregator(cfg, 20)
+@pytest.mark.parametrize("accepted", [10, 9, 1, 0])
+def test_flower_central_arm_applies_the_charged_noise_whatever_replies_arrive(accepted):
+    """Flower's fixed wrapper adds N(0, (sigma C / k)^2) to the MEAN of the replies it is
+    handed: with m of k it used to leave the sum with multiplier sigma m / k while the
+    ledger charged sigma. dpfl hands it k replies (zero updates for the missing): the
+    mean is sum / k and the noise measured on the sum is sigma C for every m."""
     import numpy as np
     from flwr.app import Array, ArrayRecord
-    agg.global_arrays = ArrayRecord({"w": Array(np.zeros(20_000, dtype=np.float32))})
-    updates = torch.full((10, 20_000), 1e-4)   # norm 0.014 < C: none clipped
-    mean = agg.aggregate(updates, [1.0] * 10, 1)
-    c_next = agg.clip
-    assert c_next != 1.0
-    sigma_delta = float(agg.wrapper.noise_multiplier)
-    assert agg.events(1)[0].sigma == pytest.approx(sigma_delta * c_next)
-    noise = mean.double() - 1e-4
-    assert noise.std().item() == pytest.approx(sigma_delta * c_next / 10, rel=0.03)
+
+    from dpfl.server.central import FlowerCentralAggregator
+
+    cfg = _cfg(trust="central", central_impl="flower", fraction_train=0.5,
+               noise_multiplier=2.0, clip_norm=1.0)
+    agg = FlowerCentralAggregator(cfg, 20)
+    assert agg.k == 10
+    dim = 20_000
+    agg.global_arrays = ArrayRecord({"w": Array(np.zeros(dim, dtype=np.float32))})
+    updates = torch.full((accepted, dim), 1e-4)   # norm 0.014 < C: none clipped
+    if accepted == 1:   # an honest all-zero update beside it (Flower's clip divides by 0)
+        updates = torch.cat([updates, torch.zeros((1, dim))])
+    mean = agg.aggregate(updates, [1.0] * len(updates), 1)
+    # the fixed denominator k: the signal is accepted x 1e-4 / k
+    noise_on_sum = (mean.double() - accepted * 1e-4 / 10) * 10
+    assert noise_on_sum.mean().item() == pytest.approx(0.0, abs=0.05)
+    assert noise_on_sum.std().item() == pytest.approx(2.0 * 1.0, rel=0.03)
+    [event] = agg.events(1)
+    assert event.sigma == pytest.approx(2.0) and event.relation == "replace-one"
+    assert event.rate == 1.0 and agg.handed[1] == 10
+
+
+def test_flower_adaptive_central_clip_is_refused():
+    """Flower's adaptive wrapper noises a round with the clip that round's noisy count
+    has just moved (effective sigma 0.773 against a planned 2: one round cost epsilon
+    13.8 against a budget of 6 under verdict formal): refused at start, one line."""
+    from dpfl.config import ConfigError, validate
+
+    with pytest.raises(ConfigError, match="run-config key 'adaptive-clip'.*central-impl=flower"):
+        validate(_cfg(trust="central", central_impl="flower", adaptive_clip=True))
+    validate(_cfg(trust="central", central_impl="flower", adaptive_clip=False))
+    validate(_cfg(trust="central", central_impl="dpfl", adaptive_clip=True))

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -34,11 +34,13 @@ from dpfl.methods import (
 )
 from dpfl.models.evaluation import device_for
 from dpfl.privacy.budget import BUDGET_RTOL, PrivacyHistory
+from dpfl.privacy.events import history_terms
 from dpfl.privacy.ledger import Ledger, ledger_config
 from dpfl.privacy.trust import (
     check_overflow,
     distributed_noise_multiplier,
     min_survivors,
+    overflow_note,
     share_limit,
 )
 from dpfl.privacy.verdict import Guarantee
@@ -187,7 +189,7 @@ def _set_up(grid: Grid, cfg: RunConfig, run_dir: RunDir, t_start: float) -> Fede
     num_nodes = len(strategy.wait_for_nodes(grid, cfg.min_train_nodes))
     if saved is not None:
         check_resume(saved, {NUM_CLIENTS: num_nodes}, str(run_dir.path))
-    check_trust(strategy, cfg, num_nodes, strategy.guard.dim)
+    overflow = check_trust(strategy, cfg, num_nodes, strategy.guard.dim)
     limits = [("record-updates", cfg.record_updates)]
     if cfg.trainer != "dpsgd":   # canary clients (DP-SGD canaries are examples, any number)
         limits.append(("audit-canaries", cfg.audit_canaries))
@@ -198,11 +200,11 @@ def _set_up(grid: Grid, cfg: RunConfig, run_dir: RunDir, t_start: float) -> Fede
     if num_nodes > len(ds.y_train):
         raise ConfigError(f"{num_nodes} clients but only {len(ds.y_train)} training samples "
                           f"in dataset '{cfg.dataset}'")
-    claim = guarantee(cfg)
+    claim = with_overflow(guarantee(cfg), overflow)
     log.info("dpfl run %s: %s, %s, %d clients, %d rounds", run_dir.path, cfg.strategy,
              cfg.dataset, num_nodes, cfg.num_rounds)
     log.info("privacy guarantee: %s (unit=%s, relation=%s, sampling=%s, delta=%g)",
-             claim.verdict, claim.unit, claim.relation, claim.sampling, cfg.delta)
+             claim.verdict, claim.unit, claim.relation, claim.sampling, claim.delta)
     splits = list(splits_for(cfg, num_nodes))
     # public sizes: the server plans each client's release (and a method may allocate by them)
     strategy.bind_partition_sizes({i: len(s.train) for i, s in enumerate(splits)})
@@ -434,12 +436,21 @@ def _secure_sum(fed: Federation, messages, rnd: int) -> SecureSum:
                       group=str(rnd))
 
 
-def check_trust(strategy: DPFLStrategy, cfg: RunConfig, num_nodes: int, dim: int) -> None:
+def with_overflow(claim: Guarantee, added: float) -> Guarantee:
+    """The guarantee with the delta SecAgg+'s share overflow adds (:func:`check_trust`)."""
+    if added <= 0:
+        return claim
+    return replace(claim, delta=claim.delta + added,
+                               scope=claim.scope + "; " + overflow_note(added, claim.delta))
+
+
+def check_trust(strategy: DPFLStrategy, cfg: RunConfig, num_nodes: int, dim: int) -> float:
     """Settings of the trust model that can only be checked against the federation: the
     SecAgg+ round size, n_min and the integer range of a share (ConfigError naming the
-    key)."""
+    key). Returns the delta the run's share overflow adds to the guarantee (0 unless
+    distributed; :func:`dpfl.privacy.trust.check_overflow`)."""
     if cfg.trust != "distributed":
-        return
+        return 0.0
     sampled = max(int(num_nodes * cfg.fraction_train), min(cfg.min_train_nodes, num_nodes))
     if sampled < 2:
         raise ConfigError("run-config key 'fraction-train': SecAgg+ needs at least 2 clients "
@@ -448,8 +459,8 @@ def check_trust(strategy: DPFLStrategy, cfg: RunConfig, num_nodes: int, dim: int
         raise ConfigError(f"run-config key 'secagg-min-survivors': {cfg.secagg_min_survivors}"
                           f" > the {sampled} clients sampled per round")
     try:
-        check_overflow(cfg, distributed_noise_multiplier(cfg, dim, num_nodes), dim, sampled,
-                       min_survivors(cfg, sampled))
+        return check_overflow(cfg, distributed_noise_multiplier(cfg, dim, num_nodes), dim,
+                              sampled, min_survivors(cfg, sampled))
     except ValueError as exc:
         raise ConfigError(f"run-config key 'secagg-scale': {exc}") from exc
 
@@ -480,7 +491,7 @@ def finish(fed: Federation) -> dict[str, Any]:
         "epsilon-budget": cfg.target_epsilon if cfg.is_private else None,
         "clients": {c: {"epsilon": e, "recomputed-epsilon": ledger.recomputed(c),
                         "rounds": ledger.rounds(c), "reported-epsilon": ledger.reported.get(c),
-                        **_adaptive_claim(ledger, c, cfg)}
+                        **_accounted_as(ledger, c), **_adaptive_claim(ledger, c, cfg)}
                     for c, e in ledger.epsilons().items()},
         "late-replies-after-last-round": len(late_at_end),
         "ledger-mismatches": len(ledger.mismatches),
@@ -511,6 +522,13 @@ def finish(fed: Federation) -> dict[str, Any]:
         for row in epsilon_table(summary).splitlines():
             log.info("%s", row)
     return summary
+
+
+def _accounted_as(ledger: Ledger, client: str) -> dict[str, str]:
+    """The relation and sampling the client's charges were accounted under (from its
+    events: the table must never say add-remove/Poisson of a replace-one history)."""
+    relation, sampling = history_terms(ledger.history(client).events)
+    return {"relation": relation, "sampling": sampling}
 
 
 def _adaptive_claim(ledger: Ledger, client: str, cfg: RunConfig) -> dict[str, Any]:

@@ -18,8 +18,9 @@ Flower's wrapper at one fixed noise multiplier where central DP learns
 - ``distributed``: trust=distributed, Skellam shares over SecAgg+, n_min = 80 % of a round;
 - ``ddgauss``: the same with discrete Gaussian shares (``secure-noise=ddgauss``, Kairouz,
   Liu & Steinke 2021; not in the default grid: its exact sampler is slow on the CNN);
-- ``flower-central``: Flower's ``DifferentialPrivacyServerSideAdaptiveClipping`` around
-  ``FedAvg`` at the sigma dpfl's central arm calibrated (``central-impl=flower``): Flower
+- ``flower-central``: Flower's ``DifferentialPrivacyServerSideFixedClipping`` around
+  ``FedAvg`` at the sigma dpfl's central arm calibrated (``central-impl=flower``; Flower's
+  adaptive wrapper is refused, its noise depends on the same round's count): Flower
   reports no epsilon; dpfl's ledger charges what it did (no amplification claimed);
 - ``fedavg``: non-private FedAvg (trainer=plain) on the same split.
 
@@ -54,7 +55,7 @@ ARMS: dict[str, dict[str, Any]] = {
     "distributed": {"strategy": "dpfedavg", "trust": "distributed"},
     "ddgauss": {"strategy": "dpfedavg", "trust": "distributed", "secure-noise": "ddgauss"},
     "flower-central": {"strategy": "dpfedavg", "trust": "central", "central-impl": "flower",
-                       "adaptive-clip": True},
+                       "adaptive-clip": False},
     "fedavg": {"strategy": "fedavg", "trainer": "plain"},
 }
 COLOURS = {"local": "tab:red", "central": "tab:blue", "central-fixed": "tab:cyan",

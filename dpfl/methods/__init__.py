@@ -30,6 +30,7 @@ from dpfl.methods import (
     pegasus,
 )
 from dpfl.models import MODELS
+from dpfl.privacy.filter import holds_anything
 from dpfl.privacy.verdict import Guarantee, guarantee_for
 from dpfl.server.strategy import DPFLStrategy
 
@@ -66,7 +67,19 @@ def parse_run_config(raw: Mapping[str, Any]) -> RunConfig:
     method = METHODS[cfg.strategy]
     cfg = method.with_params(cfg, raw)
     method.check(cfg)   # its rules may read its own parameters too
+    if method.adaptive and cfg.is_private:
+        _check_filter_budget(cfg)
     return cfg
+
+
+def _check_filter_budget(cfg: RunConfig) -> None:
+    """An adaptive method's budgets are a Rényi filter at (target-epsilon, delta): a target
+    so small that the filter's budget curve is <= 0 at every RDP order of the accountant
+    would refuse every round; stop the run at start instead of training nothing."""
+    unit = "sample" if cfg.trainer == "dpsgd" else "client"
+    need(holds_anything(cfg.target_epsilon, cfg.delta, unit), "target-epsilon",
+         f"a Rényi filter at delta {cfg.delta:g} holds no {unit}-level event at this "
+         f"target (its budget is <= 0 at every RDP order): raise it", cfg.target_epsilon)
 
 
 def _with_default_method(cfg: RunConfig) -> RunConfig:

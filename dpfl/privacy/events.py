@@ -60,7 +60,7 @@ from dpfl.privacy.accounting import (
 
 __all__ = ["ACCOUNTANTS", "GAUSSIAN", "MECHANISMS", "PRV_CLIENT_LEVEL", "PURE", "SAMPLE_LEVEL",
            "PrivacyEvent", "dp_event_of", "histories_epsilon", "history_epsilon",
-           "history_epsilon_detail", "history_rdp", "history_signature", "history_unit",
+           "history_epsilon_detail", "history_rdp", "history_terms", "history_signature", "history_unit",
            "orders_for", "rdp_curve", "rdp_to_epsilon"]
 
 ACCOUNTANTS = DPSGD_ACCOUNTANTS  # rdp and pld for both units, prv for DP-SGD only
@@ -201,6 +201,18 @@ def history_unit(events: Sequence[PrivacyEvent]) -> str:
     return units.pop() if units else "sample"
 
 
+def history_terms(events: Sequence[PrivacyEvent]) -> tuple[str, str]:
+    """(relation, sampling) as the history's events were accounted: the neighbouring
+    relation(s) of its events ("+"-joined when they differ) and "poisson" when some event
+    is Poisson-subsampled (rate < 1), else "none" ("-" for an empty history). What a
+    report prints beside the epsilon, read from the charges, never from the config."""
+    charged = [e for e in events if e.steps > 0]
+    if not charged:
+        return "-", "-"
+    relation = "+".join(sorted({e.relation for e in charged}))
+    return relation, "poisson" if any(e.rate < 1.0 for e in charged) else "none"
+
+
 def history_rdp(events: Sequence[PrivacyEvent]) -> np.ndarray:
     """The RDP curve of a history (curves add under composition)."""
     unit = history_unit(events)
@@ -253,11 +265,12 @@ def _signature_epsilon(signature: tuple[tuple[tuple, int], ...], delta: float,
                                             delta, accountant)
     if accountant == "prv":
         raise ValueError(PRV_CLIENT_LEVEL)
-    if any(e.mechanism == "sparse-vector" for e in events):
-        return _sparse_vector_pld(unit, events, delta)
     if any(e.mechanism in DISCRETE for e in events):  # no pld event: the RDP bound
+        # (with _pure_bound's basic composition of any pure events, sparse vector included)
         return (_pure_bound(unit, events, rdp_to_epsilon(unit, history_rdp(events), delta),
                             delta), "rdp (skellam/ddgauss/binomial events have no pld event)")
+    if any(e.mechanism == "sparse-vector" for e in events):
+        return _sparse_vector_pld(unit, events, delta)
     return events_epsilon_detail([(e.to_dp_event(), e.steps) for e in events], delta, "pld")
 
 

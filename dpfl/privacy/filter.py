@@ -48,6 +48,7 @@ tighter one of Balle et al. is the one both libraries use.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -68,6 +69,14 @@ def budget_curve(epsilon: float, delta: float, orders: np.ndarray) -> np.ndarray
     a = orders[orders > MIN_ORDER]
     out[orders > MIN_ORDER] = epsilon - np.log1p(-1.0 / a) + np.log(delta * a) / (a - 1.0)
     return out
+
+
+def holds_anything(epsilon: float, delta: float, unit: str) -> bool:
+    """Can a filter at (epsilon, delta) admit ANY event of this unit? Only when its budget
+    curve is positive at some order of the unit's accountant (else every costly event is
+    refused: at delta 1e-5 a target below ~0.10 for DP-SGD, whose Opacus orders stop at
+    63, and below ~0.0035 for client-level events)."""
+    return bool(np.any(budget_curve(epsilon, delta, orders_for(unit)) > 0))
 
 
 def filter_order(anchor: np.ndarray, budget: np.ndarray) -> int | None:
@@ -93,26 +102,33 @@ class RenyiFilter:
 
     def order(self, events: Sequence[PrivacyEvent]) -> float | None:
         """alpha* of a history: fixed by its first event that costs anything (None: the
-        history costs nothing)."""
-        index = self._order_index(events)
+        history costs nothing, or no order can hold its first event: the filter refuses
+        it, see :meth:`admits`)."""
+        index = self._anchor(events)[1]
         return None if index is None else float(orders_for(self.unit)[index])
 
-    def _order_index(self, events: Sequence[PrivacyEvent]) -> int | None:
+    def _anchor(self, events: Sequence[PrivacyEvent]) -> tuple[bool, int | None]:
+        """(does the history cost anything, the index of alpha*). A history that costs
+        something but whose first costly event has no order with B(alpha) > 0 (the budget
+        is too small for any RDP order of the unit's accountant) has no alpha*: (True,
+        None), which the filter must REFUSE, never read as "costs nothing"."""
         budget = self.budget_curve()
         for e in events:
             anchor = history_rdp([e])
             if np.any(anchor > 0):
-                return filter_order(anchor, budget)
-        return None
+                return True, filter_order(anchor, budget)
+        return False, None
 
     def admits(self, events: Sequence[PrivacyEvent]) -> bool:
-        """True while the history's running RDP at its order alpha* is within B(alpha*)."""
+        """True while the history's running RDP at its order alpha* is within B(alpha*)
+        (fails closed: a costly history without a usable order is refused)."""
         return self._measure(events)[0]
 
     def epsilon_of(self, events: Sequence[PrivacyEvent]) -> float:
         """The epsilon the filter measures a history by: the RDP -> (epsilon, delta)
         conversion at alpha* (the figure to quote when the filter refuses; the ledger's
-        PLD epsilon of the same history can be lower). 0 for a history that costs nothing."""
+        PLD epsilon of the same history can be lower). 0 for a history that costs nothing,
+        inf for one the filter cannot hold at any order."""
         return self._measure(events)[1]
 
     def _measure(self, events: Sequence[PrivacyEvent]) -> tuple[bool, float]:
@@ -121,9 +137,11 @@ class RenyiFilter:
             return True, 0.0
         if history_unit(events) != self.unit:
             raise ValueError(f"this filter accounts {self.unit}-level events")
-        index = self._order_index(events)
-        if index is None:
+        costly, index = self._anchor(events)
+        if not costly:
             return True, 0.0
+        if index is None:               # no usable order: fail closed
+            return False, math.inf
         rdp = float(history_rdp(events)[index])
         budget = float(self.budget_curve()[index])
         offset = budget - self.epsilon      # B(alpha*) - epsilon: the conversion's offset

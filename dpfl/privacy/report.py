@@ -41,7 +41,7 @@ from rich.table import Table
 
 from dpfl.errors import UserError, one_line, read_json_file, read_text_file
 from dpfl.numbers import is_number
-from dpfl.privacy.events import PURE, PrivacyEvent
+from dpfl.privacy.events import PURE, PrivacyEvent, history_terms
 from dpfl.privacy.ledger import Ledger
 
 # Exit code of ``dpfl privacy-report`` when the records disagree (1 is a bug with its
@@ -332,10 +332,6 @@ class PrivacyReport:
         return EXIT_OVER_BUDGET if self.over_budget else 0
 
 
-def _sampling_of(events: list[PrivacyEvent]) -> str:
-    return "poisson" if any(e.rate < 1 for e in events) else "none"
-
-
 def build_privacy_report(run_dir: Path, plot: PlotEpsilon | None = None) -> PrivacyReport:
     """The report of ``run_dir`` and the differences its records show. ``plot``: the
     function that draws ``privacy-report.png`` (the CLI passes
@@ -393,10 +389,11 @@ def build_privacy_report(run_dir: Path, plot: PlotEpsilon | None = None) -> Priv
             verdict = "inconsistent"
         mark = verdict if not history.adaptive else f"{verdict} (Rényi filter)"
         releases = sum(1 for c in server if c["client"] == client)
-        relation = (g["relation"] if g is not None else
-                    "/".join(sorted({e.relation for e in history.events})) or "-")
-        sampling = g["sampling"] if g is not None else _sampling_of(history.events)
-        table.add_row(client, history.unit, relation, sampling, f"{ledger.delta:g}",
+        relation, sampling = history_terms(history.events)   # as charged, not as configured
+        # the guarantee's delta: the ledger's plus what SecAgg+'s share overflow adds
+        stated = _number(g.get("delta")) if g is not None else None
+        delta = max(ledger.delta, stated) if stated is not None else ledger.delta
+        table.add_row(client, history.unit, relation, sampling, f"{delta:g}",
                       f"{value:.4f}", str(len(history.rounds)), str(releases), mark)
     off_plan = [c for c in ledger.charges
                 if c.get("source", "client") == "client" and c["note"] != "reported = plan"]

@@ -30,6 +30,7 @@ one round costs every client (``trust`` run-config key).
 from __future__ import annotations
 
 import dataclasses
+import math
 from functools import lru_cache
 from typing import Callable
 
@@ -189,26 +190,63 @@ def share_limit(sampled: int) -> int:
 
 
 def check_overflow(cfg: RunConfig, sigma: float, dim: int, sampled: int, n_min: int) -> float:
-    """P(some coordinate of a share overflows [-c, c]) (a bound); ValueError when it is
-    not below ``OVERFLOW_SHARE_OF_DELTA`` delta (the guarantee would not hold as stated).
-    A method's own noise (:func:`own_noise`) makes its own check (its extra delta)."""
+    """The delta a run's SecAgg+ share overflow adds to the guarantee, after checking it is
+    at most ``OVERFLOW_SHARE_OF_DELTA`` delta (ValueError otherwise: the guarantee would
+    not hold as stated).
+
+    A share coordinate outside [-c, c] wraps around the modulus: the sum released is then
+    not the one accounted. With p the bound on one share (:func:`share_overflow`), the
+    probability that ANY share of the run overflows is P <= p x ``sampled`` shares x
+    ``num-rounds`` (union bound); the real mechanism differs from the accounted one only
+    on that event, in both neighbouring worlds, so an (epsilon, delta) guarantee of the
+    accounted one gives (epsilon, delta + (1 + e^epsilon) P) for the real one (epsilon:
+    the budget, which bounds every client's). A method's own noise (:func:`own_noise`)
+    makes its own check, whose extra delta it already pays inside delta: 0 added."""
     own = own_noise(cfg)
     if own is not None:
-        return own.secure_check(cfg, dim, sigma, sampled, n_min, share_limit(sampled))
+        own.secure_check(cfg, dim, sigma, sampled, n_min, share_limit(sampled))
+        return 0.0
+    p_run = min(1.0, share_overflow(cfg, sigma, dim, sampled, n_min) * sampled
+                * cfg.num_rounds)
+    added = overflow_delta(p_run, cfg.target_epsilon)
+    if added > OVERFLOW_SHARE_OF_DELTA * cfg.delta:
+        raise ValueError(f"a SecAgg+ share of {sampled} clients may overflow its integer "
+                         f"range (probability <= {p_run:.3g} over {sampled} shares x "
+                         f"{cfg.num_rounds} rounds, delta + {added:.3g} > "
+                         f"{OVERFLOW_SHARE_OF_DELTA:g} delta): lower secagg-scale or the noise")
+    return added
+
+
+def overflow_delta(p_run: float, epsilon: float) -> float:
+    """(1 + e^epsilon) P: the delta an event of probability P on which the released and the
+    accounted mechanisms may differ adds to an epsilon-DP guarantee (inf when e^epsilon
+    overflows a float)."""
+    if p_run <= 0.0:
+        return 0.0
+    return p_run * (1.0 + math.exp(epsilon)) if epsilon < 700 else math.inf
+
+
+def share_overflow(cfg: RunConfig, sigma: float, dim: int, sampled: int, n_min: int) -> float:
+    """P(some coordinate of ONE share overflows [-c, c]) (a bound; ``secure-noise``'s)."""
     if cfg.secure_noise == "ddgauss" and share_variance(sigma, cfg, n_min) < 0.25:
         raise ValueError("a discrete Gaussian share needs variance >= 1/4 (Kairouz, Liu & "
                          "Steinke's sigma >= 1/2): raise secagg-scale")
     bound = ddgauss.overflow_bound if cfg.secure_noise == "ddgauss" else skellam.overflow_bound
-    p = bound(cfg.clip_norm, cfg.secagg_scale, share_variance(sigma, cfg, n_min), dim,
-              share_limit(sampled))
-    if p > OVERFLOW_SHARE_OF_DELTA * cfg.delta:
-        raise ValueError(f"a SecAgg+ share of {sampled} clients may overflow its integer "
-                         f"range (probability <= {p:.3g}): lower secagg-scale or the noise")
-    return p
+    return bound(cfg.clip_norm, cfg.secagg_scale, share_variance(sigma, cfg, n_min), dim,
+                 share_limit(sampled))
 
 
 def trust_scope(cfg: RunConfig) -> str:
     """What the trust model assumes and what each party sees (for the guarantee)."""
+    if cfg.trust == "central" and cfg.central_impl == "flower":
+        return ("trust=central through Flower's DifferentialPrivacyServerSideFixedClipping "
+                "around FedAvg (central-impl=flower): the server must be trusted — it sees "
+                "every raw update and who sent it; it samples a fixed k = q N clients, clips "
+                f"each update to C = {cfg.clip_norm:g} and adds N(0, (sigma C / k)^2) to the "
+                "mean over k (missing replies count as zero updates, so the noise on the sum "
+                "is sigma C whatever arrives); accounted as one Gaussian per round under "
+                "replace-one with no amplification by sampling (an upper bound), every "
+                "client charged every round")
     if cfg.trust == "central":
         clip = ("C adapted each round towards the "
                 f"{cfg.clip_target_quantile:g}-quantile of the update norms from a noisy "
@@ -242,5 +280,10 @@ def trust_scope(cfg: RunConfig) -> str:
     return ""
 
 
-def overflow_note(p: float) -> str:
-    return f"share overflow probability <= {p:.2g} (added to delta)" if p > 0 else ""
+def overflow_note(added: float, delta: float) -> str:
+    """The guarantee's words for :func:`check_overflow`'s added delta."""
+    if added <= 0:
+        return ""
+    return (f"a SecAgg+ share may wrap around the modulus with probability P over the run's "
+            f"shares and rounds; (1 + e^epsilon) P <= {added:.3g} is added to delta "
+            f"({delta:g} + {added:.3g} = {delta + added:.6g}, the delta stated)")

@@ -9,7 +9,12 @@ from dpfl.config import RunConfig
 from dpfl.privacy.plan import UPDATE_DP_RELATION
 from dpfl.privacy.randomness import REPRODUCIBLE_VERDICT
 from dpfl.privacy.randomness import scope as randomness_scope
-from dpfl.privacy.trust import CENTRAL_RELATION, DISTRIBUTED_RELATION, trust_scope
+from dpfl.privacy.trust import (
+    CENTRAL_RELATION,
+    DISTRIBUTED_RELATION,
+    FLOWER_RELATION,
+    trust_scope,
+)
 
 
 @dataclass(frozen=True)
@@ -61,7 +66,11 @@ def guarantee_for(cfg: RunConfig, method: MethodPrivacy = MethodPrivacy()) -> Gu
     if cfg.fraction_evaluate > 0:
         clear.append("client evaluation releases validation metrics in the clear "
                      "(set fraction-evaluate=0)")
-    if cfg.trust == "central":
+    if cfg.trust == "central" and cfg.central_impl == "flower":
+        # Flower's fixed-size sample is accounted without amplification, under replace-one
+        unit, relation, sampling = "client", FLOWER_RELATION, "none"
+        scope = trust_scope(cfg)
+    elif cfg.trust == "central":
         unit, relation, sampling = "client", CENTRAL_RELATION, "poisson"
         scope = trust_scope(cfg)
     elif cfg.trust == "distributed":

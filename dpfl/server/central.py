@@ -12,17 +12,14 @@ estimator FedCompDP's ``private-quantile`` uses).
 
 from __future__ import annotations
 
+import math
 import random
 from typing import Any, Sequence
 
 import numpy as np
 import torch
 from flwr.app import Array, ArrayRecord, Message, MessageType, MetricRecord, RecordDict
-from flwr.serverapp.strategy import (
-    DifferentialPrivacyServerSideAdaptiveClipping,
-    DifferentialPrivacyServerSideFixedClipping,
-    FedAvg,
-)
+from flwr.serverapp.strategy import DifferentialPrivacyServerSideFixedClipping, FedAvg
 
 from dpfl.config import RunConfig
 from dpfl.privacy.events import PrivacyEvent
@@ -118,37 +115,39 @@ class CentralAggregator:
 
 class FlowerCentralAggregator:
     """``central-impl=flower``: the same round through Flower 1.39's own wrapper,
-    ``DifferentialPrivacyServerSide{Adaptive,Fixed}Clipping`` around ``FedAvg`` (server-side
-    clipping, fixed-size sampling of k = q N clients, noise std sigma C / k on the mean),
-    for a side-by-side with dpfl's central mechanism. Flower reports no epsilon; dpfl
-    charges what the wrapper actually did: per round a Gaussian on the mean under
-    replace-one (fixed-size samples are analysed under replace-one; no amplification is
-    claimed, so every client's charge is an upper bound) at the EFFECTIVE multiplier —
-    the wrapper clips with C_t but draws the noise with the C_{t+1} it has just computed,
-    so sigma_eff = sigma_Delta C_{t+1} / C_t — plus its noisy count of clipped updates
-    (std sigma_b, sensitivity 1)."""
+    ``DifferentialPrivacyServerSideFixedClipping`` around ``FedAvg`` (server-side clipping,
+    fixed-size sampling of k = q N clients, noise std sigma C / k on the mean), for a
+    side-by-side with dpfl's central mechanism. Flower reports no epsilon; dpfl charges
+    what the wrapper does: per round a Gaussian on the mean under replace-one (fixed-size
+    samples are analysed under replace-one; no amplification is claimed, so every client's
+    charge is an upper bound).
+
+    Flower's wrapper adds N(0, (sigma C / k)^2) to the MEAN of the replies it is handed and
+    does not require k of them: with m < k the sum carries noise sigma C m / k, an
+    effective multiplier sigma m / k. dpfl therefore always hands it k replies, the
+    accepted updates plus k - m zero updates (a node that dropped out, failed or was
+    rejected contributes nothing): the mean is the fixed-denominator sum / k and the
+    multiplier is sigma whatever m is. (Flower's clip divides by the update's norm, so a
+    padding reply is a PUBLIC constant update p of norm C / 2, whose share (k - m) p / k
+    is subtracted from the wrapper's output: post-processing.) Flower's ADAPTIVE wrapper is refused by the config
+    (it noises a round with the clip it has just moved by that round's noisy count)."""
 
     def __init__(self, cfg: RunConfig, num_clients: int) -> None:
+        if cfg.adaptive_clip:
+            raise ValueError("central-impl=flower runs Flower's fixed-clipping wrapper only")
         self.cfg = cfg
         self.num_clients = num_clients
         self.k = max(1, int(num_clients * cfg.fraction_train))
-        self.sigma = central_noise_multiplier(cfg.replace(adaptive_clip=False), num_clients) \
+        self.sigma = central_noise_multiplier(cfg, num_clients) \
             if cfg.noise_multiplier <= 0 else cfg.noise_multiplier
-        std = count_stddev(cfg, num_clients) if cfg.adaptive_clip else None
-        if cfg.adaptive_clip:
-            self.wrapper = DifferentialPrivacyServerSideAdaptiveClipping(
-                FedAvg(), self.sigma, self.k, cfg.clip_norm, cfg.clip_target_quantile,
-                cfg.clip_lr, std)
-            self.count_std = float(self.wrapper.clipped_count_stddev)
-        else:
-            self.wrapper = DifferentialPrivacyServerSideFixedClipping(
-                FedAvg(), self.sigma, cfg.clip_norm, self.k)
-            self.count_std = None
+        self.wrapper = DifferentialPrivacyServerSideFixedClipping(
+            FedAvg(), self.sigma, cfg.clip_norm, self.k)
+        self.count_std = None
         self.rng: random.Random = (random.Random(public_seed(cfg.seed, -1, 0))
                                    if cfg.reproducible else random.SystemRandom())
         self.global_arrays: ArrayRecord | None = None
         self.effective: dict[int, float] = {}      # round -> effective noise multiplier
-        self.clips: list[float] = []
+        self.handed: dict[int, int] = {}           # round -> replies handed to the wrapper
 
     @property
     def clip(self) -> float:
@@ -162,14 +161,23 @@ class FlowerCentralAggregator:
 
     def aggregate(self, updates: torch.Tensor, within: Sequence[float],
                   server_round: int = 0) -> torch.Tensor:
-        """Flower's wrapper on replies carrying global + update; back to a mean update."""
+        """Flower's wrapper on k replies carrying global + update (the accepted ones, then
+        zero updates up to k); back to a mean update."""
         if self.global_arrays is None:
             raise RuntimeError("bind the round's global arrays first")
+        if updates.shape[0] > self.k:
+            raise ValueError(f"{updates.shape[0]} updates for a round of k = {self.k}")
         keys = list(self.global_arrays.keys())
         base = [self.global_arrays[k].numpy() for k in keys]
         flat_base = np.concatenate([b.reshape(-1) for b in base]).astype(np.float64)
+        # an all-zero update contributes nothing and Flower's clip would divide by its
+        # norm: it is sent as padding too
+        rows = [row for row in updates.double().numpy() if np.any(row != 0.0)]
+        padding = self.k - len(rows)
+        pad = np.full(updates.shape[1], 0.5 * self.clip / math.sqrt(updates.shape[1]))
+        rows += [pad] * padding
         replies = []
-        for row in updates.double().numpy():
+        for row in rows:
             arrays, offset = {}, 0
             for k, b in zip(keys, base):
                 arrays[k] = Array(np.asarray(b + row[offset:offset + b.size].reshape(b.shape),
@@ -179,30 +187,26 @@ class FlowerCentralAggregator:
                                       "metrics": MetricRecord({"num-examples": 1})}),
                           dst_node_id=0, message_type=MessageType.TRAIN)
             replies.append(msg)
-        before = self.clip
         self.wrapper.current_arrays = self.global_arrays   # what configure_train would set
-        aggregated, _ = self.wrapper.aggregate_train(server_round, replies) if replies else \
-            (None, None)
-        self.clips.append(before)
-        self.effective[server_round] = float(self.wrapper.noise_multiplier) * self.clip / before
+        aggregated, _ = self.wrapper.aggregate_train(server_round, replies)
+        # the wrapper's noise on the sum of the handed replies is sigma C len / k
+        self.handed[server_round] = len(replies)
+        self.effective[server_round] = float(self.wrapper.noise_multiplier) * \
+            self.k / len(replies)
         if aggregated is None:
-            return torch.zeros(updates.shape[1], dtype=updates.dtype)
+            raise RuntimeError("Flower's wrapper released nothing for a full round")
         flat = np.concatenate([aggregated[k].numpy().reshape(-1) for k in keys])
-        return torch.from_numpy(flat.astype(np.float64) - flat_base).to(updates.dtype)
+        mean = flat.astype(np.float64) - flat_base - padding * pad / self.k
+        return torch.from_numpy(mean).to(updates.dtype)
 
     def events(self, server_round: int) -> list[PrivacyEvent]:
+        """The round's charge: a Gaussian at the multiplier the wrapper applied (the
+        planned sigma before the round), replace-one, no sampling."""
         sigma = self.effective.get(server_round, float(self.wrapper.noise_multiplier))
-        events = [PrivacyEvent.gaussian(server_round, sigma, relation=FLOWER_RELATION)]
-        if self.count_std is not None:
-            events.append(PrivacyEvent.gaussian(server_round, 2.0 * self.count_std,
-                                                relation=FLOWER_RELATION,
-                                                mechanism="quantile-count"))
-        return events
+        return [PrivacyEvent.gaussian(server_round, sigma, relation=FLOWER_RELATION)]
 
     def state_dict(self) -> dict[str, Any]:
-        return {"central-clip": self.clip, "central-clip-history": list(self.clips)}
+        return {}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if "central-clip" in state:
-            self.wrapper.clipping_norm = float(state["central-clip"])
-            self.clips = list(state.get("central-clip-history", []))
+        pass

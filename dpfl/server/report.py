@@ -24,7 +24,10 @@ def epsilon_table(summary: dict[str, Any]) -> str:
         table.add_column(col + (" (informative)" if adaptive and col == "epsilon" else ""),
                          justify="right" if col in numeric else "left")
     for client, info in clients.items():
-        row = [client, g["unit"], g["relation"], g["sampling"], f"{g['delta']:g}"]
+        # relation and sampling as the client's charges were accounted (older summaries:
+        # the guarantee's)
+        row = [client, g["unit"], info.get("relation", g["relation"]),
+               info.get("sampling", g["sampling"]), f"{g['delta']:g}"]
         if adaptive:   # the filter's budget is the guarantee of an adaptive history
             bound = info.get("guaranteed-epsilon")
             row.append(f"<= {bound:g} (filter)" if bound is not None else "-")

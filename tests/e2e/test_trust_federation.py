@@ -74,3 +74,28 @@ def test_distributed_dp_over_secagg_plus_survives_a_dropout(tmp_path, noise, n_r
         assert [e.mechanism for e in events] == [mechanism] * n_rounds
         assert ledger["clients"][client]["epsilon"] <= 8.0
     assert rounds[-1]["central"]["accuracy"] >= 0.0
+
+
+def test_flower_central_arm_reports_what_its_ledger_charged(tmp_path):
+    """central-impl=flower: Flower's fixed-clipping wrapper over k = 4 of 4 clients, each
+    round charged one Gaussian at sigma under replace-one with no amplification; the
+    guarantee, the summary's per-client rows and the printed table say replace-one and no
+    sampling (they said add-remove and Poisson, the configuration's central defaults)."""
+    from dpfl.server.report import epsilon_table
+
+    run = simulate_digits(tmp_path, "flower-central", "trainer=update-dp", "trust=central",
+                          "central-impl=flower", "num-rounds=2", "target-epsilon=8",
+                          "noise-multiplier=2.0", "clip-norm=0.1", "lr=0.05", clients=4)
+    rounds, ledger, summary, config = read_run(run)
+    events = [PrivacyEvent(**e) for e in ledger["population"]["events"]]
+    assert events == [PrivacyEvent.gaussian(r, 2.0, relation="replace-one") for r in (1, 2)]
+    g = summary["guarantee"]
+    assert (g["relation"], g["sampling"]) == ("replace-one", "none")
+    assert "DifferentialPrivacyServerSideFixedClipping" in g["scope"]
+    assert all((c["relation"], c["sampling"]) == ("replace-one", "none")
+               for c in summary["clients"].values()) and len(summary["clients"]) == 4
+    table = epsilon_table(summary)
+    assert "replace-one" in table and "add-remove" not in table and "poisson" not in table
+    expected = history_epsilon(events, 1e-5, config["accountant"])
+    assert all(c["epsilon"] == pytest.approx(expected, rel=1e-9)
+               for c in summary["clients"].values())
