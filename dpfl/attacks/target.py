@@ -40,6 +40,7 @@ from dpfl.server.observer import (
     recorded_global_rounds,
     recorded_update_path,
 )
+from dpfl.tensorfile import UnsafeTensorFile, load_tensors
 from dpfl.tensors import unflatten
 
 Records = tuple[torch.Tensor, torch.Tensor]
@@ -120,8 +121,10 @@ def target_models(run_dir: Path, cfg: RunConfig, client: int, input_shape: tuple
 
     path = run_dir / "checkpoint.pt"
     try:
-        checkpoint = torch.load(path, map_location="cpu", weights_only=False)
+        checkpoint = load_tensors(path)
         state = checkpoint["model"]
+    except UnsafeTensorFile as exc:
+        raise UserError(str(exc)) from None
     except (OSError, EOFError, RuntimeError, KeyError, TypeError) as exc:
         raise UserError(f"{path}: no usable model checkpoint ({exc})") from exc
     final = build()
@@ -134,9 +137,11 @@ def target_models(run_dir: Path, cfg: RunConfig, client: int, input_shape: tuple
                         "released its canary instead of training")
     elif upd_path.exists():
         try:
-            rec = torch.load(upd_path, map_location="cpu", weights_only=False)
+            rec = load_tensors(upd_path)
             start = unflatten(rec["global"], state)
             local = unflatten(rec["global"] + rec["update"], state)
+        except UnsafeTensorFile as exc:
+            raise UserError(str(exc)) from None
         except (OSError, EOFError, RuntimeError, KeyError, TypeError) as exc:
             raise UserError(f"{upd_path}: damaged recorded update ({exc})") from exc
         model = build()
@@ -215,7 +220,9 @@ def global_models(run_dir: Path, cfg: RunConfig, input_shape: tuple[int, ...],
         for r in rounds:
             path = recorded_global_path(run_dir, r)
             try:
-                state = torch.load(path, map_location="cpu", weights_only=False)["model"]
+                state = load_tensors(path)["model"]
+            except UnsafeTensorFile as exc:
+                raise UserError(str(exc)) from None
             except (OSError, EOFError, RuntimeError, KeyError, TypeError) as exc:
                 raise UserError(f"{path}: damaged recorded global model ({exc})") from exc
             model = build(cfg, tuple(input_shape), num_classes)

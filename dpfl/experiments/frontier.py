@@ -165,12 +165,13 @@ def validation_accuracy(run_dir: Path) -> float:
     from dpfl.methods import parse_run_config
     from dpfl.models.evaluation import evaluate_model
     from dpfl.server.runidentity import NUM_CLIENTS
+    from dpfl.tensorfile import load_tensors
 
     saved = json.loads((run_dir / "config.json").read_text())
     cfg = parse_run_config({k: v for k, v in saved.items() if k != NUM_CLIENTS})
     x, y = server_validation(cfg)
     model = REGISTRY[cfg.strategy].build_model(cfg, tuple(x.shape[1:]), 10)
-    state = torch.load(run_dir / "checkpoint.pt", weights_only=False)["model"]
+    state = load_tensors(run_dir / "checkpoint.pt")["model"]
     model.load_state_dict(state)
     _, preds = evaluate_model(model, x, y, torch.device("cpu"))
     return float((preds == y).float().mean())

@@ -27,6 +27,7 @@ from dpfl.config import RunConfig
 from dpfl.durable import append_line, atomic_write
 from dpfl.privacy.canaries import canary_direction, canary_score, support_overlap
 from dpfl.server.validation import ClientUpdate
+from dpfl.tensorfile import save_tensors
 
 AUDIT_FILE = "audit.jsonl"
 UPDATES_DIR = "updates"
@@ -89,7 +90,7 @@ class UpdateObserver:
                 path.parent.mkdir(exist_ok=True)
                 state = {"round": server_round, "global": global_flat.clone(),
                          "update": u.flat.clone()}
-                atomic_write(path, lambda f, state=state: torch.save(state, f))
+                atomic_write(path, lambda f, state=state: save_tensors(state, f))
 
     def keep_global(self, server_round: int, state: dict[str, torch.Tensor]) -> None:
         """Keep the global model after ``server_round`` (``record-global-models``; a
@@ -99,4 +100,4 @@ class UpdateObserver:
         path = recorded_global_path(self.run_dir, server_round)
         path.parent.mkdir(exist_ok=True)
         state = {k: v.detach().clone() for k, v in state.items()}
-        atomic_write(path, lambda f: torch.save({"round": server_round, "model": state}, f))
+        atomic_write(path, lambda f: save_tensors({"round": server_round, "model": state}, f))

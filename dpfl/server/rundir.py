@@ -20,14 +20,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from dpfl.config import RunConfig
 from dpfl.durable import append_line, atomic_write, atomic_write_text, read_lines
 from dpfl.errors import UserError, damaged_text, read_json_file, writable_dir_problem
 from dpfl.logs import get_logger
 from dpfl.privacy.ledger import Ledger
 from dpfl.runlock import LOCK_FILES, WRITER_LOCK, RunLock
+from dpfl.tensorfile import UnsafeTensorFile, load_tensors, save_tensors
 
 log = get_logger("flwr.dpfl.rundir")
 # Files a launcher may create in a run directory before the server opens it, and the locks.
@@ -242,7 +241,7 @@ class RunDir:
         self.save_checkpoint(checkpoint)
 
     def save_checkpoint(self, state: dict[str, Any]) -> None:
-        atomic_write(self.file("checkpoint.pt"), lambda f: torch.save(state, f))
+        atomic_write(self.file("checkpoint.pt"), lambda f: save_tensors(state, f))
 
     def load_checkpoint(self) -> tuple[dict[str, Any] | None, str]:
         """``(state, "")``, or ``(None, why)`` when the checkpoint is missing or unusable."""
@@ -250,7 +249,9 @@ class RunDir:
         if not path.exists():
             return None, f"{path.name} is missing"
         try:
-            state = torch.load(path, weights_only=False)
+            state = load_tensors(path)   # data only: a planted pickle never runs
+        except UnsafeTensorFile as exc:
+            return None, str(exc)
         except Exception as exc:  # torch raises many kinds for a damaged file
             return None, f"{path.name} is damaged ({type(exc).__name__})"
         if not isinstance(state, dict) or not {"round", "model", "ledger"} <= set(state):
