@@ -109,3 +109,21 @@ def test_aadp_per_round_epsilon_lets_the_mean_client_run_every_round(epsilon):
     events = [release.event(r) for r in range(1, 12)]
     budget = RenyiFilter(epsilon, cfg.delta)
     assert budget.admits(events[:10]) and not budget.admits(events)
+
+
+def test_an_adaptive_runs_epsilon_is_its_filters_budget():
+    """Issue 46.3: AADP-FL's frontier row showed 1.808, the plain PLD composition of its
+    adaptively chosen rounds, beside "formal (Rényi filter)". What the run guarantees is
+    the filter's budget (target-epsilon 2): records written before the fix are read so,
+    and new records keep the composition apart, as informative."""
+    from dpfl.experiments.common import record_epsilons
+
+    old_aadp = {"config": {"strategy": "aadp", "trainer": "dpsgd", "target-epsilon": 2.0},
+                "epsilon": {"client-0": 1.808, "client-1": 1.7}}
+    assert record_epsilons(old_aadp) == {"client-0": 2.0, "client-1": 2.0}
+    new_aadp = {**old_aadp, "epsilon": {"client-0": 2.0}, "composed-epsilon": {"client-0": 1.8}}
+    assert record_epsilons(new_aadp) == {"client-0": 2.0}
+    gcfl = {"config": {"strategy": "gcfl", "target-epsilon": 2.0}, "epsilon": {"client-0": 1.9}}
+    assert record_epsilons(gcfl) == {"client-0": 1.9}
+    plain = {"config": {"strategy": "aadp", "trainer": "plain"}, "epsilon": {"client-0": 0.0}}
+    assert record_epsilons(plain) == {"client-0": 0.0}

@@ -395,3 +395,32 @@ def test_a_mapped_partition_outside_the_federation_stops_the_run(server_identity
     with pytest.raises(ConfigError, match="node-partitions"):
         check_operator_map(strategy, 4, _Grid())
 
+
+
+def test_a_verdict_never_improves_over_the_runs_history(tmp_path):
+    """Issue 46.7: rounds run with report-train-loss=true (verdict none), resumed with
+    false, read formal. The run's verdict keeps every earlier part's reasons; a part whose
+    verdict was not recorded (a damaged line, an older resume record) is unknown, never
+    assumed formal."""
+    from dpfl.privacy.verdict import UNKNOWN_PART, Guarantee, over_history
+    from dpfl.server.rundir import RESUMES_FILE, RunDir
+
+    formal = Guarantee("formal", "client", "replace-one", "none", 1e-5, "rdp", "s")
+    loss = "none: train-loss is released in the clear (set report-train-loss=false)"
+    assert over_history(formal, ["formal", "formal"]) == formal
+    assert over_history(formal, ["formal", loss]).verdict == (
+        "none: train-loss is released in the clear (set report-train-loss=false) (in an "
+        "earlier part of this run)")
+    # the current part's own reasons come first; a reason already current is not repeated
+    now = Guarantee(loss, "client", "replace-one", "none", 1e-5, "rdp", "s")
+    assert over_history(now, [loss, "none: a; b"]).verdict == loss + (
+        "; a (in an earlier part of this run); b (in an earlier part of this run)")
+    assert over_history(formal, [None]).verdict == "none: " + UNKNOWN_PART
+    # the resume log: one verdict per line, damaged or verdict-less lines unknown
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / RESUMES_FILE).write_text(json.dumps({"verdict": "formal"}) + "\n"
+                                    + "{damaged\n" + json.dumps({"resumed-after-round": 2})
+                                    + "\n" + json.dumps({"repair": "rounds.jsonl"}) + "\n"
+                                    + json.dumps({"verdict": loss}) + "\n")
+    assert RunDir(run).resume_verdicts() == ["formal", None, None, loss]

@@ -43,7 +43,7 @@ from dpfl.privacy.trust import (
     overflow_note,
     share_limit,
 )
-from dpfl.privacy.verdict import Guarantee
+from dpfl.privacy.verdict import Guarantee, over_history
 from dpfl.server.evaluation import classification_metrics, divergence
 from dpfl.server.exchange import ReplyExchange
 from dpfl.server.node_index import index_instructions_by_node
@@ -55,6 +55,7 @@ from dpfl.server.rundir import CONFIG_FILE, RunDir
 from dpfl.server.runidentity import NUM_CLIENTS, check_resume
 from dpfl.server.secagg import SecAggPlusServer, SecureSum
 from dpfl.server.strategy import DPFLStrategy, RoundRecord
+from dpfl.server.validation import claimed_partition
 from dpfl.tensors import flatten
 
 log = get_logger("flwr.dpfl.server")
@@ -268,11 +269,27 @@ def resume(fed: Federation) -> bool:
     fed.resume_config = ledger_config(fed.ledger)
     log.info("resuming %s after round %d (%d charges on the ledger)", fed.run_dir.path,
              point.round, len(fed.ledger.charges))
+    own = fed.guarantee.verdict
+    # a verdict never improves over the run's history: its start's, each resume's, this one's
+    fed.guarantee = over_history(fed.guarantee, [_started_verdict(fed.saved_config),
+                                                 *fed.run_dir.resume_verdicts()])
+    if fed.guarantee.verdict != own:
+        log.warning("verdict of this run: %s", fed.guarantee.verdict)
     fed.run_dir.record_resume({"resumed-after-round": point.round, "time": time.time(),
                                "num-rounds": fed.cfg.num_rounds,
                                "fresh-model": point.model is None,
-                               "pid": os.getpid()})
+                               "pid": os.getpid(), "verdict": own})
     return True
+
+
+def _started_verdict(saved: dict[str, Any]) -> str | None:
+    """The verdict of the run as it started (its config.json); None when that config no
+    longer parses (the part is then unknown, never assumed formal)."""
+    try:
+        return guarantee(parse_run_config({k: v for k, v in saved.items()
+                                           if k != NUM_CLIENTS})).verdict
+    except (ConfigError, ValueError, TypeError):
+        return None
 
 
 def _with_weights(model: torch.nn.Module, arrays: ArrayRecord) -> torch.nn.Module:
@@ -432,8 +449,16 @@ def _secure_sum(fed: Federation, messages, rnd: int) -> SecureSum:
     server = SecAggPlusServer(fed.grid, share_limit(len(messages)), cfg.secagg_num_shares,
                               cfg.secagg_threshold, min_survivors(cfg, len(messages)),
                               cfg.round_timeout)
+    guard = fed.strategy.guard
+
+    def admit(msg) -> str | None:
+        """A masked vector joins the sum only from a node whose partition claim holds."""
+        claimed = claimed_partition(msg)
+        return guard.partition_of(int(msg.metadata.src_node_id),
+                                  claimed if claimed is not None else -1)[1]
+
     return server.run({int(m.metadata.dst_node_id): m.content for m in messages},
-                      group=str(rnd))
+                      group=str(rnd), admit=admit)
 
 
 def with_overflow(claim: Guarantee, added: float) -> Guarantee:

@@ -42,7 +42,11 @@ def run_record(run_dir: Path, clients: int, overrides: dict[str, Any],
         "config": overrides, "run-dir": str(run_dir),
         "accuracy": summary["final"]["accuracy"], "macro-recall": summary["final"]["macro-recall"],
         "macro-f1": summary["final"]["macro-f1"],
-        "epsilon": {c: v["epsilon"] for c, v in summary["clients"].items()},
+        # what each client is guaranteed: an adaptive (Rényi filter) history's is the
+        # filter's budget; the plain composition of its rounds is only informative
+        "epsilon": {c: v.get("guaranteed-epsilon", v["epsilon"])
+                    for c, v in summary["clients"].items()},
+        "composed-epsilon": {c: v["epsilon"] for c, v in summary["clients"].items()},
         "rounds-run": summary.get("rounds-run"), "verdict": summary["guarantee"]["verdict"],
         "randomness": ("public (reproducible=true)" if str(overrides.get("reproducible", ""))
                        .lower() == "true" else "secret (OS entropy)"),
@@ -65,6 +69,25 @@ def randomness_of(record: dict[str, Any]) -> str:
     """How a record's DP noise and sampling were drawn. Records without the field were made
     before the fix: their noise came from a seed the server could recompute."""
     return record.get("randomness", "public-seeded (before the fix)")
+
+
+def record_epsilons(record: dict[str, Any]) -> dict[str, float]:
+    """Each client's guaranteed epsilon in a record. Records written before
+    :func:`run_record` stored the guarantee kept, for an adaptive method's run (its budgets
+    a Rényi filter), the plain composition of its rounds, which that run does not
+    guarantee: its epsilon is then the filter's budget, the run's ``target-epsilon``."""
+    eps = record["epsilon"]
+    if "composed-epsilon" in record:
+        return eps
+    from dpfl.methods import METHODS
+
+    config = record.get("config", {})
+    method = METHODS.get(config.get("strategy") or "dpfedavg")
+    budget = config.get("target-epsilon")
+    if method is None or not method.adaptive or budget is None or \
+            config.get("trainer") == "plain":
+        return eps
+    return {c: float(budget) for c in eps}
 
 
 def honest_verdict(record: dict[str, Any]) -> str:

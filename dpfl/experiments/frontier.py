@@ -39,6 +39,7 @@ from dpfl.experiments.common import (
     load_records,
     mean_std,
     pyplot,
+    record_epsilons,
     record_path,
     simulate_record,
     table_header,
@@ -215,7 +216,7 @@ def _run(root: Path, results: Path, work: Path, name: str, cell: str, method: st
 
 
 def _report(i: int, total: int, name: str, rec: dict[str, Any], t0: float) -> None:
-    eps = list(rec["epsilon"].values())
+    eps = list(record_epsilons(rec).values())
     print(f"[{i}/{total}] {name}: test accuracy {rec['accuracy']:.4f}, validation "
           f"{rec['validation-accuracy']:.4f}, max eps {max(eps, default=math.inf):.4g}, "
           f"{time.time() - t0:.0f} s", flush=True)
@@ -324,8 +325,10 @@ def build_table(results: Path, command: str) -> str:
         "Privacy-utility frontier: every method over sample-level DP-SGD", command,
         "Test accuracy in % (10,000 test images), mean ± std over seeds; gap: mean paired "
         "difference to DP-FedAvg over the seeds both ran (percentage points) with the "
-        "two-sided paired t-test's p; max ε: the largest per-client ε in the ledger "
-        "(sample-level, add/remove, Poisson, δ = 1e-5, PLD). 10 clients, Dirichlet(0.5), "
+        "two-sided paired t-test's p; max ε: the largest per-client ε guaranteed "
+        "(sample-level, add/remove, Poisson, δ = 1e-5, PLD; for AADP-FL, whose budgets are "
+        "chosen adaptively, the Rényi filter's budget, not the plain composition of its "
+        "rounds). 10 clients, Dirichlet(0.5), "
         "20,000-example subset, 10 rounds (results/frontier/README.md).", runs)
     table: dict[str, Any] = {}
     by = {}
@@ -343,7 +346,7 @@ def build_table(results: Path, command: str) -> str:
                 continue
             gap, p, pairs = (paired_gap(rs, base) if m != BASELINE and base
                              else (math.nan, None, 0))
-            eps = max((max(r["epsilon"].values(), default=math.inf) for r in rs),
+            eps = max((max(record_epsilons(r).values(), default=math.inf) for r in rs),
                       default=math.inf)
             row = {"accuracy": [r["accuracy"] for r in rs], "seeds": [r["seed"] for r in rs],
                    "gap-pp": gap, "p": p, "pairs": pairs, "max-epsilon": eps,

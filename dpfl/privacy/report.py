@@ -393,8 +393,12 @@ def build_privacy_report(run_dir: Path, plot: PlotEpsilon | None = None) -> Priv
         # the guarantee's delta: the ledger's plus what SecAgg+'s share overflow adds
         stated = _number(g.get("delta")) if g is not None else None
         delta = max(ledger.delta, stated) if stated is not None else ledger.delta
+        # an adaptive history's guarantee is the filter's budget it held (the composition of
+        # its adaptively chosen rounds is not a bound): that is the epsilon shown
+        shown = (f"<= {ledger.budget:g} (filter; composed {value:.4f})"
+                 if history.adaptive and ledger.budget is not None else f"{value:.4f}")
         table.add_row(client, history.unit, relation, sampling, f"{delta:g}",
-                      f"{value:.4f}", str(len(history.rounds)), str(releases), mark)
+                      shown, str(len(history.rounds)), str(releases), mark)
     off_plan = [c for c in ledger.charges
                 if c.get("source", "client") == "client" and c["note"] != "reported = plan"]
     releases = server_releases(server)

@@ -3,7 +3,8 @@ the verdict ``formal`` or ``none: <reason>``."""
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
+from typing import Sequence
 
 from dpfl.config import RunConfig
 from dpfl.privacy.plan import UPDATE_DP_RELATION
@@ -107,3 +108,34 @@ def guarantee_for(cfg: RunConfig, method: MethodPrivacy = MethodPrivacy()) -> Gu
                  if cfg.reproducible else randomness_scope(draws)))
     verdict = "formal" if not clear else "none: " + "; ".join(clear)
     return Guarantee(verdict, unit, relation, sampling, cfg.delta, cfg.accountant, scope)
+
+
+UNKNOWN_PART = ("a part of this run whose settings were not recorded (a damaged resume record, "
+                "or one written by an older dpfl) may have released values in the clear")
+
+
+def reasons_of(verdict: str) -> list[str]:
+    """The reasons of a ``none: r1; r2`` verdict (empty for ``formal``)."""
+    if verdict == "formal":
+        return []
+    body = verdict[len("none: "):] if verdict.startswith("none: ") else verdict
+    return [r.strip() for r in body.split("; ") if r.strip()]
+
+
+def over_history(current: Guarantee, earlier: Sequence[str | None]) -> Guarantee:
+    """The guarantee of a run whose earlier launches (its start, then each resume) had the
+    verdicts ``earlier`` (None: not recorded): a verdict never improves over a run's
+    history. A value released in the clear in one part of the run stays released, so every
+    earlier reason is kept (marked as an earlier part's) beside the current ones; an
+    unrecorded part counts as :data:`UNKNOWN_PART`."""
+    reasons = reasons_of(current.verdict)
+    for verdict in earlier:
+        found = [UNKNOWN_PART] if verdict is None else [
+            f"{r} (in an earlier part of this run)" for r in reasons_of(verdict)]
+        for r in found:
+            if r not in reasons and r.removesuffix(" (in an earlier part of this run)") \
+                    not in reasons:
+                reasons.append(r)
+    if not reasons:
+        return current
+    return replace(current, verdict="none: " + "; ".join(reasons))

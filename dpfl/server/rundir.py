@@ -183,6 +183,26 @@ class RunDir:
                 log.warning("%s: skipping a damaged line", path)
         return out
 
+    def resume_verdicts(self) -> list[str | None]:
+        """The guarantee verdict each resume recorded, in order (None for a damaged line or
+        an entry without one: that part of the run is unknown, never assumed formal)."""
+        path = self.file(RESUMES_FILE)
+        if not path.exists():
+            return []
+        lines, partial = _read_lines(path, "resume log")
+        out: list[str | None] = []
+        for line in lines + ([partial] if partial else []):
+            try:
+                entry = json.loads(line)
+            except json.JSONDecodeError:
+                out.append(None)
+                continue
+            if isinstance(entry, dict) and "repair" in entry:
+                continue                    # a ledger repair, not a launch
+            verdict = entry.get("verdict") if isinstance(entry, dict) else None
+            out.append(verdict if isinstance(verdict, str) else None)
+        return out
+
     def create(self) -> "RunDir":
         self.path.mkdir(parents=True, exist_ok=True)
         return self

@@ -28,8 +28,9 @@ nothing (``SecureSum.total`` is None).
 from __future__ import annotations
 
 import random
+from collections import Counter
 from dataclasses import dataclass, field
-from typing import cast
+from typing import Callable, cast
 
 import numpy as np
 import torch
@@ -81,6 +82,9 @@ class SecureSum:
     replies: list[Message] = field(default_factory=list)    # stage-2 replies (no update)
     dropped: list[int] = field(default_factory=list)        # sampled, not in the sum
     reason: str = ""                                        # why discarded
+    # nodes whose masked vector arrived but was kept out of the sum, and why (a refused
+    # partition claim, a malformed vector): unmasked as dropouts, never summed
+    refused: dict[int, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -152,9 +156,22 @@ class SecAggPlusServer:
         return all(len(state.neighbours[n] & state.active) >= state.threshold
                    for n in state.sampled)
 
+    def _drop(self, state: _State, node: int, stage: str, why: str) -> None:
+        """A node whose reply cannot be used: out of the round from here on (its pairwise
+        masks, if it shared keys, are reconstructed like a dropout's)."""
+        log.warning("SecAgg+ %s: node %d dropped (%s)", stage, node, why)
+        state.active.discard(node)
+
     # -- the protocol ------------------------------------------------------------------
-    def run(self, instructions: dict[int, RecordDict], group: str) -> SecureSum:
-        """The secure sum of the shares the nodes of ``instructions`` compute from them."""
+    def run(self, instructions: dict[int, RecordDict], group: str,
+            admit: Callable[[Message], str | None] | None = None) -> SecureSum:
+        """The secure sum of the shares the nodes of ``instructions`` compute from them.
+
+        ``admit``: why a stage-2 reply's sender may not be in the sum (e.g. a refused
+        partition claim), or None; such a node is unmasked as a dropout and its vector
+        never summed, like a vector of another shape than most replies'. A malformed reply at any stage drops its node, never the
+        server; an unmasked sum outside the range its shares allow (a vector masked with
+        an offset) discards the round."""
         sampled = sorted(instructions)
         if len(sampled) < 2:
             return SecureSum(None, dropped=sampled, reason="fewer than 2 sampled clients")
@@ -168,9 +185,16 @@ class SecAggPlusServer:
                  Key.MOD_RANGE: MODULUS, Key.MAX_WEIGHT: 1.0}
         for m in self._keep_ok(state, self._send({n: self._config(setup) for n in sampled},
                                                  group), "setup"):
-            keys = m.content.config_records[RECORD_KEY_CONFIGS]
-            state.public_keys[m.metadata.src_node_id] = (cast(bytes, keys[Key.PUBLIC_KEY_1]),
-                                                         cast(bytes, keys[Key.PUBLIC_KEY_2]))
+            node = m.metadata.src_node_id
+            try:
+                keys = m.content.config_records[RECORD_KEY_CONFIGS]
+                pair = (keys[Key.PUBLIC_KEY_1], keys[Key.PUBLIC_KEY_2])
+                for key in pair:
+                    bytes_to_public_key(key)          # a usable public key, or drop
+                state.public_keys[node] = cast(tuple[bytes, bytes], pair)
+            except Exception as exc:  # noqa: BLE001 - any malformed reply drops its node
+                self._drop(state, node, "setup", f"malformed keys: {type(exc).__name__}")
+        state.active &= set(state.public_keys)
         if not self._enough(state):
             return self._discard(state, [], "too few nodes after setup")
         # stage 1: share keys
@@ -182,11 +206,19 @@ class SecAggPlusServer:
             contents[n] = self._config(record)
         state.forward = {n: ([], []) for n in state.active}
         for m in self._keep_ok(state, self._send(contents, group), "share-keys"):
-            res = m.content.config_records[RECORD_KEY_CONFIGS]
-            for dst, ctxt in zip(cast(list[int], res[Key.DESTINATION_LIST]),
-                                 cast(list[bytes], res[Key.CIPHERTEXT_LIST]), strict=True):
+            node = m.metadata.src_node_id
+            try:
+                res = m.content.config_records[RECORD_KEY_CONFIGS]
+                pairs = list(zip(cast(list[int], res[Key.DESTINATION_LIST]),
+                                 cast(list[bytes], res[Key.CIPHERTEXT_LIST]), strict=True))
+                if not all(isinstance(d, int) and isinstance(c, bytes) for d, c in pairs):
+                    raise TypeError("destinations and ciphertexts")
+            except Exception as exc:  # noqa: BLE001 - any malformed reply drops its node
+                self._drop(state, node, "share-keys", f"malformed shares: {type(exc).__name__}")
+                continue
+            for dst, ctxt in pairs:
                 if dst in state.forward:
-                    state.forward[dst][0].append(m.metadata.src_node_id)
+                    state.forward[dst][0].append(node)
                     state.forward[dst][1].append(ctxt)
         if not self._enough(state):
             return self._discard(state, [], "too few nodes after key sharing")
@@ -201,17 +233,48 @@ class SecAggPlusServer:
                  Key.SOURCE_LIST: srcs})
             contents[n] = content
         replies = self._keep_ok(state, self._send(contents, group), "masked-vector")
-        masked = None
+        refused: dict[int, str] = {}
+        vectors: dict[int, list[np.ndarray]] = {}
         for m in replies:
-            vec = [bytes_to_ndarray(b) for b in cast(
-                list[bytes], m.content.config_records[RECORD_KEY_CONFIGS][Key.MASKED_PARAMETERS])]
+            node = m.metadata.src_node_id
+            why = admit(m) if admit is not None else None
+            if why is None:
+                try:
+                    vec = [np.asarray(bytes_to_ndarray(b), dtype=np.int64) for b in cast(
+                        list[bytes],
+                        m.content.config_records[RECORD_KEY_CONFIGS][Key.MASKED_PARAMETERS])]
+                    if len(vec) != 2 or vec[0].size != 1:
+                        why = "not a weight factor and a vector"
+                    elif any(np.any((a < 0) | (a >= MODULUS)) for a in vec):
+                        why = "masked values outside the modulus"
+                    else:
+                        vectors[node] = vec
+                except Exception as exc:  # noqa: BLE001 - any malformed vector
+                    why = f"a malformed masked vector ({type(exc).__name__})"
+            if why is not None:
+                refused[node] = why
+        # the share's shape: the one most replies have (honest majority, SecAgg+'s own
+        # assumption; ties to the smaller): a lone odd vector cannot set it
+        shapes = {n: tuple(a.shape for a in v) for n, v in vectors.items()}
+        if shapes:
+            counts = Counter(shapes.values())
+            want = max(counts, key=lambda k: (counts[k], [-x for s in k for x in s]))
+            for node, shape in shapes.items():
+                if shape != want:
+                    refused[node] = f"a masked vector of shape {shape}, not {want}"
+        masked = None
+        for node in sorted(refused):
+            self._drop(state, node, "masked-vector", f"kept out of the sum: {refused[node]}")
+        for node, vec in vectors.items():
+            if node in refused:
+                continue
             masked = vec if masked is None else [a + b for a, b in zip(masked, vec, strict=True)]
         survivors = sorted(state.active)
         if masked is None or len(survivors) < self.min_survivors:
             return self._discard(state, replies, f"{len(survivors)} survivors < n_min "
-                                 f"{self.min_survivors}")
+                                 f"{self.min_survivors}", refused=refused)
         if not self._enough(state):
-            return self._discard(state, replies, "too few nodes to unmask")
+            return self._discard(state, replies, "too few nodes to unmask", refused=refused)
         masked = [np.asarray(a, dtype=np.int64) & (MODULUS - 1) for a in masked]
         # stage 3: unmask
         dead = state.keyed - state.active
@@ -222,41 +285,76 @@ class SecAggPlusServer:
         in_sum = set(survivors)
         collected: dict[int, list[bytes]] = {n: [] for n in sorted(state.keyed)}
         for m in self._keep_ok(state, self._send(contents, group), "unmask"):
-            res = m.content.config_records[RECORD_KEY_CONFIGS]
-            for owner, share in zip(cast(list[int], res[Key.NODE_ID_LIST]),
-                                    cast(list[bytes], res[Key.SHARE_LIST]), strict=True):
-                if owner in collected:
-                    collected[owner].append(share)
-        shapes = [a.shape for a in masked]
-        for nid, shares_of in collected.items():
-            if len(shares_of) < threshold:
-                return self._discard(state, replies, f"not enough shares to unmask node {nid}",
-                                     in_sum)
-            secret = combine_shares(shares_of)
-            if nid in in_sum:  # its private mask
-                mask = pseudo_rand_gen(secret, MODULUS, shapes)
-                masked = [a - b for a, b in zip(masked, mask, strict=True)]
+            try:
+                res = m.content.config_records[RECORD_KEY_CONFIGS]
+                pairs = list(zip(cast(list[int], res[Key.NODE_ID_LIST]),
+                                 cast(list[bytes], res[Key.SHARE_LIST]), strict=True))
+            except Exception as exc:  # noqa: BLE001 - its shares are not used
+                log.warning("SecAgg+ unmask: node %d sent malformed shares (%s); not used",
+                            m.metadata.src_node_id, type(exc).__name__)
                 continue
-            # a node that dropped after sharing its keys: its pairwise masks with survivors
-            for other in (state.neighbours[nid] & in_sum) - {nid}:
-                key = generate_shared_key(bytes_to_private_key(secret),
-                                          bytes_to_public_key(state.public_keys[other][0]))
-                mask = pseudo_rand_gen(key, MODULUS, shapes)
-                sign = 1 if nid > other else -1
-                masked = [a + sign * b for a, b in zip(masked, mask, strict=True)]
+            for owner, share in pairs:
+                if owner in collected and isinstance(share, bytes):
+                    collected[owner].append(share)
+        try:
+            masked = self._unmask(state, masked, collected, in_sum, threshold)
+        except _Unusable as exc:
+            return self._discard(state, replies, str(exc), in_sum, refused)
         total = [a & (MODULUS - 1) for a in masked]
         factor, vector = int(total[0].reshape(-1)[0]), total[1]
         expected = (len(survivors) * 2 * self.limit) % MODULUS
         if factor != expected:
             return self._discard(state, replies, f"weight factor {factor} != {expected}",
-                                 in_sum)
+                                 in_sum, refused)
         shifted = torch.from_numpy(vector.astype(np.int64).reshape(-1))
+        # each share lies in [0, 2c] once shifted: a sum outside [0, 2 c n] was not made of
+        # honest shares (a vector masked with an offset, garbage unmask shares)
+        if shifted.numel() and (int(shifted.min()) < 0
+                                or int(shifted.max()) > len(survivors) * 2 * self.limit):
+            return self._discard(state, replies, "the unmasked sum lies outside the range "
+                                 "its shares allow (a malformed masked vector or unmask "
+                                 "share)", in_sum, refused)
         return SecureSum(shifted - len(survivors) * self.limit, survivors, replies,
-                         sorted(set(sampled) - in_sum))
+                         sorted(set(sampled) - in_sum), refused=refused)
+
+    def _unmask(self, state: _State, masked: list[np.ndarray],
+                collected: dict[int, list[bytes]], in_sum: set[int],
+                threshold: int) -> list[np.ndarray]:
+        """Remove every mask: the survivors' private ones and the pairwise ones of nodes
+        that shared keys but are not in the sum (:class:`_Unusable` when the shares do not
+        reconstruct a usable secret)."""
+        shapes = [a.shape for a in masked]
+        for nid, shares_of in collected.items():
+            if len(shares_of) < threshold:
+                raise _Unusable(f"not enough shares to unmask node {nid}")
+            try:
+                secret = combine_shares(shares_of)
+                if nid in in_sum:  # its private mask
+                    mask = pseudo_rand_gen(secret, MODULUS, shapes)
+                    masked = [a - b for a, b in zip(masked, mask, strict=True)]
+                    continue
+                # a node that dropped after sharing its keys: its pairwise masks
+                private = bytes_to_private_key(secret)
+                for other in (state.neighbours[nid] & in_sum) - {nid}:
+                    key = generate_shared_key(private,
+                                              bytes_to_public_key(state.public_keys[other][0]))
+                    mask = pseudo_rand_gen(key, MODULUS, shapes)
+                    sign = 1 if nid > other else -1
+                    masked = [a + sign * b for a, b in zip(masked, mask, strict=True)]
+            except Exception as exc:  # noqa: BLE001 - garbage shares: nothing usable
+                raise _Unusable(f"the shares of node {nid} do not reconstruct its secret "
+                                f"({type(exc).__name__})") from None
+        return masked
 
     def _discard(self, state: _State, replies: list[Message], reason: str,
-                 survivors: set[int] | None = None) -> SecureSum:
+                 survivors: set[int] | None = None,
+                 refused: dict[int, str] | None = None) -> SecureSum:
         log.warning("SecAgg+ round discarded, nothing released: %s", reason)
         sent = sorted(survivors if survivors is not None else
-                      {m.metadata.src_node_id for m in replies})
-        return SecureSum(None, sent, replies, sorted(set(state.sampled) - set(sent)), reason)
+                      {m.metadata.src_node_id for m in replies} - set(refused or {}))
+        return SecureSum(None, sent, replies, sorted(set(state.sampled) - set(sent)), reason,
+                         refused=dict(refused or {}))
+
+
+class _Unusable(Exception):
+    """The round's unmask shares cannot remove the masks."""

@@ -430,6 +430,7 @@ class DPFLStrategy(FedAvg):
         if secure.total is None:
             log.warning("round %d: SecAgg+ round discarded (%s); the global model is "
                         "unchanged", server_round, secure.reason)
+            self._record_secure_replies(record, secure)
             return RoundOutcome(None, None, record)
         own = own_noise(self.cfg)
         if own is not None:   # the method's own dequantisation
@@ -441,13 +442,23 @@ class DPFLStrategy(FedAvg):
                                    server_round)
         else:
             mean = secure.total.double() / (self.cfg.secagg_scale * len(secure.survivors))
-        for msg in secure.replies:
-            if msg.metadata.src_node_id in secure.survivors:
-                record.accepted.append(ClientUpdate(
-                    msg.metadata.src_node_id, claimed_partition(msg) or -1,
-                    torch.empty(0), 1, dict(msg.content["metrics"])
-                    if "metrics" in msg.content.metric_records else {}))
+        self._record_secure_replies(record, secure)
         return self._stepped(mean.to(torch.float32), record)
+
+    def _record_secure_replies(self, record: RoundRecord, secure: SecureSum) -> None:
+        """The round's record of a SecAgg+ round: survivors accepted (under the partition
+        their node is charged to), the vectors kept out of the sum refused with why."""
+        for msg in secure.replies:
+            node = int(msg.metadata.src_node_id)
+            metrics = (dict(msg.content["metrics"]) if "metrics" in msg.content.metric_records
+                       else {})
+            claimed = claimed_partition(msg)
+            pid = self.guard.partition_of(node, claimed if claimed is not None else -1)[0]
+            if node in secure.refused:
+                record.rejected.append(Rejection(node, pid, "refused", secure.refused[node],
+                                                 metrics))
+            elif node in secure.survivors and pid is not None and secure.total is not None:
+                record.accepted.append(ClientUpdate(node, pid, torch.empty(0), 1, metrics))
 
     def aggregate_train(self, server_round: int, replies: Iterable[Message]
                         ) -> tuple[ArrayRecord | None, MetricRecord | None]:

@@ -46,7 +46,8 @@ def _rounds_per_client(run: Path) -> dict[str, list[int]]:
 
 def test_resume_keeps_the_runs_identity_and_never_falls_behind_its_records(tmp_path):
     run = tmp_path / "r"
-    first = _simulate(tmp_path, "run-name=r", "num-rounds=2", *BASE)
+    # the run starts releasing its train loss in the clear (verdict none) ...
+    first = _simulate(tmp_path, "run-name=r", "num-rounds=2", "report-train-loss=true", *BASE)
     assert first.returncode == 0, first.stderr[-3000:]
     config_bytes = (run / "config.json").read_bytes()
     summary_bytes = (run / "summary.json").read_bytes()
@@ -68,8 +69,9 @@ def test_resume_keeps_the_runs_identity_and_never_falls_behind_its_records(tmp_p
     older.restore([c for c in current.charges if c["round"] == 1], "the test's backup")
     older.save(run / "ledger.json")
     (run / "checkpoint.pt").unlink()
+    # ... and resumes without (a key a resume may change): the verdict stays none
     again = _simulate(tmp_path, "run-name=r", "resume=true", "resume-without-checkpoint=true",
-                      "num-rounds=3", clients=None)
+                      "num-rounds=3", "report-train-loss=false", clients=None)
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
     assert "ledger.json was behind rounds.jsonl" in again.stdout + again.stderr
     rounds, ledger, summary, config = read_run(run)
@@ -79,6 +81,11 @@ def test_resume_keeps_the_runs_identity_and_never_falls_behind_its_records(tmp_p
     assert rounds[-1]["round"] == 3 and rounds[-1]["train"]["accepted"] == 2
     assert [r.get("resumed-after-round") for r in summary["resumes"]
             if "repair" not in r] == [2]
+    # issue 46.7: a verdict never improves over the run's history (it became formal)
+    assert summary["guarantee"]["verdict"] == (
+        "none: train-loss is released in the clear (set report-train-loss=false) (in an "
+        "earlier part of this run)"), summary["guarantee"]["verdict"]
+    assert [r["verdict"] for r in summary["resumes"] if "repair" not in r] == ["formal"]
     assert _rounds_per_client(run) == {"client-0": [1, 2, 3], "client-1": [1, 2, 3]}
     ledger = Ledger.load(run / "ledger.json")
     three = PrivacyHistory([PrivacyEvent.gaussian(r, 2.0, relation="replace-one")
