@@ -424,3 +424,39 @@ def test_a_verdict_never_improves_over_the_runs_history(tmp_path):
                                     + "\n" + json.dumps({"repair": "rounds.jsonl"}) + "\n"
                                     + json.dumps({"verdict": loss}) + "\n")
     assert RunDir(run).resume_verdicts() == ["formal", None, None, loss]
+
+
+def test_every_instruction_carries_the_ledger_a_node_must_count(server_identity):
+    """Issue 46.5: after a resume the recorded events went only to the nodes sampled in
+    the FIRST resumed round; a node sampled later (fraction-train < 1) trained on an empty
+    history and two clients ended at 4.57 > 4.2. Now every instruction carries them: a
+    node pinned to a partition gets its partition's, a node not pinned yet gets every
+    partition's, in every round; a client on a fresh node adopts them before its check."""
+    strategy, ledger, contexts, _ = _federation({})
+    torch.manual_seed(0)
+    arrays = ArrayRecord(build_model("mlp", (1, 8, 8), 10).state_dict())
+    record, honest = _honest_replies(strategy, contexts, arrays, 1)
+    strategy.finish_round(1, record, [_as_from(n, c) for n, c in honest.items()])
+    round1 = {c: list(h.events) for c, h in ledger.clients.items()}
+    assert sorted(round1) == [f"client-{p}" for p in range(4)]
+    # rounds 2 and 3, long after any resume: pinned nodes get their own partition's events
+    for rnd in (2, 3):
+        messages, _ = strategy.start_round(rnd, arrays, _Grid())
+        for m in messages:
+            config = m.content["config"]
+            pid = NODES[int(m.metadata.dst_node_id)]
+            assert set(config["ledger-client"]) == {pid}
+            assert len(config["ledger-round"]) == len(round1[f"client-{pid}"])
+    # a node the server has not pinned (a new node id after a resume) gets every partition's
+    strategy.guard.node_partition.clear()
+    messages, _ = strategy.start_round(3, arrays, _Grid())
+    config = messages[0].content["config"]
+    assert sorted(set(config["ledger-client"])) == [0, 1, 2, 3]
+    # ... and its client, on a node whose state was lost, counts round 1 before round 3
+    node = int(messages[0].metadata.dst_node_id)
+    fresh = context({**HOSTILE}, NODES[node], len(NODES))
+    reply = train(message(messages[0].content, src_node_id=0, dst_node_id=node), fresh)
+    spent = PrivacyHistory.load(fresh.state)
+    assert [e.round for e in spent.events] == [1, 3]
+    assert spent.events[0] == round1[f"client-{NODES[node]}"][0]
+    assert reply.content["metrics"]["epsilon"] > 0

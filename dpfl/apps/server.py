@@ -35,7 +35,7 @@ from dpfl.methods import (
 from dpfl.models.evaluation import device_for
 from dpfl.privacy.budget import BUDGET_RTOL, PrivacyHistory
 from dpfl.privacy.events import history_terms
-from dpfl.privacy.ledger import Ledger, ledger_config
+from dpfl.privacy.ledger import Ledger
 from dpfl.privacy.trust import (
     check_overflow,
     distributed_noise_multiplier,
@@ -92,7 +92,6 @@ class Federation:
     start: int = 1                      # first round to run
     rounds: list[dict[str, Any]] = field(default_factory=list)
     initial: dict[str, float] = field(default_factory=dict)
-    resume_config: dict[str, Any] = field(default_factory=dict)  # next round only
     saved_config: dict[str, Any] | None = None   # config.json of the run a resume continues
     diverged: int | None = None   # the round the run was first seen diverging (logged once)
 
@@ -265,8 +264,8 @@ def resume(fed: Federation) -> bool:
     fed.rounds = point.rounds
     fed.initial = point.initial or classification_metrics(
         _with_weights(fed.model, fed.arrays), fed.x_test, fed.y_test, fed.device)
-    # clients whose node state was lost get their recorded events back
-    fed.resume_config = ledger_config(fed.ledger)
+    # clients whose node state was lost get their recorded events back in every
+    # instruction (DPGuard.history_record), whichever round they are next sampled in
     log.info("resuming %s after round %d (%d charges on the ledger)", fed.run_dir.path,
              point.round, len(fed.ledger.charges))
     own = fed.guarantee.verdict
@@ -359,8 +358,7 @@ def run_round(fed: Federation, rnd: int) -> RoundRecord:
     cfg, strategy, ledger = fed.cfg, fed.strategy, fed.ledger
     clock = PhaseClock()
     charged_before = len(ledger.charges)
-    messages, record = strategy.start_round(rnd, fed.arrays, fed.grid, fed.resume_config)
-    fed.resume_config = {}
+    messages, record = strategy.start_round(rnd, fed.arrays, fed.grid)
     messages = _skip_busy(record, fed.exchange, rnd, messages, fed.strategy.client_name)
     clock.lap("select")
     if cfg.trust == "distributed":  # SecAgg+: the server sees only the sum

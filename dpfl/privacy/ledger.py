@@ -365,13 +365,18 @@ def client_order(name: str) -> tuple[int, str]:
     return (int(tail), name) if tail.isdigit() else (1 << 30, name)
 
 
-def ledger_config(ledger: Ledger) -> dict[str, list]:
-    """Every client's recorded events as flat ConfigRecord lists (``ledger-*`` keys)."""
+def ledger_config(ledger: Ledger, client: str | None = None) -> dict[str, list]:
+    """Every client's recorded events (or only ``client``'s) as flat ConfigRecord lists
+    (``ledger-*`` keys; empty when there are none)."""
     out: dict[str, list] = {"ledger-client": []}
     for name in _FIELDS:
         out[f"ledger-{name}"] = []
-    for client, history in ledger.clients.items():
-        pid = client_order(client)[0]
+    for key, history in ledger.clients.items():
+        # only partitions' histories (a node-<id> key is a sender whose partition is not
+        # known: its number is a node id, not a partition id)
+        if (client is not None and key != client) or not key.startswith("client-"):
+            continue
+        pid = client_order(key)[0]
         for e in history.events:
             out["ledger-client"].append(pid)
             for name in _FIELDS:

@@ -35,7 +35,7 @@ from dpfl.numbers import is_number
 from dpfl.privacy.budget import PrivacyHistory
 from dpfl.privacy.charging import Charge, charge_for
 from dpfl.privacy.events import PrivacyEvent
-from dpfl.privacy.ledger import server_events_config
+from dpfl.privacy.ledger import ledger_config, server_events_config
 from dpfl.privacy.plan import (
     dpsgd_norm_bound,
     gaussian_norm_bound,
@@ -132,11 +132,26 @@ class DPGuard:
         server's own releases charged to it so far (``server-event-*``: the client's budget
         check counts them)."""
         pid = self.node_partition.get(node_id)
-        if not self.cfg.is_private or pid not in self.partition_sizes:
+        if not self.cfg.is_private:
             return {}
+        history = self.history_record(pid)
+        if pid not in self.partition_sizes:
+            return history
         released = (server_events_config(self.ledger, f"client-{pid}")
                     if self.ledger is not None else {})
-        return {**plan_to_record(self.planned_event(pid, server_round)), **released}
+        return {**plan_to_record(self.planned_event(pid, server_round)), **released,
+                **history}
+
+    def history_record(self, pid: int | None) -> dict[str, list]:
+        """The ledger's events a node's client must count (``ledger-*`` keys), in every
+        instruction: a node whose state was lost (a restart, a resume in a new simulation)
+        adopts them before its budget check, whenever it is next sampled. A node pinned to
+        a partition gets that partition's; a node not pinned yet (its partition unknown
+        until it replies) gets every partition's and picks its own. Under trust=central
+        the server charges and checks the budget itself: none."""
+        if self.ledger is None or self.cfg.trust == "central":
+            return {}
+        return ledger_config(self.ledger, f"client-{pid}" if pid is not None else None)
 
     # -- what the mechanism promises ---------------------------------------------------
     def norm_bound(self, dim: int, server_round: int) -> float | None:
