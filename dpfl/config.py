@@ -177,6 +177,10 @@ class RunConfig:
     # distributed: the guaranteed minimum of surviving clients per round (0 = every
     # sampled client must survive); each adds 1/n_min of the noise variance
     secagg_min_survivors: int = 0
+    # distributed: how many of a round's survivors may omit their noise share (or add
+    # less) while the sum still carries the full noise: each share carries
+    # 1/(n_min - t) of the variance (Kairouz, Liu & Steinke 2021's minimum honest count)
+    secagg_noiseless: int = 0
     # SecAgg+ neighbourhood: shares per client (0 = all sampled clients) and the fraction
     # of a neighbourhood needed to reconstruct a dropped client's masks
     secagg_num_shares: int = 0
@@ -359,6 +363,10 @@ KEY_HELP: dict[str, str] = {
                             "surviving clients per round (0 = every sampled client); each "
                             "adds 1/n_min of the noise variance, fewer survivors discard "
                             "the round",
+    "secagg-noiseless": "`trust=distributed`: t, how many of a round's n_min survivors may "
+                        "omit their noise share while the sum still carries the full noise "
+                        "(each share then carries 1/(n_min − t) of it; the guarantee states "
+                        "the honest count n_min − t it assumes)",
     "secagg-num-shares": "`trust=distributed`: SecAgg+ neighbourhood size (0 = all sampled "
                          "clients, else ≥ 3)",
     "secagg-threshold": "`trust=distributed`: the fraction of a neighbourhood needed to "
@@ -513,6 +521,7 @@ def validate(cfg: RunConfig) -> RunConfig:
              cfg.adaptive_clip)
     need(cfg.secagg_min_survivors >= 0, "secagg-min-survivors", "must be >= 0",
          cfg.secagg_min_survivors)
+    need(cfg.secagg_noiseless >= 0, "secagg-noiseless", "must be >= 0", cfg.secagg_noiseless)
     need(cfg.secagg_num_shares == 0 or cfg.secagg_num_shares >= 3, "secagg-num-shares",
          "must be 0 (all) or >= 3", cfg.secagg_num_shares)
     need(0.0 < cfg.secagg_threshold <= 1.0, "secagg-threshold", "must be in (0, 1]",

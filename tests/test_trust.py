@@ -399,3 +399,35 @@ def test_flower_adaptive_central_clip_is_refused():
         validate(_cfg(trust="central", central_impl="flower", adaptive_clip=True))
     validate(_cfg(trust="central", central_impl="flower", adaptive_clip=False))
     validate(_cfg(trust="central", central_impl="dpfl", adaptive_clip=True))
+
+
+def test_a_participant_omitting_its_noise_is_covered_up_to_the_stated_count():
+    """Issue 46.2: 4 clients, n_min = 4: one participant that sends its share without its
+    noise left the sum with 3/4 of the variance the others were charged for. With
+    secagg-noiseless = t each share carries mu / (n_min - t): any n_min - t honest shares
+    carry >= mu, by hand and measured on real Skellam shares."""
+    from dpfl.privacy.trust import noise_shares
+
+    cfg = _cfg(trust="distributed", noise_multiplier=1.5, clip_norm=2.0, secagg_scale=100.0,
+               secagg_noiseless=1)
+    assert noise_shares(cfg, 4) == 3 and noise_shares(cfg.replace(secagg_noiseless=0), 4) == 4
+    mu = (1.5 * 2.0 * 100.0) ** 2
+    assert share_variance(1.5, cfg, noise_shares(cfg, 4)) == pytest.approx(mu / 3)
+    g = torch.Generator().manual_seed(5)
+    v = share_variance(1.5, cfg, noise_shares(cfg, 4))
+    honest = [distributed_share(torch.zeros(40_000), 2.0, 100.0, v, g) for _ in range(3)]
+    noiseless = torch.zeros(40_000, dtype=torch.int64)      # the fourth omits its noise
+    total = (sum(honest) + noiseless).double()
+    assert total.var().item() == pytest.approx(mu, rel=0.03)
+    # the default (t = 0) splits over all 4: one omission leaves 3/4 of mu
+    v0 = share_variance(1.5, cfg, 4)
+    short = sum(distributed_share(torch.zeros(40_000), 2.0, 100.0, v0, g) for _ in range(3))
+    assert short.double().var().item() == pytest.approx(0.75 * mu, rel=0.03)
+    # the guarantee states the honest count it assumes
+    from dpfl.privacy.verdict import guarantee_for
+
+    assert "at most t = 1 of them omit their noise share" in guarantee_for(cfg).scope
+    from dpfl.config import validate
+
+    with pytest.raises(ConfigError, match="secagg-noiseless"):
+        validate(cfg.replace(secagg_noiseless=-1))

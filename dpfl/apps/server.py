@@ -40,6 +40,7 @@ from dpfl.privacy.trust import (
     check_overflow,
     distributed_noise_multiplier,
     min_survivors,
+    noise_shares,
     overflow_note,
     share_limit,
 )
@@ -478,12 +479,16 @@ def check_trust(strategy: DPFLStrategy, cfg: RunConfig, num_nodes: int, dim: int
     if sampled < 2:
         raise ConfigError("run-config key 'fraction-train': SecAgg+ needs at least 2 clients "
                           f"per round, got {sampled}")
+    if cfg.secagg_noiseless >= min_survivors(cfg, sampled):
+        raise ConfigError(f"run-config key 'secagg-noiseless': {cfg.secagg_noiseless} of a "
+                          f"round's {min_survivors(cfg, sampled)} survivors (n_min) would "
+                          "leave no honest share to carry the noise: it must be < n_min")
     if cfg.secagg_min_survivors > sampled:
         raise ConfigError(f"run-config key 'secagg-min-survivors': {cfg.secagg_min_survivors}"
                           f" > the {sampled} clients sampled per round")
     try:
         return check_overflow(cfg, distributed_noise_multiplier(cfg, dim, num_nodes), dim,
-                              sampled, min_survivors(cfg, sampled))
+                              sampled, noise_shares(cfg, sampled))
     except ValueError as exc:
         raise ConfigError(f"run-config key 'secagg-scale': {exc}") from exc
 

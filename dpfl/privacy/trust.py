@@ -177,6 +177,15 @@ def min_survivors(cfg: RunConfig, sampled: int) -> int:
     return cfg.secagg_min_survivors or sampled
 
 
+def noise_shares(cfg: RunConfig, sampled: int) -> int:
+    """h = n_min - t: the honest count the noise is split over (each share carries
+    variance mu / h). A sum of >= n_min survivors of whom at most t = ``secagg-noiseless``
+    omit their share still carries >= mu (Kairouz, Liu & Steinke 2021 calibrate to such a
+    minimum honest count); with t = 0 a survivor that omits its noise leaves the sum with
+    (h - 1) / h of it and the guarantee does not hold as stated."""
+    return min_survivors(cfg, sampled) - cfg.secagg_noiseless
+
+
 def share_variance(sigma: float, cfg: RunConfig, n_min: int) -> float:
     """mu_i = (sigma C s)^2 / n_min: the variance of each client's noise share."""
     return (sigma * cfg.clip_norm * cfg.secagg_scale) ** 2 / n_min
@@ -271,7 +280,10 @@ def trust_scope(cfg: RunConfig) -> str:
                 f"clipped update (scale s = {cfg.secagg_scale:g}) and add {share}, "
                 "Flower's SecAgg+ masks it and the server learns only the sum, which "
                 f"carries {carried} when at least n_min "
-                "clients survive (else the round is discarded and nothing released); "
+                "clients survive (else the round is discarded and nothing released) and "
+                f"at most t = {cfg.secagg_noiseless} of them omit their noise share (each "
+                "share carries 1/(n_min - t) of the noise: the guarantee assumes n_min - t "
+                "honest survivors, secagg-noiseless); "
                 "assumes an honest-but-curious server that does not add fake clients and "
                 "fewer colluding parties than the SecAgg+ threshold; the server knows who "
                 "took part (replace-one, no amplification); SecAgg+ masks are pseudo-random "

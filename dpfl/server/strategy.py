@@ -40,7 +40,7 @@ from dpfl.privacy.events import PrivacyEvent
 from dpfl.privacy.trust import (
     UNCLIPPED_KEY,
     distributed_noise_multiplier,
-    min_survivors,
+    noise_shares,
     own_noise,
 )
 from dpfl.server.aggregation import server_sgd_step, weighted_mean
@@ -290,7 +290,8 @@ class DPFLStrategy(FedAvg):
         if self.central is not None:
             return self.central.round_config()
         if self.cfg.trust == "distributed":
-            return {"secagg-n-min": min_survivors(self.cfg, sampled)}
+            # the number of shares the noise is split over: h = n_min - t
+            return {"secagg-n-min": noise_shares(self.cfg, sampled)}
         return {}
 
     def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
@@ -438,7 +439,7 @@ class DPFLStrategy(FedAvg):
             sigma = distributed_noise_multiplier(self.cfg, self.guard.dim,
                                                  len(self.guard.partition_sizes))
             mean = own.secure_mean(self.cfg, secure.total, len(secure.survivors),
-                                   min_survivors(self.cfg, sampled), self.guard.dim, sigma,
+                                   noise_shares(self.cfg, sampled), self.guard.dim, sigma,
                                    server_round)
         else:
             mean = secure.total.double() / (self.cfg.secagg_scale * len(secure.survivors))
