@@ -329,8 +329,20 @@ run)
   fi
   # the FAB's files only: `flwr run REPO` would first walk every file of the checkout (.venv)
   app=$(python -m dpfl.fab "$repo" "$state/app") || die 1 "could not stage the app from $repo"
+  # flwr run exits 0 whether or not the ServerApp finished: the run's status says (a
+  # ServerApp that stopped early is finished:failed; dpfl.runstatus prints one line why)
+  stream=$state/run-stream.log
+  set +e
   FLWR_HOME=$state/flwr-home DPFL_OUTPUT_ROOT=$state ip netns exec "$prefix-link" \
-    flwr run "$app" netns --stream "${map_arg[@]}" "$@"
+    flwr run "$app" netns --stream "${map_arg[@]}" "$@" 2>&1 | tee "$stream"
+  rc=${PIPESTATUS[0]}
+  set -e
+  [ "$rc" = 0 ] || die "$rc" "flwr run exited $rc (see its output above)"
+  run_id=$(python -c 'import sys; from dpfl.runstatus import run_id_of; print(run_id_of(open(sys.argv[1]).read()) or "")' "$stream")
+  [ -n "$run_id" ] || die 1 "flwr run started no run (see its output above)"
+  FLWR_HOME=$state/flwr-home ip netns exec "$prefix-link" \
+    flwr ls netns --run-id "$run_id" --format json >"$state/run-status.json" 2>/dev/null || true
+  python -m dpfl.runstatus "$stream" "$state/run-status.json"
   ;;
 restart-superlink)
   [ $# = 0 ] || die 2 "unknown argument '$1' (restart-superlink STATE_DIR)"

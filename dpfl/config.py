@@ -128,6 +128,9 @@ class RunConfig:
     server_lr: float = 1.0
     max_update_norm: float = 0.0
     round_timeout: float = 900.0
+    # seconds the server waits for min-train-nodes connected nodes (at start and before
+    # each round) before it stops the run, saying so
+    node_wait: float = 600.0
     seed: int = 42
     # true = DP noise and Poisson sampling seeded from public values (bit-identical reruns,
     # verdict none); false = secret OS entropy per client and round (dpfl.privacy.randomness)
@@ -304,6 +307,9 @@ KEY_HELP: dict[str, str] = {
     "server-lr": "server step size η on the averaged update",
     "max-update-norm": "extra L2 bound on accepted updates (0 = off)",
     "round-timeout": "seconds a round waits for replies",
+    "node-wait": "seconds the server waits for `min-train-nodes` connected nodes (at start "
+                 "and before each round) before it stops the run early, saying so (the run "
+                 "folder's `stopped.json`, a non-zero exit)",
     "seed": "seeds model initialisation, partitioning and evaluation (never DP noise unless "
             "`reproducible=true`)",
     "reproducible": "`true`: DP noise and sampling seeded from `seed` (bit-identical reruns, "
@@ -313,7 +319,7 @@ KEY_HELP: dict[str, str] = {
                 "and a random suffix; a new run never reuses a directory); one plain folder "
                 "name",
     "resume": "continue the run in `run-name` with its saved settings (only `num-rounds`, "
-              "`round-timeout`, `evaluate-every`, `report-train-loss`, `node-partitions` may "
+              "`round-timeout`, `node-wait`, `evaluate-every`, `report-train-loss`, `node-partitions` may "
               "change)",
     "resume-without-checkpoint": "with `resume=true` when `checkpoint.pt` is lost or "
                                  "damaged: train a fresh model after the ledger's last "
@@ -490,6 +496,7 @@ def validate(cfg: RunConfig) -> RunConfig:
     need(cfg.max_update_norm >= 0, "max-update-norm", "must be >= 0 (0 = off)",
           cfg.max_update_norm)
     need(cfg.round_timeout > 0, "round-timeout", "must be > 0", cfg.round_timeout)
+    need(cfg.node_wait > 0, "node-wait", "must be > 0", cfg.node_wait)
     need(cfg.evaluate_every >= 1, "evaluate-every", "must be >= 1", cfg.evaluate_every)
     need(cfg.audit_canaries >= 0, "audit-canaries", "must be >= 0 (0 = no canaries)",
          cfg.audit_canaries)

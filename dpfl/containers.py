@@ -26,6 +26,7 @@ a federation's.
 from __future__ import annotations
 
 import codecs
+import io
 import json
 import os
 import re
@@ -40,6 +41,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+from dpfl import runstatus
 from dpfl.errors import UserError, one_line, read_json_file
 
 LABEL = "dpfl.federation"
@@ -411,8 +413,51 @@ def run(state: Path, flwr_args: list[str]) -> int:
     _check_running(client, fed)
     bound = ["--run-config", f"node-partitions='{fed.node_partitions}'"] \
         if fed.node_partitions else []   # a later --run-config may override it
-    return operator(client, fed, ["run", "/app", "superlink", "--stream", *bound, *flwr_args],
-                    sys.stdout)
+    stream = _Tee(sys.stdout)
+    code = operator(client, fed, ["run", "/app", "superlink", "--stream", *bound, *flwr_args],
+                    stream)
+    if code != 0 or "--help" in flwr_args:
+        return code
+    # flwr run exits 0 whether or not the ServerApp finished: the run's status says
+    run_id = runstatus.run_id_of(stream.text())
+    if run_id is None:
+        print("error: flwr run started no run (see its output above)", file=sys.stderr)
+        return 1
+    listing = io.StringIO()
+    operator(client, fed, ["ls", "superlink", "--run-id", run_id, "--format", "json"], listing)
+    try:
+        status, details = runstatus.status_of(_json_part(listing.getvalue()), run_id)
+    except ValueError as exc:
+        print(f"error: run {run_id}: its status could not be read ({exc})", file=sys.stderr)
+        return 1
+    why = runstatus.why_not_finished(stream.text(), status, details)
+    if why is not None:
+        print(f"error: run {run_id}: {why}", file=sys.stderr)
+        return 1
+    return 0
+
+
+class _Tee:
+    """A text stream that writes through to ``out`` and keeps what it wrote."""
+
+    def __init__(self, out: Any) -> None:
+        self.out, self.parts = out, []
+
+    def write(self, text: str) -> int:
+        self.parts.append(text)
+        return self.out.write(text)
+
+    def flush(self) -> None:
+        self.out.flush()
+
+    def text(self) -> str:
+        return "".join(self.parts)
+
+
+def _json_part(text: str) -> str:
+    """The JSON document in a container's output (the operator may print lines before)."""
+    start = text.find("{")
+    return text[start:] if start >= 0 else text
 
 
 def logs(state: Path) -> str:

@@ -47,6 +47,23 @@ def dpfl_memo(tmp_path_factory):
     os.environ.pop(CACHE_ENV, None)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def dpfl_state_home(tmp_path_factory):
+    """The run-identity registry (dpfl.server.runregistry) of the whole test session, never
+    the user's own (~/.local/state/dpfl): federations the tests start inherit it."""
+    from dpfl.server.runregistry import STATE_ENV
+
+    if STATE_ENV in os.environ:
+        yield
+        return
+    base = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        base = base.parent
+    os.environ[STATE_ENV] = str(base / "dpfl-state")
+    yield
+    os.environ.pop(STATE_ENV, None)
+
+
 # The order `make test`'s two xdist workers take the test files in (`--dist loadfile
 # --no-loadscope-reorder`): the end-to-end files first, longest first, so that the short
 # unit-test files fill the end and neither worker waits on the other's last long file.

@@ -133,6 +133,31 @@ def test_a_killed_holders_lock_is_taken_over(tmp_path):
         proc.wait()
 
 
+def test_removing_the_lock_file_under_a_live_writer_lets_nobody_in(tmp_path):
+    """Issue 46.8: lock files removed under a live run let a second writer in (8 releases
+    per client, a ledger showing 4). The writer also holds the folder's own lock."""
+    code = ("import time; from pathlib import Path; from dpfl.runlock import RunLock; "
+            f"RunLock(Path({str(tmp_path)!r})).acquire(); print('held', flush=True); "
+            "time.sleep(60)")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "held"
+        (tmp_path / WRITER_LOCK).unlink()
+        with pytest.raises(UserError, match="in use by another process \\(its .lock was "
+                                            "removed or replaced\\)"):
+            RunLock(tmp_path).acquire()
+        (tmp_path / WRITER_LOCK).write_text("1 forged\n")       # a replaced file: same
+        with pytest.raises(UserError, match="in use"):
+            RunLock(tmp_path).acquire()
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+        with RunLock(tmp_path, role="successor") as lock:   # the folder's lock went with it
+            assert lock.held
+    finally:
+        proc.kill()
+        proc.wait()
+
+
 def test_the_server_opens_a_run_folder_only_under_its_lock(tmp_path):
     cfg = RunConfig(run_name="r", output_dir=str(tmp_path)).replace()
     first = RunDir.open(cfg)
@@ -460,3 +485,64 @@ def test_every_instruction_carries_the_ledger_a_node_must_count(server_identity)
     assert [e.round for e in spent.events] == [1, 3]
     assert spent.events[0] == round1[f"client-{NODES[node]}"][0]
     assert reply.content["metrics"]["epsilon"] > 0
+
+
+def test_a_copied_run_folder_cannot_resume_beside_its_original(tmp_path, monkeypatch):
+    """Issue 46.6: copy a run folder, resume both: three releases per partition, each
+    ledger showing 3.996. A copy is a fork of the record: refused while its original
+    exists; a moved folder (same directory) keeps its identity; a folder whose original is
+    gone takes the identity over."""
+    import shutil
+
+    from dpfl.server import runregistry
+
+    monkeypatch.setenv(runregistry.STATE_ENV, str(tmp_path / "state"))
+    original = tmp_path / "runs" / "r"
+    original.mkdir(parents=True)
+    identity = runregistry.start(original)
+    assert (tmp_path / "state" / "runs" / f"{identity}.json").exists()
+    assert runregistry.claim(original) == identity            # resuming the run itself
+    copy = tmp_path / "elsewhere" / "r-copy"
+    shutil.copytree(original, copy)
+    with pytest.raises(UserError, match=f"{copy} is a copy of {original}.*twice"):
+        runregistry.claim(copy)
+    moved = tmp_path / "runs" / "r-moved"
+    original.rename(moved)                                    # a move keeps the directory
+    assert runregistry.claim(moved) == identity
+    with pytest.raises(UserError, match=f"is a copy of {moved}"):
+        runregistry.claim(copy)
+    shutil.rmtree(moved)                                      # the original is gone
+    assert runregistry.claim(copy) == identity
+    # a damaged identity file is not a fresh start
+    (copy / runregistry.IDENTITY_FILE).write_text("{")
+    with pytest.raises(UserError, match="damaged run identity"):
+        runregistry.claim(copy)
+
+
+def test_a_partition_split_over_two_ledger_keys_is_flagged(tmp_path):
+    """Issue 46.4: a resume with a node-partitions map naming a node that is not connected
+    (the real node's replies charged to node-<id>), then a resume without the map: the
+    partition's releases split over node-<id> and client-0, each below the budget 4.2,
+    the partition over it, no flag, privacy-report exit 0. The unidentified sender's
+    claim is kept with its charge and the partition's figure over both keys is checked."""
+    from dpfl.privacy.events import history_epsilon
+
+    sigma = 4.5
+    events = [PrivacyEvent.gaussian(r, sigma, relation="replace-one") for r in range(1, 7)]
+    split_eps = history_epsilon(events[:3], 1e-5, "rdp")
+    whole = history_epsilon(events, 1e-5, "rdp")
+    assert split_eps < 4.2 < whole            # each key under the budget, the partition over
+    ledger = Ledger(1e-5, "rdp", budget=4.2)
+    writer = RunWriter(tmp_path / "run", ledger)
+    for r, e in enumerate(events[:3], start=1):          # resumed with the wrong map
+        ledger.record("node-77", r, [e], None, "node 77 is not in node-partitions",
+                      claimed=0)
+        writer.end_round(r)
+    for r, e in enumerate(events[3:], start=4):          # resumed without it
+        writer.charge("client-0", r, [e])
+        writer.end_round(r)
+    assert ledger.epsilons()["client-0"] == pytest.approx(split_eps)
+    assert ledger.claimed_figures() == {"client-0": pytest.approx(whole)}
+    assert ledger.over_budget() == {"client-0": pytest.approx(whole)}
+    run = writer.write(summary=False)
+    assert build_privacy_report(run).exit_code == EXIT_OVER_BUDGET

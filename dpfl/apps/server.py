@@ -19,7 +19,7 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context
 from flwr.serverapp import Grid, ServerApp
 
-from dpfl.apps.status import launcher_prints_summary, write_status
+from dpfl.apps.status import launcher_prints_summary, status_path, write_status
 from dpfl.config import ConfigError, RunConfig
 from dpfl.data import label_counts, load_dataset, splits_for, test_tensors
 from dpfl.data.plots import plot_label_counts
@@ -45,6 +45,7 @@ from dpfl.privacy.trust import (
     share_limit,
 )
 from dpfl.privacy.verdict import Guarantee, over_history
+from dpfl.server import runregistry
 from dpfl.server.evaluation import classification_metrics, divergence
 from dpfl.server.exchange import ReplyExchange
 from dpfl.server.node_index import index_instructions_by_node
@@ -252,6 +253,7 @@ def resume(fed: Federation) -> bool:
         adaptive=fed.strategy.guard.adaptive) if fed.cfg.resume else None
     if point is None:
         return False
+    runregistry.claim(fed.run_dir.path)   # refused for a copy of a folder that still exists
     if fed.saved_config is None:
         raise UserError(f"{fed.run_dir.file(CONFIG_FILE)} is missing: cannot check that this "
                         "resume has the run's settings; restore it (refusing to resume)")
@@ -330,6 +332,7 @@ def start_fresh(fed: Federation) -> None:
     rounds file, the initial model's accuracy and a round-0 checkpoint (so that from the
     first charge on, a resume has a model)."""
     fed.run_dir.write_json(CONFIG_FILE, {**fed.cfg.to_dict(), NUM_CLIENTS: fed.num_nodes})
+    runregistry.start(fed.run_dir.path)   # one branch per run: a copy cannot also resume
     fed.run_dir.save_ledger(fed.ledger)
     fed.run_dir.file("rounds.jsonl").write_text("")
     fed.initial = classification_metrics(_with_weights(fed.model, fed.arrays), fed.x_test,
@@ -575,8 +578,34 @@ def run(grid: Grid, cfg: RunConfig) -> dict[str, Any]:
     fed = setup(grid, cfg)
     try:
         return _run_rounds(fed)
+    except UserError as exc:   # e.g. too few nodes stayed connected: the run stops early
+        _record_stop(fed, str(exc))
+        raise
     finally:
         fed.run_dir.close()
+
+
+STOPPED_FILE = "stopped.json"
+
+
+def _record_stop(fed: Federation, reason: str) -> None:
+    """Say in the run folder that the run stopped before its last round, and why (the
+    ledger already holds every charge: it is saved before anything else of a round)."""
+    done = fed.rounds[-1]["round"] if fed.rounds else 0
+    if not fed.run_dir.path.exists():
+        return
+    fed.run_dir.save_ledger(fed.ledger)
+    fed.run_dir.write_json(STOPPED_FILE, {"stopped-after-round": done,
+                                          "num-rounds": fed.cfg.num_rounds,
+                                          "reason": reason, "time": time.time()})
+    log.error("the run stopped after round %d of %d: %s (%s)", done, fed.cfg.num_rounds,
+              reason, fed.run_dir.file(STOPPED_FILE))
+
+
+class RunStopped(Exception):
+    """Raised to Flower when a run ended early without a launcher's status file (a
+    deployment's ``flwr run``): Flower then records the run as failed
+    (``finished:failed``), which the deployment launchers check."""
 
 
 def _run_rounds(fed: Federation) -> dict[str, Any]:
@@ -606,6 +635,8 @@ def main(grid: Grid, context: Context) -> None:
     except UserError as exc:
         log.error("error: %s", exc)
         write_status("error", **{"user-error": True, "message": str(exc)})
+        if status_path() is None:   # no launcher reads a status: tell Flower it failed
+            raise RunStopped(str(exc)) from None
         return
     except BaseException as exc:
         write_status("error", **{"user-error": False, "message": f"{type(exc).__name__}: {exc}"})

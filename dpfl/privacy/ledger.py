@@ -85,18 +85,24 @@ class Ledger:
 
     def record(self, client: str, server_round: int, events: Sequence[PrivacyEvent],
                reported_epsilon: float | None = None, note: str = "",
-               adaptive: bool = False) -> float:
+               adaptive: bool = False, claimed: int | None = None) -> float:
         """Charge ``events`` to ``client`` (every update the server received, accepted or
         not); return the client's epsilon figure. ``note`` says why this charge (kept in
         :attr:`charges`). A reported epsilon that differs from the one recomputed from the
         client's own events is flagged in :attr:`mismatches`; the figure (own events and
-        the server's releases covering the client) is never below the client's report."""
+        the server's releases covering the client) is never below the client's report.
+        ``claimed``: the partition a sender the server could not identify (``node-<id>``)
+        said it holds; its charges count towards that partition's budget check too
+        (:meth:`claimed_figures`)."""
         history = self.clients.setdefault(client, PrivacyHistory(adaptive=adaptive))
         history_unit(history.events + list(events) + self.server.get(client, []))
         for e in events:
             history.charge(e)
-        self.charges.append({"client": client, "round": server_round, "note": note,
-                             "source": "client", "events": [e.to_dict() for e in events]})
+        entry = {"client": client, "round": server_round, "note": note,
+                 "source": "client", "events": [e.to_dict() for e in events]}
+        if claimed is not None:
+            entry["claimed-partition"] = int(claimed)
+        self.charges.append(entry)
         own = history.epsilon(self.delta, self.accountant)
         if reported_epsilon is not None and math.isfinite(reported_epsilon):
             self.reported[client] = max(float(reported_epsilon), self.reported.get(client, 0.0))
@@ -188,11 +194,31 @@ class Ledger:
         """Clients whose epsilon figure exceeds :attr:`budget` (beyond the budget check's
         tolerance), with that figure; empty without a budget. No honest run has one: a
         client refuses a round it cannot afford, so an entry means a misbehaving node, a
-        forged identity or a bug — ``dpfl privacy-report`` exits non-zero on it."""
+        forged identity or a bug — ``dpfl privacy-report`` exits non-zero on it. A
+        partition whose own charges plus those of unidentified senders claiming it
+        (:meth:`claimed_figures`) exceed the budget is in it too."""
         if self.budget is None:
             return {}
-        figures = self.epsilons() if figures is None else figures
+        figures = dict(self.epsilons() if figures is None else figures)
+        for client, eps in self.claimed_figures().items():
+            figures[client] = max(eps, figures.get(client, 0.0))
         return {c: e for c, e in figures.items() if e > self.budget * (1.0 + BUDGET_RTOL)}
+
+    def claimed_figures(self) -> dict[str, float]:
+        """For each partition that unidentified senders (``node-<id>`` keys) claimed to
+        hold: the epsilon of its own history plus every such claimed charge. A resume with
+        a wrong ``node-partitions`` map (its node charged as ``node-<id>``) and then
+        without one split a partition's releases over two keys, each below the budget
+        while the partition was over it; this is the partition's figure over both."""
+        claimed: dict[str, list[PrivacyEvent]] = {}
+        for c in self.charges:
+            if c.get("source", "client") == "client" and "claimed-partition" in c \
+                    and not str(c["client"]).startswith("client-"):
+                claimed.setdefault(f"client-{int(c['claimed-partition'])}", []).extend(
+                    PrivacyEvent(**e) for e in c["events"])
+        return {client: PrivacyHistory(self.history(client).events + events).epsilon(
+                    self.delta, self.accountant)
+                for client, events in claimed.items()}
 
     def server_charges(self) -> list[dict[str, Any]]:
         """The server's own releases in :attr:`charges` (one entry per covered client)."""

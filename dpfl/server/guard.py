@@ -252,7 +252,9 @@ class DPGuard:
         if late:
             charge.note = f"late reply to round {sent_round}: {charge.note}"
         self.ledger.record(client, sent_round, charge.events, charge.reported_epsilon,
-                           charge.note, adaptive=charge.adaptive or self.adaptive)
+                           charge.note, adaptive=charge.adaptive or self.adaptive,
+                           claimed=claimed if pid is None and claimed in self.partition_sizes
+                           else None)
         if charge.problem is not None:
             known = client.startswith("client-")
             log.warning("round %d: %s charged %s%s: %s", sent_round,

@@ -20,7 +20,7 @@ from dpfl.config import ConfigError
 # Keys a resume may set to other values than the run started with (none of them changes
 # the mechanism, the data split, the model or the accounting).
 RESUME_MAY_CHANGE = frozenset({
-    "num-rounds", "round-timeout", "evaluate-every", "resume", "resume-without-checkpoint",
+    "num-rounds", "round-timeout", "node-wait", "evaluate-every", "resume", "resume-without-checkpoint",
     "output-dir", "run-name", "report-train-loss",
     # the operator may re-bind a replaced SuperNode; the ledger is keyed by partition
     "node-partitions",

@@ -34,6 +34,7 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg
 
 from dpfl.config import RunConfig
+from dpfl.errors import UserError
 from dpfl.logs import get_logger
 from dpfl.privacy.charging import Charge
 from dpfl.privacy.events import PrivacyEvent
@@ -61,6 +62,10 @@ from dpfl.server.validation import (
 from dpfl.tensors import flatten, unflatten
 
 log = get_logger("flwr.dpfl.strategy")
+
+
+class NodesMissing(UserError):
+    """Fewer nodes than the run needs stayed connected for ``node-wait`` seconds."""
 
 
 @dataclass
@@ -242,11 +247,16 @@ class DPFLStrategy(FedAvg):
         return self.node_client.get(node_id) or client_label(node_id, known)
 
     # -- selection and configuration -------------------------------------------------
-    def wait_for_nodes(self, grid: Grid, minimum: int, timeout: float = 600.0) -> list[int]:
+    def wait_for_nodes(self, grid: Grid, minimum: int, timeout: float | None = None
+                       ) -> list[int]:
+        """The connected nodes once at least ``minimum`` are; :class:`NodesMissing` (a run
+        that cannot go on: the run stops, saying so) after ``node-wait`` seconds."""
+        timeout = self.cfg.node_wait if timeout is None else timeout
         deadline = time.monotonic() + timeout
         while len(nodes := sorted(grid.get_node_ids())) < minimum:
             if time.monotonic() > deadline:
-                raise TimeoutError(f"only {len(nodes)} of {minimum} nodes connected")
+                raise NodesMissing(f"waited {timeout:g} s (node-wait) for {minimum} connected "
+                                   f"nodes (min-train-nodes), {len(nodes)} connected")
             log.info("waiting for nodes: %d connected, %d required", len(nodes), minimum)
             time.sleep(1.0)
         return nodes

@@ -303,3 +303,38 @@ def test_superlink_restarted_mid_run_resumes_from_checkpoint(tmp_path):
             assert info["epsilon"] <= 8.0, name
     finally:
         _sh("down", str(state), check=False)
+
+
+@pytest.mark.e2e
+def test_a_run_that_loses_its_nodes_stops_and_exits_non_zero(tmp_path):
+    """Issue 51.1: a SuperNode leaving mid-run left fewer nodes than min-train-nodes; the
+    ServerApp died after 600 s with an unhandled TimeoutError and `netns.sh run` exited 0.
+    Now the server waits `node-wait` seconds, records the stop in the run folder
+    (stopped.json; no summary.json) and Flower marks the run failed, which `netns.sh run`
+    reads: exit 1, one line saying how many nodes it waited for and for how long."""
+    _require()
+    state = tmp_path / "fed"
+    runs = tmp_path / "runs"
+    try:
+        _sh("up", str(state), "--nodes", "2", "--prefix", "dpflg")
+        run = subprocess.Popen(
+            [str(SCRIPT), "run", str(state), "--run-config",
+             'dataset="digits" num-rounds=4 batch-size=32 lr=0.5 target-epsilon=8.0 '
+             f'round-timeout=30.0 node-wait=15.0 min-train-nodes=2 run-name="lost" '
+             f'output-dir="{runs}"'],
+            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            start_new_session=True)
+        _wait_first_round(runs / "lost" / "rounds.jsonl")
+        _sh("node-stop", str(state), "1")
+        out, err = run.communicate(timeout=600)
+        assert run.returncode == 1, out[-3000:] + err[-3000:]
+        last = err.strip().splitlines()[-1]
+        assert "did not finish (finished:failed)" in last, err[-2000:]
+        assert "waited 15 s (node-wait) for 2 connected nodes" in last, last
+        stopped = json.loads((runs / "lost" / "stopped.json").read_text())
+        assert 1 <= stopped["stopped-after-round"] < 4 and "node-wait" in stopped["reason"]
+        assert not (runs / "lost" / "summary.json").exists()
+        ledger = json.loads((runs / "lost" / "ledger.json").read_text())
+        assert ledger["clients"]["client-0"]["rounds"][0] == 1
+    finally:
+        _sh("down", str(state), check=False)

@@ -95,6 +95,16 @@ def test_resume_keeps_the_runs_identity_and_never_falls_behind_its_records(tmp_p
     report = _dpfl("privacy-report", str(run))
     assert report.returncode == 0, report.stdout[-3000:]
 
+    # issue 46.6: a copy of the folder is a fork of the record: refused while the run exists
+    import shutil
+
+    shutil.copytree(run, tmp_path / "copy", ignore=shutil.ignore_patterns(".lock",
+                                                                           ".launch.lock"))
+    forked = _simulate(tmp_path, "run-name=copy", "resume=true", "num-rounds=4", clients=None)
+    assert forked.returncode == 2, forked.stdout[-2000:] + forked.stderr[-2000:]
+    assert f"is a copy of {run}" in forked.stderr.strip().splitlines()[-1], forked.stderr
+    assert _rounds_per_client(tmp_path / "copy") == _rounds_per_client(run)
+
 
 def _descendants_alive(pid_file: Path) -> list[int]:
     from dpfl.watchdog import alive, descendants
