@@ -181,7 +181,24 @@ run)
   if [ -s "$state/node-partitions" ] && [ -n "$(cat "$state/node-partitions")" ]; then
     map_arg=(--run-config "node-partitions='$(cat "$state/node-partitions")'")
   fi
-  operator run /app superlink --stream "${map_arg[@]}" "$@"
+  # flwr run exits 0 whether or not the ServerApp finished: the run's status says (a
+  # ServerApp that stopped early is finished:failed), read like dpfl/runstatus.py does
+  stream=$state/run-stream.log
+  set +e
+  operator run /app superlink --stream "${map_arg[@]}" "$@" 2>&1 | tee "$stream"
+  rc=${PIPESTATUS[0]}
+  set -e
+  [ "$rc" = 0 ] || die "$rc" "flwr run exited $rc (see its output above)"
+  case " $* " in *" --help "*|*" -h "*) exit 0 ;; esac
+  run_id=$(sed 's/\x1b\[[0-9;]*m//g' "$stream" | sed -n 's/.*Successfully started run \([0-9][0-9]*\).*/\1/p' | tail -1)
+  [ -n "$run_id" ] || die 1 "flwr run started no run (see its output above)"
+  status=$( { operator ls superlink --run-id "$run_id" --format json 2>/dev/null || true; } \
+    | sed -n 's/.*"status": *"\([^"]*\)".*/\1/p' | tail -1)
+  if [ "$status" != "finished:completed" ]; then
+    reason=$(sed 's/\x1b\[[0-9;]*m//g' "$stream" | sed -n 's/.*ERROR *: *\(the run stopped after round .*\)/\1/p' | tail -1)
+    [ -n "$reason" ] || reason=$(sed 's/\x1b\[[0-9;]*m//g' "$stream" | sed -n 's/.*ERROR *: *error: \(.*\)/\1/p' | tail -1)
+    die 1 "run $run_id: the run did not finish (${status:-status unknown}): ${reason:-no reason in the log}"
+  fi
   ;;
 logs)
   load_state

@@ -578,9 +578,6 @@ def run(grid: Grid, cfg: RunConfig) -> dict[str, Any]:
     fed = setup(grid, cfg)
     try:
         return _run_rounds(fed)
-    except UserError as exc:   # e.g. too few nodes stayed connected: the run stops early
-        _record_stop(fed, str(exc))
-        raise
     finally:
         fed.run_dir.close()
 
@@ -589,12 +586,10 @@ STOPPED_FILE = "stopped.json"
 
 
 def _record_stop(fed: Federation, reason: str) -> None:
-    """Say in the run folder that the run stopped before its last round, and why (the
-    ledger already holds every charge: it is saved before anything else of a round)."""
+    """Say in the run folder that the run stopped before its last round, and why. Nothing
+    else is written: the ledger on disk already holds every charge (it is saved before
+    anything else of a round), and this process's copy is never written over it here."""
     done = fed.rounds[-1]["round"] if fed.rounds else 0
-    if not fed.run_dir.path.exists():
-        return
-    fed.run_dir.save_ledger(fed.ledger)
     fed.run_dir.write_json(STOPPED_FILE, {"stopped-after-round": done,
                                           "num-rounds": fed.cfg.num_rounds,
                                           "reason": reason, "time": time.time()})
@@ -612,15 +607,20 @@ def _run_rounds(fed: Federation) -> dict[str, Any]:
     cfg, grid = fed.cfg, fed.grid
     if not resume(fed):
         start_fresh(fed)
-    for rnd in range(fed.start, cfg.num_rounds + 1):
-        if central_budget_spent(fed, rnd):
-            log.info("the next central round would take every client past target-epsilon "
-                     "%g: stopping before round %d", cfg.target_epsilon, rnd)
-            break
-        record = run_round(fed, rnd)
-        if budgets_exhausted(record, len(grid.get_node_ids())):
-            log.info("every client refused at its privacy budget: stopping after round %d", rnd)
-            break
+    try:
+        for rnd in range(fed.start, cfg.num_rounds + 1):
+            if central_budget_spent(fed, rnd):
+                log.info("the next central round would take every client past target-epsilon"
+                         " %g: stopping before round %d", cfg.target_epsilon, rnd)
+                break
+            record = run_round(fed, rnd)
+            if budgets_exhausted(record, len(grid.get_node_ids())):
+                log.info("every client refused at its privacy budget: stopping after round "
+                         "%d", rnd)
+                break
+    except UserError as exc:   # e.g. too few nodes stayed connected: the run stops early
+        _record_stop(fed, str(exc))
+        raise
     return finish(fed)
 
 

@@ -15,14 +15,17 @@ def device_for() -> torch.device:
 @torch.no_grad()
 def evaluate_model(model: nn.Module, x: torch.Tensor, y: torch.Tensor, device: torch.device,
                    batch_size: int = 1000) -> tuple[float, torch.Tensor]:
-    """(mean cross-entropy loss, predicted labels) of ``model`` on (x, y)."""
+    """(mean cross-entropy loss, predicted labels) of ``model`` on (x, y), without autograd
+    (``torch.inference_mode``: no graph is kept for the backward pass evaluation never
+    takes)."""
     model.to(device).eval()
     losses, preds = [], []
-    for i in range(0, len(y), batch_size):
-        xb, yb = x[i:i + batch_size].to(device), y[i:i + batch_size].to(device)
-        out = model(xb)
-        losses.append(nn.functional.cross_entropy(out, yb, reduction="sum").item())
-        preds.append(out.argmax(1).cpu())
+    with torch.inference_mode():
+        for i in range(0, len(y), batch_size):
+            xb, yb = x[i:i + batch_size].to(device), y[i:i + batch_size].to(device)
+            out = model(xb)
+            losses.append(nn.functional.cross_entropy(out, yb, reduction="sum").item())
+            preds.append(out.argmax(1).cpu())
     return sum(losses) / max(len(y), 1), torch.cat(preds) if preds else torch.empty(0)
 
 
