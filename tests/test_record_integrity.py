@@ -546,3 +546,30 @@ def test_a_partition_split_over_two_ledger_keys_is_flagged(tmp_path):
     assert ledger.over_budget() == {"client-0": pytest.approx(whole)}
     run = writer.write(summary=False)
     assert build_privacy_report(run).exit_code == EXIT_OVER_BUDGET
+
+
+@pytest.mark.parametrize("trainer", ["update-dp", "dpsgd"])
+def test_an_honest_size_claim_is_never_flagged_and_a_false_one_is(trainer, server_identity,
+                                                                  caplog):
+    """Issue 48.3: under update-dp the client sends num-examples = 1 on purpose (equal
+    weights: its size is private) and the server logged it as a false claim for every honest
+    client. One protocol now: 1 under update-dp, the public size under DP-SGD; only another
+    value is logged."""
+    import logging
+
+    strategy, ledger, contexts, splits = _federation({"trainer": trainer, "lr": 0.1,
+                                                      "clip-norm": 0.5})
+    torch.manual_seed(0)
+    arrays = ArrayRecord(build_model("mlp", (1, 8, 8), 10).state_dict())
+    record, honest = _honest_replies(strategy, contexts, arrays, 1)
+    with caplog.at_level(logging.INFO, logger="flwr"):
+        strategy.finish_round(1, record, [_as_from(n, c) for n, c in honest.items()])
+    assert not [r for r in caplog.records if "claims" in r.getMessage()]
+    record, honest = _honest_replies(strategy, contexts, arrays, 2)
+    caplog.clear()
+    lying = {n: _as_from(n, c, metrics={"num-examples": 10_000} if n == 101 else {})
+             for n, c in honest.items()}
+    with caplog.at_level(logging.INFO, logger="flwr"):
+        strategy.finish_round(2, record, list(lying.values()))
+    lines = [r.getMessage() for r in caplog.records if "claims" in r.getMessage()]
+    assert len(lines) == 1 and "client-0 claims 10000 examples" in lines[0], lines

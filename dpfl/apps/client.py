@@ -44,7 +44,13 @@ from dpfl.models.evaluation import device_for, evaluate_model
 from dpfl.privacy.budget import BUDGET_REFUSAL, PrivacyHistory
 from dpfl.privacy.ledger import prior_history, server_events_from
 from dpfl.privacy.mechanisms import DpsgdRelease
-from dpfl.privacy.plan import UNCLIPPED_FRACTION, plan_from_record, plan_problem, planned_event
+from dpfl.privacy.plan import (
+    EQUAL_WEIGHTS_CLAIM,
+    UNCLIPPED_FRACTION,
+    plan_from_record,
+    plan_problem,
+    planned_event,
+)
 from dpfl.privacy.randomness import mechanism_generator, public_seed
 from dpfl.privacy.trust import (
     distributed_noise_multiplier,
@@ -240,7 +246,7 @@ def train(msg: Message, context: Context) -> Message:
             update = unflatten(noisy, received)
         # The data set size is private under client-level DP: aggregate with equal weights.
         # (A method that treats sizes as public derives them on the server itself.)
-        num_examples = 1
+        num_examples = EQUAL_WEIGHTS_CLAIM
         extra_metrics = update_metrics
     del noise_rng
     history.charge(event)

@@ -285,7 +285,8 @@ def _idx_array(data: bytes) -> np.ndarray:
     if len(data) != expected:
         raise _Damaged(f"{len(data)} bytes of data, its {'x'.join(map(str, shape))} header "
                        f"needs {expected}")
-    return np.frombuffer(data, dtype=np.uint8, offset=offset).reshape(shape)
+    # a copy: torch warns on (and must not write through) a read-only view of the file bytes
+    return np.frombuffer(data, dtype=np.uint8, offset=offset).reshape(shape).copy()
 
 
 def _stored_size(path: Path) -> int:

@@ -24,6 +24,10 @@ from dpfl.privacy.accounting import calibrate_dpsgd_noise, calibrate_noise
 from dpfl.privacy.events import PrivacyEvent
 
 UPDATE_DP_RELATION = "replace-one"
+# what a client-level (update-dp) client reports as ``num-examples``: its data set size is
+# private there, so every update weighs the same and the claim is this constant, by protocol
+# (the server checks it; anything else is a misreport)
+EQUAL_WEIGHTS_CLAIM = 1
 
 # DP-SGD: the round's noisy fraction of unclipped per-sample gradients, released jointly
 # with the gradient (a method's ClientHalf.unclipped_count_std > 0)

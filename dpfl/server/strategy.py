@@ -38,6 +38,7 @@ from dpfl.errors import UserError
 from dpfl.logs import get_logger
 from dpfl.privacy.charging import Charge
 from dpfl.privacy.events import PrivacyEvent
+from dpfl.privacy.plan import EQUAL_WEIGHTS_CLAIM
 from dpfl.privacy.trust import (
     UNCLIPPED_KEY,
     distributed_noise_multiplier,
@@ -398,10 +399,14 @@ class DPFLStrategy(FedAvg):
                 return Rejection(update.node_id, update.partition_id, "invalid", why,
                                  update.metrics)
         public = self.guard.public_examples(update.partition_id, update.num_examples)
-        if public != update.num_examples:
-            log.info("round %d: client-%d claims %d examples; weighted by its public size %d",
-                     server_round, update.partition_id, update.num_examples, public)
-            update.num_examples = public
+        # the claim an honest client makes: its public size, or under client-level DP the
+        # protocol's equal-weights constant (its size is private there)
+        honest = EQUAL_WEIGHTS_CLAIM if self.cfg.trainer == "update-dp" else public
+        if update.num_examples != honest:
+            log.info("round %d: client-%d claims %d examples where an honest client sends %d;"
+                     " weighted by its public size %d", server_round, update.partition_id,
+                     update.num_examples, honest, public)
+        update.num_examples = public
         return update
 
     def _stepped(self, aggregated: torch.Tensor, record: RoundRecord) -> RoundOutcome:
