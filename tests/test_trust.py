@@ -431,3 +431,21 @@ def test_a_participant_omitting_its_noise_is_covered_up_to_the_stated_count():
 
     with pytest.raises(ConfigError, match="secagg-noiseless"):
         validate(cfg.replace(secagg_noiseless=-1))
+
+
+def test_a_formal_verdict_at_a_large_epsilon_says_it_protects_nobody():
+    """Issue 48.3: the update-DP README example printed "formal" at epsilon 1000 with no word
+    that such an epsilon protects nobody."""
+    from dpfl.server.report import epsilon_table
+
+    g = {"verdict": "formal", "unit": "client", "relation": "replace-one", "sampling": "none",
+         "delta": 1e-5, "accountant": "rdp", "scope": "s"}
+    loud = epsilon_table({"guarantee": g, "clients": {"client-0": {"epsilon": 999.9,
+                                                                    "rounds": [1]}}})
+    assert "formal (but at epsilon 999.9 > 10 it protects nobody in practice" in loud
+    quiet = epsilon_table({"guarantee": g, "clients": {"client-0": {"epsilon": 3.99,
+                                                                     "rounds": [1]}}})
+    assert "protects nobody" not in quiet
+    none = epsilon_table({"guarantee": {**g, "verdict": "none: x"},
+                          "clients": {"client-0": {"epsilon": 999.9, "rounds": [1]}}})
+    assert "protects nobody" not in none

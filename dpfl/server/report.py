@@ -8,6 +8,8 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from dpfl.privacy.verdict import weak_epsilon_note
+
 
 def epsilon_table(summary: dict[str, Any]) -> str:
     """The guarantee and a per-client table (client, unit, relation, sampling, delta,
@@ -34,7 +36,10 @@ def epsilon_table(summary: dict[str, Any]) -> str:
         table.add_row(*row, f"{info['epsilon']:.4f}", str(len(info["rounds"])))
     buf = io.StringIO()
     console = Console(file=buf, width=110, color_system=None)
-    console.print(f"guarantee: {g['verdict']} — {g['scope']}")
+    shown = [info.get("guaranteed-epsilon", info.get("epsilon")) for info in clients.values()]
+    largest = max((e for e in shown if isinstance(e, (int, float))), default=None)
+    console.print(f"guarantee: {g['verdict']}{weak_epsilon_note(g['verdict'], largest)} — "
+                  f"{g['scope']}")
     if summary.get("epsilon-budget") is not None:
         console.print(f"epsilon budget per client: {summary['epsilon-budget']} "
                       f"(delta {g['delta']:g}, accountant {g['accountant']})")
