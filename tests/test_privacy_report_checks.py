@@ -257,9 +257,9 @@ def test_run_settings_and_the_command_exit_code(run):
 def test_damaged_round_log_and_summary_are_named(run):
     rounds = run / "rounds.jsonl"
     text = rounds.read_text()
-    rounds.write_text(text[:-40])  # the last line cut short
+    rounds.write_text(text[:-40] + "\n")  # the last COMPLETE line cut short (a partial
     with pytest.raises(UserError, match=r"rounds\.jsonl: line 3 is damaged \(invalid JSON at "
-                                        r"column \d+\)$"):
+                                        r"column \d+\)$"):   # one, no newline, is dropped)
         privacy_report(run)
     rounds.write_text(text + '{"round": "four"}\n')
     with pytest.raises(UserError, match=r"rounds\.jsonl: line 4 is not a round record \(no "
@@ -289,3 +289,27 @@ def test_a_read_only_run_folder_gets_its_report_without_the_plot(run, capsys, mo
     assert (f"plot: not written (cannot write in {run}: Read-only file system)"
             in " ".join(out.split()))   # the report's console wraps long lines
     assert not (run / "privacy-report.png").exists()
+
+
+def test_a_partial_last_round_line_is_read_as_a_resume_reads_it(tmp_path, caplog):
+    """Issue 50.5: the report refused a killed run (a partial last line in rounds.jsonl)
+    that resume=true accepts, dropping it with a warning. One rule for both now; a damaged
+    COMPLETE line is still an error naming it."""
+    import logging
+
+    from dpfl.errors import UserError
+    from dpfl.server.rundir import RunDir
+
+    run = _writer(tmp_path / "run").write(summary=False)
+    with open(run / "rounds.jsonl", "a") as f:
+        f.write('{"round": 4, "epsilon": {"client-0"')        # the kill, mid-append
+    with caplog.at_level(logging.WARNING, logger="flwr"):
+        report = build_privacy_report(run)
+    assert report.consistent and "3 round line(s)" in report.text
+    assert any("partial last line" in r.getMessage() for r in caplog.records)
+    assert len(RunDir(run).read_rounds()) == 3                    # what a resume reads
+    text = (run / "rounds.jsonl").read_text().split("\n")
+    text[1] = text[1][:20]
+    (run / "rounds.jsonl").write_text("\n".join(text) + "\n")
+    with pytest.raises(UserError, match="line 2 is damaged"):
+        build_privacy_report(run)

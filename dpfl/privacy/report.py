@@ -40,10 +40,12 @@ from rich.console import Console
 from rich.table import Table
 
 from dpfl.errors import UserError, one_line, read_json_file, read_text_file
+from dpfl.logs import get_logger
 from dpfl.numbers import is_number
 from dpfl.privacy.events import PURE, PrivacyEvent, history_terms
 from dpfl.privacy.ledger import Ledger
 
+log = get_logger("flwr.dpfl.report")
 # Exit code of ``dpfl privacy-report`` when the records disagree (1 is a bug with its
 # traceback, 2 a user error: a missing or damaged file, a bad argument).
 EXIT_INCONSISTENT = 3
@@ -108,11 +110,18 @@ def load_summary(path: Path) -> dict[str, Any] | None:
 
 
 def load_rounds(path: Path) -> list[dict[str, Any]]:
-    """The lines of ``rounds.jsonl``, or a :class:`UserError` naming the file (and line)
-    when it is missing or a line is damaged or not a round record."""
+    """The complete lines of ``rounds.jsonl``, or a :class:`UserError` naming the file (and
+    line) when it is missing or a complete line is damaged or not a round record. A
+    partial last line (a kill mid-append, no newline yet) is dropped with a warning, by
+    the same rule as a resume (:meth:`dpfl.server.rundir.RunDir.read_rounds`): a killed run
+    that ``resume=true`` accepts is one the report reads."""
     text = read_text_file(path, "round log")
+    lines = text.split("\n")
+    partial = lines.pop()          # "" when the file ends with a newline
+    if partial.strip():
+        log.warning("%s: dropping a partial last line left by an interruption", path)
     out = []
-    for number, line in enumerate(text.splitlines(), 1):
+    for number, line in enumerate(lines, 1):
         if not line.strip():
             continue
         try:
