@@ -115,16 +115,27 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     except RunFailed as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
-    summary = read_json_file(run_dir / "summary.json", "run summary")
-    print(epsilon_table(summary))
+    print(epsilon_table(read_summary(run_dir / "summary.json")))
     print(f"run directory: {run_dir}")
     return 0
 
 
-def cmd_summary(args: argparse.Namespace) -> int:
-    from dpfl.server.report import epsilon_table
+def read_summary(path: Path) -> dict:
+    """A run's ``summary.json`` that :func:`dpfl.server.report.epsilon_table` can print, or
+    a :class:`UserError` naming it (missing, damaged, or not a run summary's shape)."""
+    from dpfl.server.report import summary_problem
 
-    summary = read_json_file(run_directory(args.run_dir) / "summary.json", "run summary")
+    summary = read_json_file(path, "run summary")
+    why = summary_problem(summary)
+    if why is not None:
+        raise UserError(f"{path}: run summary is damaged ({why})")
+    return summary  # type: ignore[return-value]
+
+
+def cmd_summary(args: argparse.Namespace) -> int:
+    summary = read_summary(run_directory(args.run_dir) / "summary.json")
+    from dpfl.server.report import epsilon_table  # torch: only for a summary to print
+
     print(epsilon_table(summary))
     return 0
 
@@ -158,7 +169,30 @@ def cmd_privacy_report(args: argparse.Namespace) -> int:
     return privacy_report_command(run_dir, plot=plot)
 
 
+# `dpfl attack`'s bounds: each reference or shadow model is a full training (RMIA's
+# reference models: 1 to 100), its epochs as local-epochs' (1 to 1000).
+MAX_REFERENCE_MODELS = 100
+
+
+def check_range(option: str, value: int, low: int, high: int | None = None,
+                why: str = "") -> None:
+    """A :class:`UserError` naming ``option`` when ``value`` is outside [low, high]."""
+    if value < low or (high is not None and value > high):
+        bound = f"in [{low}, {high}]" if high is not None else f">= {low}"
+        raise UserError(f"{option} {value}: must be {bound}{f' ({why})' if why else ''}")
+
+
 def cmd_attack(args: argparse.Namespace) -> int:
+    from dpfl.config import MAX_LOCAL_EPOCHS, MAX_SEED
+
+    check_range("--seed", args.seed, 0, MAX_SEED)
+    check_range("--reference-models", args.reference_models, 1, MAX_REFERENCE_MODELS,
+                "RMIA's reference models, each a full training")
+    check_range("--shadow-epochs", args.shadow_epochs, 1, MAX_LOCAL_EPOCHS)
+    check_range("--max-members", args.max_members, 1)
+    check_range("--client", args.client, 0)
+    if args.csmia_attacker is not None:
+        check_range("--csmia-attacker", args.csmia_attacker, 0)
     run_dir = run_directory(args.run_dir, writes="attack/")
     from dpfl.attacks.command import attack_run
 
@@ -200,9 +234,12 @@ def cmd_reproduce(args: argparse.Namespace) -> int:
                                ("method", args.methods, paper.methods)):
         unknown = sorted(set(given or ()) - set(known))
         if unknown:  # before any run starts
-            print(f"unknown {args.paper} {kind}(s) {unknown}; known: {list(known)}",
-                  file=sys.stderr)
-            return 2
+            raise UserError(f"--{kind}s: unknown {args.paper} {kind}(s) {unknown}; known: "
+                            f"{list(known)}")
+    from dpfl.config import MAX_SEED
+
+    for seed in args.seeds:   # each is a run's run-config seed
+        check_range("--seeds", seed, 0, MAX_SEED, "each is a run's seed")
     check_writable_dir(results, "--results")
     check_writable_dir(work, "--work-dir")
     print(paper.reproduce(root, results, work, args.cells or list(paper.default_cells),
@@ -291,7 +328,8 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("simulate", help="run a simulated federation")
     p.add_argument("--clients", type=int, default=None,
-                   help="simulated SuperNodes (default 4; a resume: the run's)")
+                   help="simulated SuperNodes (default 4; a resume: the run's); at most half the "
+                        "dataset's training examples (2 each)")
     p.add_argument("--output-dir", default="runs")
     p.add_argument("--cpus-per-client", type=float, default=1.0)
     p.add_argument("--parallel-clients", type=int, default=None, metavar="N",
@@ -314,7 +352,7 @@ def main(argv: list[str] | None = None) -> int:
     _lazy_epilog(p, help_epilog)   # it imports every paper's module: only for its --help
     p.add_argument("paper", choices=PAPERS, help="which paper (its cells and methods below)")
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], metavar="SEED",
-                   help="seeds to run (default: 0 1 2)")
+                   help="seeds to run (default: 0 1 2; each 0 to 2^32-1)")
     p.add_argument("--cells", nargs="+", metavar="CELL",
                    help="cells to run (default: the paper's cells marked * below)")
     p.add_argument("--methods", nargs="+", metavar="METHOD",
@@ -339,13 +377,13 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("attack", help="membership-inference attacks on a finished run")
     p.add_argument("run_dir")
     p.add_argument("--client", type=int, default=0, help="target client (partition id)")
-    p.add_argument("--seed", type=int, default=0, help="attacker's seed (splits, shadows)")
+    p.add_argument("--seed", type=int, default=0, help="attacker's seed (splits, shadows; 0 to 2^32-1)")
     p.add_argument("--reference-models", type=int, default=4,
-                   help="RMIA's reference models (default 4)")
+                   help="RMIA's reference models (default 4; 1 to 100)")
     p.add_argument("--shadow-epochs", type=int, default=10,
-                   help="epochs of the global model's shadow/reference training")
+                   help="epochs of the global model's shadow/reference training (1 to 1000)")
     p.add_argument("--max-members", type=int, default=1000,
-                   help="at most this many member records (seeded sample)")
+                   help="at most this many member records (seeded sample; >= 1)")
     p.add_argument("--csmia-attacker", type=int, default=None,
                    help="CS-MIA's adversary: the client whose records label the attack "
                         "model's members (default: the target client + 1, mod clients)")
@@ -353,7 +391,8 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("audit", help="one-run canary audit: an epsilon lower bound")
     p.add_argument("run_dir")
     p.add_argument("--canaries", type=int, default=None,
-                   help="canary clients of the audit run (default: every client)")
+                   help="canary clients of the audit run (default: every client); under DP-SGD canary "
+                        "examples (default 10, at most 100 per client)")
     p.add_argument("--audit-seed", type=int, default=None,
                    help="the auditor's secret seed (default: fresh OS entropy)")
     p.add_argument("--cpus-per-client", type=float, default=1.0)

@@ -45,6 +45,42 @@ MAX_NORM = 1e6
 # yet it leaves room for any real schedule. num-rounds=1e12 is a typo, refused at start.
 MAX_ROUNDS = 1_000_000
 MAX_RUN_NAME = 100   # characters (and at most 255 bytes in UTF-8: one folder name)
+# A norm bound below 10^-6 (max-update-norm, clip norms) bounds nothing a model moves by:
+# every update would be refused or clipped to zero.
+MIN_NORM = 1e-6
+# target-epsilon below 10^-3 protects nothing more than 10^-3 does (e^0.001 = 1.001) and
+# leaves no round affordable at any sane noise.
+MIN_EPSILON = 1e-3
+# delta: at most 0.1 (a larger delta lets a mechanism expose one record in ten: it protects
+# nobody); at least 10^-12 (below it the PLD accountant's truncated tails, ~10^-15, decide
+# epsilon, which then becomes infinite, and Opacus' PRV refuses it).
+MIN_DELTA = 1e-12
+MAX_DELTA = 0.1
+# Step sizes (lr, server-lr) above 10^3 only make a model diverge; a noise multiplier above
+# 10^6 drowns every update (and 1e300 overflows the accountants).
+MAX_LR = 1e3
+MAX_NOISE_MULTIPLIER = 1e6
+# A local epoch is a pass over a client's data: more than 1000 per round is a typo.
+MAX_LOCAL_EPOCHS = 1000
+# Flower's rounds need seconds; a round that waits less than one second for replies never
+# hears from any client.
+MIN_ROUND_TIMEOUT = 1.0
+# Seeds feed numpy, torch and Python's generators: [0, 2^32 - 1] is what all of them take.
+MAX_SEED = 2**32 - 1
+# SecAgg+'s integer share range with one client is [-(2^30 - 1), 2^30 - 1]
+# (dpfl.privacy.trust.share_limit): a clipped update's coordinate, up to C s, must fit it.
+MAX_SECAGG_UNITS = 2**30 - 1
+# Every client holds at least this many training examples on average (a partition of one
+# example leaves nothing to validate or sample from): bounds --clients, server-holdout and
+# train-subset by the dataset's size (dpfl.launch.check_data_size).
+MIN_EXAMPLES_PER_CLIENT = 2
+# A sample-level audit run hosts at most this many canary examples per client (the default
+# is 10): out-of-distribution examples with random labels must stay a small part of a
+# client's data, or the audit measures another training than the one audited.
+MAX_CANARY_EXAMPLES_PER_CLIENT = 100
+# Flower's node ids are 64-bit integers (uint64 in Flower 1.39, sint64 before it).
+MIN_NODE_ID = -(2**63)
+MAX_NODE_ID = 2**64 - 1
 
 
 class ConfigError(UserError, ValueError):
@@ -57,15 +93,23 @@ def parse_node_partitions(text: str) -> dict[int, int]:
     out: dict[int, int] = {}
     for pair in filter(None, (p.strip() for p in text.replace(" ", ",").split(","))):
         node, sep, pid = pair.partition(":")
-        if not sep or not node.strip().lstrip("-").isdigit() or not pid.strip().isdigit():
-            raise ValueError(f"expected <node-id>:<partition-id>, got {pair!r}")
+        node, pid = node.strip(), pid.strip()
+        # ASCII digits only: int() also reads other scripts' digits ("٣" is 3)
+        if not sep or not _ascii_digits(node.removeprefix("-")) or not _ascii_digits(pid):
+            raise ValueError(f"expected <node-id>:<partition-id> in ASCII digits, got {pair!r}")
         node_id, partition = int(node), int(pid)
+        if not MIN_NODE_ID <= node_id <= MAX_NODE_ID:
+            raise ValueError(f"node id {node_id} is not a Flower node id (a 64-bit integer)")
         if node_id in out:
             raise ValueError(f"node {node_id} appears twice")
         if partition in out.values():
             raise ValueError(f"partition {partition} is bound to two nodes")
         out[node_id] = partition
     return out
+
+
+def _ascii_digits(text: str) -> bool:
+    return text.isascii() and text.isdigit()
 
 
 def run_name_problem(name: str) -> str | None:
@@ -263,25 +307,29 @@ KEY_HELP: dict[str, str] = {
     "val-fraction": "local validation hold-out per client",
     "server-holdout": "training examples kept from every client as the server's own "
                       "validation split (FedCompDP's `cra-score=server-val`, DP-FedASGP "
-                      "over DP-SGD; never the test set); 0 = none",
+                      "over DP-SGD; never the test set); 0 = none; at most the dataset's "
+                      "training examples less 2 per client",
     "train-subset": "partition only this many training examples (a seeded sample; 0 = all): "
-                    "quick grids",
+                    "quick grids; else at least 2 per client and at most the training "
+                    "examples `server-holdout` leaves (checked against the dataset before "
+                    "anything starts, as is `--clients`: at most half the training examples)",
     "model": "the network every client trains and the server evaluates (`*-gn`: ResNets "
              "with GroupNorm, made out-of-place so DP-SGD runs on them)",
     "num-rounds": "federated rounds (at most 10^6)",
-    "local-epochs": "local epochs per round",
+    "local-epochs": "local epochs per round (1 to 1000)",
     "batch-size": "local batch size (DP-SGD: the expected Poisson batch; part of the "
                   "privacy accounting, not a device setting)",
     "lr": "local learning rate (the default 2.0 is DP-SGD's, whose gradients are clipped "
-          "and noised; plain SGD diverges at it: use e.g. 0.1)",
+          "and noised; plain SGD diverges at it: use e.g. 0.1); in (0, 1000]",
     "momentum": "local SGD momentum",
-    "max-grad-norm": "DP-SGD per-sample clipping bound C (≤ 10^6)",
-    "clip-norm": "update-DP clipping bound C on the whole update (≤ 10^6)",
-    "noise-multiplier": "σ; 0 = calibrate so a client taking part in every round ends at "
-                        "`target-epsilon`",
-    "target-epsilon": "each client's ε budget (≤ 10^15); a client refuses a round that would "
-                      "exceed it",
-    "delta": "δ of every client's (ε, δ) guarantee",
+    "max-grad-norm": "DP-SGD per-sample clipping bound C (10^-6 to 10^6)",
+    "clip-norm": "update-DP clipping bound C on the whole update (10^-6 to 10^6)",
+    "noise-multiplier": "σ (at most 10^6); 0 = calibrate so a client taking part in every "
+                        "round ends at `target-epsilon`",
+    "target-epsilon": "each client's ε budget (10^-3 to 10^15); a client refuses a round that "
+                      "would exceed it",
+    "delta": "δ of every client's (ε, δ) guarantee, in [10^-12, 0.1] (above 0.1 it protects "
+             "nobody; below 10^-12 the accountants' precision decides ε)",
     "accountant": "`pld` (dp-accounting's privacy-loss distributions, both units; the "
                   "tightest, with a coarser grid or RDP as a logged fallback for very long "
                   "histories), `rdp` (Opacus / dp-accounting RDP), `prv` (Opacus PRV, DP-SGD "
@@ -304,14 +352,14 @@ KEY_HELP: dict[str, str] = {
     "evaluate-every": "central evaluation (the server's test set) after every k-th round and "
                       "the run's last; other rounds' lines in `rounds.jsonl` have no "
                       "`central`",
-    "server-lr": "server step size η on the averaged update",
-    "max-update-norm": "extra L2 bound on accepted updates (0 = off)",
-    "round-timeout": "seconds a round waits for replies",
+    "server-lr": "server step size η on the averaged update, in (0, 1000]",
+    "max-update-norm": "extra L2 bound on accepted updates (0 = off, else 10^-6 to 10^6)",
+    "round-timeout": "seconds a round waits for replies (at least 1)",
     "node-wait": "seconds the server waits for `min-train-nodes` connected nodes (at start "
                  "and before each round) before it stops the run early, saying so (the run "
                  "folder's `stopped.json`, a non-zero exit)",
     "seed": "seeds model initialisation, partitioning and evaluation (never DP noise unless "
-            "`reproducible=true`)",
+            "`reproducible=true`); 0 to 2^32 − 1",
     "reproducible": "`true`: DP noise and sampling seeded from `seed` (bit-identical reruns, "
                     "verdict `none`); `false`: secret OS entropy per client and round",
     "output-dir": "the folder that holds run directories",
@@ -331,8 +379,10 @@ KEY_HELP: dict[str, str] = {
                       "with a secret coin, replaces its update by the canary vector c·u_i "
                       "before its method's release, and the server writes each canary "
                       "reply's score ⟨update, u_i⟩ to `audit.jsonl` (under `trainer=dpsgd` "
-                      "the canaries are examples added to the clients' data)",
-    "audit-seed": "the auditor's secret seed of the canaries' coins and directions",
+                      "the canaries are examples added to the clients' data, at most 100 "
+                      "per client; else m is at most the clients)",
+    "audit-seed": "the auditor's secret seed of the canaries' coins and directions "
+                  "(0 to 2^32 − 1)",
     "audit-canary-norm": "the canary vector's norm c (0 = `clip-norm`)",
     "audit-canary-support": "> 0: sparse canaries on that many secret coordinates (the "
                             "auditor also scores the overlap of each reply's non-zero "
@@ -377,7 +427,8 @@ KEY_HELP: dict[str, str] = {
                          "clients, else ≥ 3)",
     "secagg-threshold": "`trust=distributed`: the fraction of a neighbourhood needed to "
                         "reconstruct a dropped client's masks",
-    "secagg-scale": "`trust=distributed`: integer units per unit of C (quantisation scale s)",
+    "secagg-scale": "`trust=distributed`: integer units per unit of C (quantisation scale s; "
+                    "C s at most 2^30 − 1, SecAgg+'s share range)",
     "secagg-drop-partition": "fault injection for tests: this partition drops out of SecAgg+ "
                              "after sharing its keys (−1 = none)",
     "secure-noise": "`trust=distributed`: the integer noise of each share: `skellam` "
@@ -386,7 +437,7 @@ KEY_HELP: dict[str, str] = {
     "node-partitions": "deployment: the operator's binding `\"<node-id>:<partition-id>,...\"`; "
                        "each reply is charged to its node's partition, and a node outside "
                        "it or claiming another partition is refused (`deploy/netns.sh run` "
-                       "and `dpfl deploy` pass it)",
+                       "and `dpfl deploy` pass it); ids in ASCII digits, node ids 64-bit",
 }
 
 
@@ -471,36 +522,46 @@ def validate(cfg: RunConfig) -> RunConfig:
           cfg.noniid_fraction)
     need(0.0 <= cfg.val_fraction < 1.0, "val-fraction", "must be in [0, 1)", cfg.val_fraction)
     need(cfg.server_holdout >= 0, "server-holdout", "must be >= 0", cfg.server_holdout)
-    need(cfg.train_subset >= 0, "train-subset", "must be >= 0 (0 = all)", cfg.train_subset)
+    # (the upper ends of both depend on the dataset and the clients: dpfl.launch.preflight)
+    need(cfg.train_subset == 0 or cfg.train_subset >= 2, "train-subset",
+         "must be 0 (all) or >= 2 (2 examples per client)", cfg.train_subset)
     need(1 <= cfg.num_rounds <= MAX_ROUNDS, "num-rounds", f"must be in [1, {MAX_ROUNDS}]",
          cfg.num_rounds)
-    need(cfg.local_epochs >= 1, "local-epochs", "must be >= 1", cfg.local_epochs)
+    need(1 <= cfg.local_epochs <= MAX_LOCAL_EPOCHS, "local-epochs",
+         f"must be in [1, {MAX_LOCAL_EPOCHS}]", cfg.local_epochs)
     need(cfg.batch_size >= 1, "batch-size", "must be >= 1", cfg.batch_size)
-    need(cfg.lr > 0, "lr", "must be > 0", cfg.lr)
+    need(0 < cfg.lr <= MAX_LR, "lr", f"must be in (0, {MAX_LR:g}]", cfg.lr)
     need(0.0 <= cfg.momentum < 1.0, "momentum", "must be in [0, 1)", cfg.momentum)
-    need(0 < cfg.max_grad_norm <= MAX_NORM, "max-grad-norm", f"must be in (0, {MAX_NORM:g}]",
-         cfg.max_grad_norm)
-    need(0 < cfg.clip_norm <= MAX_NORM, "clip-norm", f"must be in (0, {MAX_NORM:g}]",
-         cfg.clip_norm)
-    need(cfg.noise_multiplier >= 0, "noise-multiplier",
-          "must be >= 0 (0 = calibrate to target-epsilon)", cfg.noise_multiplier)
-    need(0 < cfg.target_epsilon <= MAX_EPSILON, "target-epsilon",
-         f"must be in (0, {MAX_EPSILON:g}]", cfg.target_epsilon)
-    need(0.0 < cfg.delta < 1.0, "delta", "must be in (0, 1)", cfg.delta)
+    need(MIN_NORM <= cfg.max_grad_norm <= MAX_NORM, "max-grad-norm",
+         f"must be in [{MIN_NORM:g}, {MAX_NORM:g}]", cfg.max_grad_norm)
+    need(MIN_NORM <= cfg.clip_norm <= MAX_NORM, "clip-norm",
+         f"must be in [{MIN_NORM:g}, {MAX_NORM:g}]", cfg.clip_norm)
+    need(0 <= cfg.noise_multiplier <= MAX_NOISE_MULTIPLIER, "noise-multiplier",
+         f"must be in [0, {MAX_NOISE_MULTIPLIER:g}] (0 = calibrate to target-epsilon)",
+         cfg.noise_multiplier)
+    need(MIN_EPSILON <= cfg.target_epsilon <= MAX_EPSILON, "target-epsilon",
+         f"must be in [{MIN_EPSILON:g}, {MAX_EPSILON:g}]", cfg.target_epsilon)
+    need(MIN_DELTA <= cfg.delta <= MAX_DELTA, "delta",
+         f"must be in [{MIN_DELTA:g}, {MAX_DELTA:g}] (above {MAX_DELTA:g} it protects nobody; "
+         f"below {MIN_DELTA:g} the accountants lose precision)", cfg.delta)
     need(0.0 < cfg.fraction_train <= 1.0, "fraction-train", "must be in (0, 1]",
           cfg.fraction_train)
     need(cfg.min_train_nodes >= 1, "min-train-nodes", "must be >= 1", cfg.min_train_nodes)
     need(0.0 <= cfg.fraction_evaluate <= 1.0, "fraction-evaluate", "must be in [0, 1]",
           cfg.fraction_evaluate)
-    need(cfg.server_lr > 0, "server-lr", "must be > 0", cfg.server_lr)
-    need(cfg.max_update_norm >= 0, "max-update-norm", "must be >= 0 (0 = off)",
-          cfg.max_update_norm)
-    need(cfg.round_timeout > 0, "round-timeout", "must be > 0", cfg.round_timeout)
+    need(0 < cfg.server_lr <= MAX_LR, "server-lr", f"must be in (0, {MAX_LR:g}]", cfg.server_lr)
+    need(cfg.max_update_norm == 0 or MIN_NORM <= cfg.max_update_norm <= MAX_NORM,
+         "max-update-norm", f"must be 0 (off) or in [{MIN_NORM:g}, {MAX_NORM:g}]",
+         cfg.max_update_norm)
+    need(cfg.round_timeout >= MIN_ROUND_TIMEOUT, "round-timeout",
+         f"must be >= {MIN_ROUND_TIMEOUT:g} (seconds)", cfg.round_timeout)
     need(cfg.node_wait > 0, "node-wait", "must be > 0", cfg.node_wait)
     need(cfg.evaluate_every >= 1, "evaluate-every", "must be >= 1", cfg.evaluate_every)
+    need(0 <= cfg.seed <= MAX_SEED, "seed", f"must be in [0, {MAX_SEED}]", cfg.seed)
     need(cfg.audit_canaries >= 0, "audit-canaries", "must be >= 0 (0 = no canaries)",
          cfg.audit_canaries)
-    need(cfg.audit_seed >= 0, "audit-seed", "must be >= 0", cfg.audit_seed)
+    need(0 <= cfg.audit_seed <= MAX_SEED, "audit-seed", f"must be in [0, {MAX_SEED}]",
+         cfg.audit_seed)
     need(cfg.audit_canary_norm >= 0, "audit-canary-norm", "must be >= 0 (0 = clip-norm)",
          cfg.audit_canary_norm)
     need(cfg.audit_canary_support >= 0, "audit-canary-support", "must be >= 0 (0 = dense)",
@@ -508,9 +569,6 @@ def validate(cfg: RunConfig) -> RunConfig:
     need(cfg.record_updates >= 0, "record-updates", "must be >= 0 (0 = none)",
          cfg.record_updates)
     need(cfg.trust in TRUSTS, "trust", f"must be one of {TRUSTS}", cfg.trust)
-    if cfg.trust != "local":
-        need(cfg.trainer == "update-dp", "trainer",
-             f"trust={cfg.trust} is client-level DP: it needs trainer=update-dp", cfg.trainer)
     need(0.0 < cfg.clip_target_quantile < 1.0, "clip-target-quantile", "must be in (0, 1)",
          cfg.clip_target_quantile)
     need(cfg.clip_lr > 0, "clip-lr", "must be > 0", cfg.clip_lr)
@@ -533,11 +591,16 @@ def validate(cfg: RunConfig) -> RunConfig:
          "must be 0 (all) or >= 3", cfg.secagg_num_shares)
     need(0.0 < cfg.secagg_threshold <= 1.0, "secagg-threshold", "must be in (0, 1]",
          cfg.secagg_threshold)
-    need(cfg.secagg_scale >= 1.0, "secagg-scale", "must be >= 1", cfg.secagg_scale)
+    need(1.0 <= cfg.secagg_scale <= MAX_SECAGG_UNITS, "secagg-scale",
+         f"must be in [1, {MAX_SECAGG_UNITS}]", cfg.secagg_scale)
     need(cfg.secagg_drop_partition >= -1, "secagg-drop-partition", "must be >= -1",
          cfg.secagg_drop_partition)
     need(cfg.secure_noise in SECURE_NOISES, "secure-noise", f"must be one of {SECURE_NOISES}",
          cfg.secure_noise)
+    # (after every trust key's own range: a bad value is named before the combination)
+    if cfg.trust != "local":
+        need(cfg.trainer == "update-dp", "trainer",
+             f"trust={cfg.trust} is client-level DP: it needs trainer=update-dp", cfg.trainer)
     if cfg.secure_noise != "skellam":
         need(cfg.trust == "distributed", "secure-noise",
              f"secure-noise={cfg.secure_noise} needs trust=distributed", cfg.secure_noise)

@@ -7,6 +7,7 @@ command is a bug in dpfl, reported with its traceback (exit 1).
 
 from __future__ import annotations
 
+import errno
 import os
 import tempfile
 from pathlib import Path
@@ -55,6 +56,11 @@ def writable_dir_problem(path: Path) -> str | None:
     base = path
     while not base.exists() and base != base.parent:
         if base.is_symlink():
+            try:
+                os.stat(base)
+            except OSError as exc:
+                if exc.errno == errno.ELOOP:
+                    return f"{base} is a symbolic link loop"
             return f"{base} is a dangling symbolic link"
         base = base.parent
     if not base.is_dir():

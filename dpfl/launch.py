@@ -38,7 +38,12 @@ from typing import IO, Iterator
 
 from dpfl.apps.server import first_round_affordable
 from dpfl.apps.status import STATUS_ENV, SUMMARY_ENV, read_status
-from dpfl.config import RunConfig
+from dpfl.config import (
+    MAX_CANARY_EXAMPLES_PER_CLIENT,
+    MIN_EXAMPLES_PER_CLIENT,
+    ConfigError,
+    RunConfig,
+)
 from dpfl.data import check_dataset, splits_for
 from dpfl.errors import UserError, writable_dir_problem
 from dpfl.fab import stage_app
@@ -282,6 +287,44 @@ def check_parallel_clients(parallel: int | None, num_cpus: float,
                         "be a whole number of CPUs")
 
 
+def check_data_size(cfg: RunConfig, num_clients: int, n_train: int) -> None:
+    """``--clients``, ``server-holdout`` and ``train-subset`` against the dataset's
+    ``n_train`` training examples (one-line :class:`UserError` each): every client gets at
+    least :data:`MIN_EXAMPLES_PER_CLIENT` examples of what the server's holdout leaves, and a
+    ``train-subset`` is 0 (all) or between that and what is left."""
+    least = MIN_EXAMPLES_PER_CLIENT * num_clients
+    most_clients = n_train // MIN_EXAMPLES_PER_CLIENT
+    if num_clients > most_clients:
+        raise UserError(f"--clients {num_clients}: {cfg.dataset} has {n_train} training "
+                        f"examples, enough for at most {most_clients} clients "
+                        f"({MIN_EXAMPLES_PER_CLIENT} examples each)")
+    if cfg.server_holdout > n_train - least:
+        raise ConfigError(f"run-config key 'server-holdout': must be at most {n_train - least} "
+                          f"({cfg.dataset} has {n_train} training examples and each of the "
+                          f"{num_clients} clients needs {MIN_EXAMPLES_PER_CLIENT}), got "
+                          f"{cfg.server_holdout}")
+    left = n_train - cfg.server_holdout
+    if cfg.train_subset and not least <= cfg.train_subset <= left:
+        raise ConfigError(f"run-config key 'train-subset': must be 0 (all) or in [{least}, "
+                          f"{left}] ({MIN_EXAMPLES_PER_CLIENT} examples for each of the "
+                          f"{num_clients} clients; {cfg.dataset}'s {n_train} training examples "
+                          f"less server-holdout {cfg.server_holdout}), got {cfg.train_subset}")
+
+
+def check_audit_canaries(cfg: RunConfig, num_clients: int) -> None:
+    """``audit-canaries``: client-level canaries are clients (at most ``num_clients``);
+    DP-SGD's are examples, at most :data:`MAX_CANARY_EXAMPLES_PER_CLIENT` per client."""
+    if cfg.trainer == "dpsgd":
+        most, what = MAX_CANARY_EXAMPLES_PER_CLIENT * num_clients, (
+            f"{MAX_CANARY_EXAMPLES_PER_CLIENT} canary examples per client, {num_clients} "
+            "clients")
+    else:
+        most, what = num_clients, "canaries are clients under client-level DP"
+    if cfg.audit_canaries > most:
+        raise ConfigError(f"run-config key 'audit-canaries': must be at most {most} ({what}), "
+                          f"got {cfg.audit_canaries}")
+
+
 def preflight(cfg: RunConfig, num_clients: int, run_dir: Path, num_cpus: float = 1.0,
               ray_address: str | None = None, parallel: int | None = None) -> None:
     """Settings that cannot work stop here, before any process starts (one-line
@@ -289,7 +332,11 @@ def preflight(cfg: RunConfig, num_clients: int, run_dir: Path, num_cpus: float =
     would wait for nodes that never come), a new run on an existing run directory, a resume
     of a directory that is not there or whose ledger or round log is damaged, a dataset or
     data-dir that is not there, a budget that one round at an explicit ``noise-multiplier``
-    already exceeds, a ``ray_address`` that is malformed or where nothing answers."""
+    already exceeds, a ``ray_address`` that is malformed or where nothing answers, more
+    clients, ``server-holdout`` or ``train-subset`` than the dataset's training examples
+    hold (:func:`check_data_size`), more ``audit-canaries`` than the clients can host.
+    Nothing here writes a file: :func:`simulate` runs it before taking the run folder's
+    lock."""
     if num_clients < 1:
         raise UserError(f"--clients must be at least 1, got {num_clients}")
     check_cpus_per_client(num_cpus, cluster=ray_address is not None)
@@ -303,7 +350,8 @@ def preflight(cfg: RunConfig, num_clients: int, run_dir: Path, num_cpus: float =
     check_run_dir(run_dir, cfg.resume)
     if cfg.resume:   # its ledger and round log, as the ServerApp would read them
         RunDir(run_dir).check_resumable()
-    check_dataset(cfg.dataset, cfg.data_dir, cfg.download)
+    check_data_size(cfg, num_clients, check_dataset(cfg.dataset, cfg.data_dir, cfg.download))
+    check_audit_canaries(cfg, num_clients)
     if (cfg.is_private and cfg.noise_multiplier > 0 and not cfg.resume
             and cfg.trust != "distributed"):
         # an explicit sigma: is one round affordable? (calibrated sigmas are by construction;
@@ -338,6 +386,19 @@ def _outcome(status_file: Path, run_dir: Path, returncode: int, log_file: Path) 
     return run_dir
 
 
+def resolved(path: Path, option: str) -> Path:
+    """``path`` made absolute with its symbolic links resolved, or a :class:`UserError`
+    naming ``option`` (a symbolic link loop, a component that cannot be read)."""
+    try:
+        return path.resolve()
+    except RuntimeError as exc:   # Python < 3.13: "Symlink loop from '...'"
+        raise UserError(f"{option} {path}: a symbolic link loop ({exc})") from None
+    except OSError as exc:
+        raise UserError(f"{option} {path}: cannot resolve it "
+                        f"({exc.strerror or exc}{f': {exc.filename}' if exc.filename else ''})"
+                        ) from None
+
+
 def simulate(app_dir: Path, num_clients: int | None, overrides: dict[str, object],
              output_root: Path, flwr_home: Path | None = None, num_cpus: float = 1.0,
              timeout: float | None = None, quiet: bool = False,
@@ -358,7 +419,7 @@ def simulate(app_dir: Path, num_clients: int | None, overrides: dict[str, object
     once (the private Ray gets ``parallel * num_cpus`` CPUs); None: one per
     ``num_cpus`` of the machine's CPUs. Fewer actors start fewer processes: a small
     federation finishes sooner on few cores, and a large one fits in less memory."""
-    output_root = output_root.resolve()
+    output_root = resolved(output_root, "--output-dir")
     overrides = dict(overrides)
     overrides.setdefault("run-name", unique_run_name(str(overrides.get("strategy") or
                                                          DEFAULT_METHOD)))
@@ -366,6 +427,7 @@ def simulate(app_dir: Path, num_clients: int | None, overrides: dict[str, object
     overrides.setdefault("output-dir", str(output_root))
     defaults = tomllib.loads((app_dir / "pyproject.toml").read_text())["tool"]["flwr"]["app"]
     cfg = parse_run_config({**defaults["config"], **overrides})
+    resolved(resolve_output_dir(cfg, output_root), output_key)
     run_dir = run_dir_path(cfg, output_root)  # where the ServerApp will put it
     why = writable_dir_problem(run_dir)   # before the lock below creates the folder
     if why is not None:
@@ -382,12 +444,17 @@ def simulate(app_dir: Path, num_clients: int | None, overrides: dict[str, object
         num_clients = int(saved[NUM_CLIENTS]) if NUM_CLIENTS in saved else num_clients
         cfg = parse_run_config({**defaults["config"], **overrides})
     num_clients = DEFAULT_CLIENTS if num_clients is None else num_clients
+    # every check before the lock: a refused launch writes nothing (not even the lock file
+    # or its "taking over" line); after it, what another launch may have changed meanwhile
+    preflight(cfg, num_clients, run_dir, num_cpus, ray_address, parallel)
     created = not run_dir.exists()
     lock = RunLock(run_dir, LAUNCHER_LOCK, "dpfl simulate")
     try:
         lock.acquire()
         check_unlocked(run_dir, WRITER_LOCK)
-        preflight(cfg, num_clients, run_dir, num_cpus, ray_address, parallel)
+        check_run_dir(run_dir, cfg.resume)
+        if cfg.resume:
+            RunDir(run_dir).check_resumable()
     except BaseException:
         lock.release()
         if created:   # leave no empty run folder behind a refused launch

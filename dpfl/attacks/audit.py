@@ -39,7 +39,7 @@ import torch
 from dpfl.attacks.reference import per_example_loss
 from dpfl.attacks.target import run_config, target_models
 from dpfl.client.canary import canary_examples, canary_host, canary_norm
-from dpfl.config import RunConfig
+from dpfl.config import MAX_CANARY_EXAMPLES_PER_CLIENT, MAX_SEED, RunConfig
 from dpfl.data import load_dataset
 from dpfl.durable import atomic_write_text, read_lines
 from dpfl.errors import UserError, read_json_file
@@ -153,9 +153,15 @@ def audit_overrides(run_dir: Path, canaries: int | None, audit_seed: int | None
         raise UserError(f"{run_dir / 'config.json'}: no 'num-clients' (not a finished run)")
     sample_level = raw.get("trainer") == "dpsgd"
     m = (num_clients if not sample_level else 10 * num_clients) if canaries is None else canaries
-    if not 1 <= m <= (10**6 if sample_level else num_clients):
-        raise UserError(f"--canaries {m}: must be in [1, {num_clients}] (the run's clients)"
-                        if not sample_level else f"--canaries {m}: must be >= 1")
+    most = MAX_CANARY_EXAMPLES_PER_CLIENT * num_clients if sample_level else num_clients
+    if not 1 <= m <= most:
+        raise UserError(f"--canaries {m}: must be in [1, {most}] (the run's clients)"
+                        if not sample_level else
+                        f"--canaries {m}: must be in [1, {most}] (canary examples: at most "
+                        f"{MAX_CANARY_EXAMPLES_PER_CLIENT} per client, the run has "
+                        f"{num_clients} clients)")
+    if audit_seed is not None and not 0 <= audit_seed <= MAX_SEED:
+        raise UserError(f"--audit-seed {audit_seed}: must be in [0, {MAX_SEED}]")
     overrides = {k: v for k, v in raw.items() if k not in _NOT_COPIED}
     if raw.get("trainer") == "dpsgd":   # canary examples: keep the hosts' updates to score
         overrides["record-updates"] = min(m, num_clients)

@@ -53,6 +53,10 @@ def attack_run(run_dir: Path, client: int = 0, seed: int = 0, reference_models: 
     """Attack ``run_dir``'s client ``client``; write and return the report."""
     torch.manual_seed(seed)
     cfg, num_clients = run_config(run_dir)
+    attacker = (client + 1) % num_clients if csmia_attacker is None else csmia_attacker
+    if csmia_attacker is not None and not (0 <= attacker < num_clients and attacker != client):
+        raise UserError(f"--csmia-attacker {attacker}: must be another client than the target "
+                        f"{client}, in 0..{num_clients - 1}")   # before anything is written
     ds = load_dataset(cfg.dataset, cfg.data_dir, cfg.download)
     data = attack_data(cfg, num_clients, client, seed, max_members, population)
     n = len(data.members[1])
@@ -74,10 +78,6 @@ def attack_run(run_dir: Path, client: int = 0, seed: int = 0, reference_models: 
         "targets": {},
     }
     rounds, series_models = global_models(run_dir, cfg, ds.input_shape, ds.num_classes)
-    attacker = (client + 1) % num_clients if csmia_attacker is None else csmia_attacker
-    if csmia_attacker is not None and not (0 <= attacker < num_clients and attacker != client):
-        raise UserError(f"--csmia-attacker {attacker}: must be another client than the target "
-                        f"{client}, in 0..{num_clients - 1}")
     if not rounds:
         report["cs-mia"] = {"skipped": "the run kept no per-round global models (run it "
                                        "with record-global-models=true)"}

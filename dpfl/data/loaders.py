@@ -53,6 +53,11 @@ NORMALISATION = {
 NUM_CLASSES = {"mnist": 10, "fashion-mnist": 10, "digits": 10, "cifar10": 10,
                "cifar100": 100, "svhn": 10}
 DATASET_NAMES = tuple(NUM_CLASSES)
+# Training examples of the copies whose size is fixed (MNIST's sha256-checked archive,
+# scikit-learn's digits after dpfl's 80/20 split, torchvision's checksummed files); IDX files
+# under a data-dir are counted from their headers.
+TRAIN_EXAMPLES = {"mnist": 60000, "fashion-mnist": 60000, "digits": 1437, "cifar10": 50000,
+                  "cifar100": 50000, "svhn": 73257}
 
 # The four IDX files of MNIST and Fashion-MNIST (each may be gzipped, and may sit in raw/).
 IDX_STEMS = ("train-images-idx3-ubyte", "train-labels-idx1-ubyte",
@@ -334,9 +339,10 @@ def _check_idx_set(source: _Source, shapes: list[tuple[int, ...]],
                                      f"outside 0-{NUM_CLASSES[name] - 1}; {source.remedy}")
 
 
-def _idx_dataset(source: _Source, full: bool) -> list[np.ndarray] | None:
-    """Check the four IDX files (``full``: and return their contents). Label files are
-    small and read whole either way; image files only when ``full``."""
+def _idx_dataset(source: _Source, full: bool) -> list[np.ndarray]:
+    """Check the four IDX files and return their contents (``full``) or their two label
+    arrays (train, test). Label files are small and read whole either way; image files only
+    when ``full``."""
     arrays: list[np.ndarray] = []
     shapes: list[tuple[int, ...]] = []
     for i, path in enumerate(source.paths):
@@ -351,7 +357,7 @@ def _idx_dataset(source: _Source, full: bool) -> list[np.ndarray] | None:
                                      f"{source.remedy}") from exc
     labels = arrays[1::2] if full else arrays
     _check_idx_set(source, shapes, labels)
-    return arrays if full else None
+    return arrays
 
 
 # ---------------------------------------------------------------------------------------
@@ -442,16 +448,18 @@ def _load_torchvision(name: str, data_dir: str, download: bool) -> ArrayDataset:
                         np.asarray(te.data), np.asarray(te.targets, dtype=np.int64))
 
 
-def check_dataset(name: str, data_dir: str = "", download: bool = False) -> None:
+def check_dataset(name: str, data_dir: str = "", download: bool = False) -> int:
     """Raise the :class:`DatasetUnavailable` that :func:`load_dataset` would raise for
     missing, partial, truncated or damaged files, without decoding the images: IDX headers
     and sizes (the gzip size trailer), label files, MNIST's sha256. torchvision datasets:
-    their files must exist unless ``download`` (their checksums are checked on loading)."""
+    their files must exist unless ``download`` (their checksums are checked on loading).
+    Returns the number of training examples :func:`load_dataset` would load."""
     source = _locate(name, data_dir, download)
     if source.kind == "idx":
-        _idx_dataset(source, full=False)
-    elif source.kind == "zarr":
+        return len(_idx_dataset(source, full=False)[0])
+    if source.kind == "zarr":
         _check_zarr(source)
+    return TRAIN_EXAMPLES[name]
 
 
 @lru_cache(maxsize=4)

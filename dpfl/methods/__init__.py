@@ -10,7 +10,15 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Mapping
 
-from dpfl.config import KEY_CHOICES, KEY_HELP, ConfigError, RunConfig, need, parse_global
+from dpfl.config import (
+    KEY_CHOICES,
+    KEY_HELP,
+    MAX_SECAGG_UNITS,
+    ConfigError,
+    RunConfig,
+    need,
+    parse_global,
+)
 from dpfl.method import Method
 from dpfl.methods import (
     aadp,
@@ -69,6 +77,14 @@ def parse_run_config(raw: Mapping[str, Any]) -> RunConfig:
     method.check(cfg)   # its rules may read its own parameters too
     if method.adaptive and cfg.is_private:
         _check_filter_budget(cfg)
+    if cfg.trust == "distributed" and not hasattr(cfg.params, "secure_event"):
+        # the shared secure-noise path quantises C-clipped updates at scale s (a method
+        # with its own secure noise, cpSGD, quantises by its own rule)
+        need(cfg.clip_norm * cfg.secagg_scale <= MAX_SECAGG_UNITS, "secagg-scale",
+             f"a clipped update's coordinate, up to clip-norm x secagg-scale = "
+             f"{cfg.clip_norm * cfg.secagg_scale:g} integer units, must fit SecAgg+'s share "
+             f"range (at most {MAX_SECAGG_UNITS}, with a single client): lower secagg-scale "
+             "or clip-norm", cfg.secagg_scale)
     return cfg
 
 
