@@ -1,59 +1,12 @@
-"""The ``dpfl`` command.
-
-  dpfl simulate [--clients N] [--output-dir DIR] [key=value ...]
-      run a Flower simulation (default: the demo in pyproject.toml) with a SuperLink
-      this command owns and stops; key=value pairs override the run-config.
-  dpfl summary RUN_DIR
-      print the guarantee and the per-client epsilon table of a finished run.
-  dpfl reproduce gcfl [--seeds 0 1 2] [--cells eps2 ...] [--methods gcfl ...]
-      run GCFL's MNIST grid (5 methods) and write results/gcfl/ (table beside the paper).
-  dpfl reproduce pegasus [--seeds 0] [--cells calibrated common-sigma] [--methods pegasus]
-      PEGASUS vs DP-FedAvg, 50 clients x 50 rounds; writes results/pegasus/.
-  dpfl deploy up --clients N --state DIR [--image dpfl:0.1.0] [--insecure]
-  dpfl deploy run --state DIR -- [flwr run options, e.g. --run-config "num-rounds=2"]
-  dpfl deploy down --state DIR
-      a containerised federation of N SuperNodes with distinct partitions (Docker SDK;
-      TLS and SuperNode auth unless --insecure); see docker-compose.yml for the fixed one.
-  dpfl reproduce aadp [--seeds 0 1 2] [--cells mnist-mlp ...] [--methods aadp ...]
-      AADP-FL's Table 2 (20 clients; FedAvg, DP-FedAvg, DP-SCAFFOLD, AADP-FL and the paper-
-      noise ablation); writes results/aadp/ (median beside the paper).
-  dpfl reproduce fedasgp [--seeds 0 1] [--cells eps0.5 ...] [--methods fedasgp-strict ...]
-      DP-FedASGP's Table VI in shape (100 clients, 10 % per round; DP-FedAvg, DP-FedASGP
-      paper and strict, Fed-SMP) at equal accounted epsilon; writes results/fedasgp/.
-  dpfl attack RUN_DIR [--client 0] [--seed 0] [--reference-models 4] [--csmia-attacker K]
-      membership inference (loss threshold, ML-Leaks, RMIA, gradient norm) against a
-      finished run's client: its final global model and, when the run kept it
-      (record-updates), the client's update as the server saw it; CS-MIA on the global
-      models of every round when the run kept them (record-global-models=true);
-      writes RUN_DIR/attack/.
-  dpfl audit RUN_DIR [--canaries M] [--audit-seed S]
-      an empirical epsilon lower bound (one-run canary audit): scores an audit run, or runs
-      one (same config, canary clients) in RUN_DIR/audit/; exit 3 when the bound exceeds a
-      formal run's accounted epsilon.
-  dpfl reproduce audit [--cells eps4 ...] [--methods dpfedavg ...]
-      the privacy table: every method at matched accounted epsilon, each run a one-run
-      audit with membership inference on one client; writes results/audit/.
-  dpfl privacy-report RUN_DIR
-      verdict, then per-client unit, relation, sampling, delta, epsilon (recomputed from the
-      ledger), rounds and verdict; cross-checks the ledger against summary.json and
-      rounds.jsonl; writes RUN_DIR/privacy-report.png (epsilon by round).
-  dpfl doctor
-      what is installed and usable here (torch, CUDA, Opacus, flwr, datasets, Docker,
-      docker-compose, debootstrap, network namespaces), one verdict per item; exit 1 when
-      the default demo cannot run.
-  dpfl --version
-      dpfl's version and those of flwr, Opacus, torch and Python.
-
-Exit codes: 0 done; 1 the run or command failed; 2 a user error (one line names the key,
-argument or file); 3 privacy-report found the run's records inconsistent; 4 privacy-report
-found a client over its epsilon budget; 143 stopped by SIGTERM.
-"""
+"""The ``dpfl`` command line: :func:`main`; ``dpfl --help`` prints :data:`DESCRIPTION`."""
 
 from __future__ import annotations
 
 import argparse
+import difflib
 import signal
 import sys
+import textwrap
 import tomllib
 from collections.abc import Callable
 from pathlib import Path
@@ -66,6 +19,68 @@ from dpfl.errors import (
     writable_dir_problem,
 )
 
+# `dpfl --help` (plain text: argparse prints it as is); {papers}: the reproduction registry's
+# names (dpfl.experiments.common.PAPERS)
+DESCRIPTION = """\
+dpfl: differentially private federated learning on Flower, PyTorch and Opacus.
+
+commands (each has its own --help):
+  dpfl simulate [--clients N] [--output-dir DIR] [key=value ...]
+      run a Flower simulation (default: the demo in pyproject.toml) with a SuperLink
+      this command owns and stops; key=value pairs override the run-config (every
+      key: docs/run-config.md).
+  dpfl summary RUN_DIR
+      print the guarantee and the per-client epsilon table of a finished run.
+  dpfl privacy-report RUN_DIR
+      verdict, then per-client unit, relation, sampling, delta, epsilon (recomputed from
+      the ledger), rounds and verdict; cross-checks the ledger against summary.json and
+      rounds.jsonl; writes RUN_DIR/privacy-report.png (epsilon by round).
+  dpfl reproduce PAPER [--seeds 0 1 2] [--cells CELL ...] [--methods METHOD ...]
+      run a paper's grid (cells x methods x seeds) and write results/PAPER/ (a table
+      beside the paper's numbers); `dpfl reproduce --help` lists each PAPER's cells and
+      methods (docs/reproductions.md).
+{papers}
+  dpfl attack RUN_DIR [--client 0] [--seed 0] [--reference-models 4] [--csmia-attacker K]
+      membership inference (loss threshold, ML-Leaks, RMIA, gradient norm) against a
+      finished run's client: its final global model and, when the run kept it
+      (record-updates), the client's update as the server saw it; CS-MIA on the global
+      models of every round when the run kept them (record-global-models=true);
+      writes RUN_DIR/attack/.
+  dpfl audit RUN_DIR [--canaries M] [--audit-seed S]
+      an empirical epsilon lower bound (one-run canary audit): scores an audit run, or
+      runs one (same config, canary clients) in RUN_DIR/audit/; exit 3 when the bound
+      exceeds a formal run's accounted epsilon.
+  dpfl deploy up --clients N --state DIR [--image dpfl:0.1.0] [--insecure]
+  dpfl deploy run --state DIR -- [flwr run options, e.g. --run-config "num-rounds=2"]
+  dpfl deploy logs --state DIR
+  dpfl deploy down --state DIR
+      a containerised federation of N SuperNodes with distinct partitions (Docker SDK;
+      TLS and SuperNode auth unless --insecure); see docker-compose.yml for the fixed one.
+  dpfl doctor
+      what is installed and usable here (torch, CUDA, Opacus, flwr, datasets, Docker,
+      docker-compose, debootstrap, network namespaces), one verdict per item; exit 1 when
+      the default demo cannot run.
+  dpfl --version
+      dpfl's version and those of flwr, Opacus, torch and Python.
+
+exit codes: 0 done; 1 the run or command failed; 2 a user error (one line names the key,
+argument or file); 3 privacy-report found the run's records inconsistent, or audit's bound
+exceeds the accounted epsilon; 4 privacy-report found a client over its epsilon budget;
+143 stopped by SIGTERM.
+"""
+
+SIMULATE_DESCRIPTION = """\
+Run one simulated federation: a SuperLink this command starts and stops, N simulated
+SuperNodes (Ray), one ClientApp process per parallel client. Settings that cannot work
+stop it before anything starts (exit 2). It prints the per-client privacy table and the
+run directory at the end.
+
+key=value pairs override the run-config ([tool.flwr.app.config] in pyproject.toml, the
+demo: MNIST, 4 IID clients, DP-SGD at epsilon <= 4); every key, its default, type and
+allowed values: docs/run-config.md. Examples:
+  dpfl simulate num-rounds=3 strategy=gcfl
+  dpfl simulate --clients 10 dataset=fashion-mnist partitioning=dirichlet dirichlet-alpha=0.3
+"""
 
 def _parse_value(text: str) -> object:
     try:
@@ -104,10 +119,11 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     """Invalid settings stop before any process starts (exit 2); a federation that did not
     finish exits 1, whatever files an earlier run left."""
     overrides = parse_overrides(args.overrides)   # before the imports below (seconds)
+    root = app_dir()
+    check_run_config_keys(root, overrides)
     from dpfl.launch import RunFailed, simulate
     from dpfl.server.report import epsilon_table
 
-    root = app_dir()
     try:
         run_dir = simulate(root, args.clients, overrides, Path(args.output_dir),
                            num_cpus=args.cpus_per_client, prints_summary=True,
@@ -118,6 +134,27 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     print(epsilon_table(read_summary(run_dir / "summary.json")))
     print(f"run directory: {run_dir}")
     return 0
+
+
+def check_run_config_keys(root: Path, overrides: dict[str, object]) -> None:
+    """Check the global run-config keys of ``overrides`` over the pyproject's defaults (names,
+    types, ranges, their combinations) without importing torch, Opacus or Flower, so that a
+    misspelled key or a bad global value is refused at once (exit 2 in ~0.1 s, not ~3 s).
+
+    The same check as the launcher's first (:func:`dpfl.launch.simulate` parses exactly this
+    mapping with :func:`dpfl.methods.parse_run_config`, which starts with
+    :func:`dpfl.config.parse_global`): the method keys are the pyproject's keys that are not
+    global (tests/test_methods_registry.py keeps them equal to every method's keys), so
+    what this refuses the launcher would refuse with the same message; method values,
+    strategy and model names are left to the launcher."""
+    from dpfl.config import GLOBAL_KEYS, parse_global
+
+    defaults = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["flwr"]["app"]
+    config = dict(defaults["config"])
+    # unless given, the launcher sets both: a fresh valid run-name, output-dir = --output-dir
+    # (which it checks with a message of its own)
+    merged = {**config, "run-name": "", "output-dir": "runs", **overrides}
+    parse_global(merged, frozenset(config) - frozenset(GLOBAL_KEYS))
 
 
 def read_summary(path: Path) -> dict:
@@ -298,6 +335,22 @@ class _VersionAction(argparse.Action):
         parser.exit()
 
 
+def unrecognized(extra: list[str], parser: argparse.ArgumentParser) -> str:
+    """argparse's "unrecognized arguments" line, with the closest option for each unknown
+    one (``--client``: did you mean --clients?)."""
+    options = [o for a in parser._actions for o in a.option_strings if o.startswith("--")]
+    hints = []
+    for arg in extra:
+        if arg.startswith("--"):
+            name = arg.split("=", 1)[0]
+            close = ([o for o in options if o.startswith(name)][:1]   # an abbreviation
+                     or difflib.get_close_matches(name, options, n=1))
+            if close:
+                hints.append(f"{name}: did you mean {close[0]}?")
+    return f"unrecognized arguments: {' '.join(extra)}" + (f" ({'; '.join(hints)})"
+                                                             if hints else "")
+
+
 def argv_is_cli() -> bool:
     return len(sys.argv) > 1 and sys.argv[1] == "reproduce"
 
@@ -321,38 +374,57 @@ def _lazy_epilog(parser: argparse.ArgumentParser, epilog: Callable[[], str]) -> 
     parser.format_help = with_epilog  # type: ignore[method-assign]
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="dpfl", description=__doc__,
+def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
+    """``dpfl``'s parser and each command's."""
+    from dpfl.experiments.common import PAPERS, help_epilog
+
+    # allow_abbrev=False everywhere: `--client 4` must not silently mean `--clients 4`
+    parser = argparse.ArgumentParser(prog="dpfl", allow_abbrev=False,
+                                     description=DESCRIPTION.format(papers=textwrap.fill(
+                                         ", ".join(PAPERS), 88, initial_indent="      PAPER: ",
+                                         subsequent_indent=" " * 13)),
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action=_VersionAction)
-    sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("simulate", help="run a simulated federation")
-    p.add_argument("--clients", type=int, default=None,
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND",
+                                help="one of the commands above (each has its own --help)")
+    commands: dict[str, argparse.ArgumentParser] = {}
+
+    def command(name: str, **kwargs) -> argparse.ArgumentParser:
+        commands[name] = sub.add_parser(name, allow_abbrev=False, **kwargs)
+        return commands[name]
+
+    p = command("simulate", help="run a simulated federation", description=SIMULATE_DESCRIPTION,
+                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--clients", type=int, default=None, metavar="N",
                    help="simulated SuperNodes (default 4; a resume: the run's); at most half the "
                         "dataset's training examples (2 each)")
-    p.add_argument("--output-dir", default="runs")
-    p.add_argument("--cpus-per-client", type=float, default=1.0)
+    p.add_argument("--output-dir", default="runs", metavar="DIR",
+                   help="where the run directory <run-name>/ is written (default: runs; a "
+                        "relative run-config output-dir is taken from here)")
+    p.add_argument("--cpus-per-client", type=float, default=1.0, metavar="CPUS",
+                   help="CPUs Ray reserves for each ClientApp (default 1; fractions allowed, "
+                        "at most this machine's CPUs)")
     p.add_argument("--parallel-clients", type=int, default=None, metavar="N",
                    help="at most N ClientApp processes (~1.5-1.9 GB each) at once (default: "
                         "one per --cpus-per-client of this machine's CPUs)")
     p.add_argument("--ray-address", metavar="HOST:PORT", help="run the clients on this Ray "
                    "cluster (its head's `ray start --head --port`; docs/ray-cluster.md)")
-    p.add_argument("overrides", nargs="*", help="run-config key=value overrides")
+    p.add_argument("overrides", nargs="*", metavar="key=value",
+                   help="run-config overrides, e.g. num-rounds=3 (every key, its default and "
+                        "allowed values: docs/run-config.md)")
     p.set_defaults(func=cmd_simulate)
-    p = sub.add_parser("summary", help="print a run's privacy table")
-    p.add_argument("run_dir")
+    p = command("summary", help="print a run's privacy table")
+    p.add_argument("run_dir", metavar="RUN_DIR", help="a finished run's directory")
     p.set_defaults(func=cmd_summary)
-    from dpfl.experiments.common import PAPERS, help_epilog
-
-    p = sub.add_parser("reproduce", help="run a paper's reproduction grid",
-                       description="Run a paper's grid (cells x methods x seeds, seed-major), "
-                       "one real Flower\nsimulation per run; write results/<paper>/ (per-run "
-                       "JSON, table.md beside the\npaper's numbers, plots).",
-                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = command("reproduce", help="run a paper's reproduction grid",
+                description="Run a paper's grid (cells x methods x seeds, seed-major), one real "
+                "Flower\nsimulation per run; write results/<paper>/ (per-run JSON, table.md "
+                "beside the\npaper's numbers, plots). docs/reproductions.md describes each.",
+                formatter_class=argparse.RawDescriptionHelpFormatter)
     _lazy_epilog(p, help_epilog)   # it imports every paper's module: only for its --help
     p.add_argument("paper", choices=PAPERS, help="which paper (its cells and methods below)")
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], metavar="SEED",
-                   help="seeds to run (default: 0 1 2; each 0 to 2^32-1)")
+                   help="seeds to run (default: 0 1 2); each 0 to 2^32-1")
     p.add_argument("--cells", nargs="+", metavar="CELL",
                    help="cells to run (default: the paper's cells marked * below)")
     p.add_argument("--methods", nargs="+", metavar="METHOD",
@@ -364,18 +436,25 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--work-dir", metavar="DIR",
                    help="run directories (default: runs/reproduce-<paper>/ in the checkout)")
     p.set_defaults(func=cmd_reproduce)
-    p = sub.add_parser("deploy", help="a containerised N-client federation (Docker)")
-    p.add_argument("action", choices=["up", "run", "logs", "down"])
+    p = command("deploy", help="a containerised N-client federation (Docker)",
+                epilog="docs/deployment.md describes the federation, its certificates "
+                       "and its threat model.")
+    p.add_argument("action", choices=["up", "run", "logs", "down"],
+                   help="up: start the federation; run: `flwr run` in it (flwr options after "
+                        "--); logs: print its containers' logs; down: remove it")
     p.add_argument("--state", required=True, help="folder for certificates, keys, runs")
-    p.add_argument("--clients", type=int, default=2)
-    p.add_argument("--image", default="dpfl:0.1.0")
+    p.add_argument("--clients", type=int, default=2,
+                   help="SuperNodes, each with its own partition (up; default 2)")
+    p.add_argument("--image", default="dpfl:0.1.0", help="the dpfl image (up; default "
+                   "dpfl:0.1.0, built by deploy/image.sh)")
     p.add_argument("--name", default="dpfl-fed", help="prefix of containers and network")
     p.add_argument("--control-port", type=int, default=None, help=argparse.SUPPRESS)  # gone
     p.add_argument("--insecure", action="store_true",
                    help="no TLS, no SuperNode authentication (warns)")
     p.set_defaults(func=cmd_deploy)
-    p = sub.add_parser("attack", help="membership-inference attacks on a finished run")
-    p.add_argument("run_dir")
+    p = command("attack", help="membership-inference attacks on a finished run")
+    p.add_argument("run_dir", metavar="RUN_DIR", help="a finished run's directory "
+                   "(writes RUN_DIR/attack/)")
     p.add_argument("--client", type=int, default=0, help="target client (partition id)")
     p.add_argument("--seed", type=int, default=0, help="attacker's seed (splits, shadows; 0 to 2^32-1)")
     p.add_argument("--reference-models", type=int, default=4,
@@ -388,30 +467,38 @@ def main(argv: list[str] | None = None) -> int:
                    help="CS-MIA's adversary: the client whose records label the attack "
                         "model's members (default: the target client + 1, mod clients)")
     p.set_defaults(func=cmd_attack)
-    p = sub.add_parser("audit", help="one-run canary audit: an epsilon lower bound")
-    p.add_argument("run_dir")
+    p = command("audit", help="one-run canary audit: an epsilon lower bound")
+    p.add_argument("run_dir", metavar="RUN_DIR", help="an audit run's directory to score, or "
+                   "a run to audit (its audit run goes to RUN_DIR/audit/)")
     p.add_argument("--canaries", type=int, default=None,
                    help="canary clients of the audit run (default: every client); under DP-SGD canary "
                         "examples (default 10, at most 100 per client)")
     p.add_argument("--audit-seed", type=int, default=None,
                    help="the auditor's secret seed (default: fresh OS entropy)")
-    p.add_argument("--cpus-per-client", type=float, default=1.0)
+    p.add_argument("--cpus-per-client", type=float, default=1.0, metavar="CPUS",
+                   help="CPUs Ray reserves for each ClientApp of the audit run (default 1)")
     p.add_argument("--parallel-clients", type=int, default=None, metavar="N",
                    help="at most N ClientApp processes (~1.5-1.9 GB each) at once (default: "
                         "one per --cpus-per-client of this machine's CPUs)")
     p.add_argument("--ray-address", metavar="HOST:PORT", help="run the audit run's clients on "
                    "this Ray cluster (as `dpfl simulate --ray-address`)")
     p.set_defaults(func=cmd_audit)
-    p = sub.add_parser("privacy-report", help="per-client privacy table and epsilon plot")
-    p.add_argument("run_dir")
+    p = command("privacy-report", help="per-client privacy table and epsilon plot")
+    p.add_argument("run_dir", metavar="RUN_DIR", help="a finished run's directory (writes "
+                   "RUN_DIR/privacy-report.png when it can)")
     p.set_defaults(func=cmd_privacy_report)
-    p = sub.add_parser("doctor", help="what is installed and usable here")
+    p = command("doctor", help="what is installed and usable here")
     p.set_defaults(func=cmd_doctor)
+    return parser, commands
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser, commands = build_parser()
     args, extra = parser.parse_known_args(argv)
     if args.command == "deploy":  # `dpfl deploy run ... -- <flwr run options>`
         args.flwr_args = extra
     elif extra:
-        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        commands[args.command].error(unrecognized(extra, commands[args.command]))
     # A SIGTERM (e.g. `kill PID` of a background run) ends the command within a bounded
     # time with exit 128 + 15: a running federation is signalled and unwinds (the launcher
     # stops the SuperLink and everything it started, dpfl.launch.stop_active; on SIGKILL

@@ -526,9 +526,17 @@ def _launch(app_dir: Path, cfg: RunConfig, num_clients: int, overrides: dict[str
 # "Manually terminating ClientAppActor" (each Ray actor, at a normal end) is dropped where it
 # is logged, in the actors (dpfl.logs.RoutineFlowerRecords), and here too, for an actor that
 # never loaded the ClientApp.
+# The same process then logs "To change federation size, use the following command:" and
+# "\tflwr federation simulation-config <federation> <superlink> --num-supernodes <N>": the
+# wrong advice for dpfl, whose size is `dpfl simulate --clients N`. An INFO line with nothing
+# after its level (Flower's spacer, log(INFO, "")) says nothing either.
 DROPPED_FLOWER_LINES = (
     re.compile(r"WARNING\s*:\s*Since flwr 1\.32, default simulated SuperNodes changed from 10 "
                r"to 2\.\s*"),
+    re.compile(r"INFO\s*:\s*To change federation size, use the following command:\s*"),
+    re.compile(r"INFO\s*:\s*flwr federation simulation-config \S+ <superlink> "
+               r"--num-supernodes <N>\s*"),
+    re.compile(r"INFO\s*:\s*"),
     re.compile(r"(\(ClientAppActor pid=\d+\)\s*)?WARNING\s*:\s*Manually terminating "
                r"ClientAppActor\s*"),
 )

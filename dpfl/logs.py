@@ -54,12 +54,16 @@ def guard_root() -> None:
 
 
 class RoutineFlowerRecords(logging.Filter):
-    """Drops the Flower records that report routine events at WARNING level, each by level,
-    format string and arguments: ``Manually terminating ClientAppActor`` is logged by every
-    Ray actor of a simulation when the simulation ends normally (flwr 1.39,
-    ``flwr/simulation/ray_transport/ray_actor.py``, ``terminate``)."""
+    """Drops the Flower records that say nothing to a dpfl user, each by level, format string
+    and arguments: ``Manually terminating ClientAppActor`` is logged (WARNING) by every Ray
+    actor of a simulation when the simulation ends normally (flwr 1.39,
+    ``flwr/simulation/ray_transport/ray_actor.py``, ``terminate``); ``log(INFO, "")`` is
+    Flower's spacer between its own blocks (an ``INFO :`` line with nothing after it).
+    (The lines Flower's simulation process logs before any app code runs are dropped where
+    ``dpfl simulate`` relays them: ``dpfl.launch.DROPPED_FLOWER_LINES``.)"""
 
-    ROUTINE = frozenset({(logging.WARNING, "Manually terminating %s", ("ClientAppActor",))})
+    ROUTINE = frozenset({(logging.WARNING, "Manually terminating %s", ("ClientAppActor",)),
+                         (logging.INFO, "", ())})
 
     def filter(self, record: logging.LogRecord) -> bool:
         args = record.args if isinstance(record.args, tuple) else ()

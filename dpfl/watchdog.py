@@ -133,6 +133,7 @@ def watch(parent: int, cmd: list[str], grace: float) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m dpfl.watchdog", description=__doc__,
+                                     allow_abbrev=False,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--parent", type=int, required=True, help="PID of the launcher")
     parser.add_argument("--grace", type=float, default=10.0)

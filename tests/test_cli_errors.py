@@ -193,3 +193,106 @@ def test_a_resume_over_records_that_are_not_utf8(tmp_path, capsys, name, what):
     _fails(capsys, ["simulate", "--output-dir", str(tmp_path), "resume=true", "run-name=r"],
            f"error: {run / name}: {what} is damaged (not UTF-8 text: byte 0xff at offset ")
     assert not (run / ".flwr").exists()   # no SuperLink was started
+
+
+# -- issue 48, item 1: errors that help ------------------------------------------------------
+
+
+@pytest.mark.parametrize("argv,line", [
+    (["num-round=3"], ("error: unknown run-config key 'num-round': did you mean 'num-rounds'? "
+                       "(every key: docs/run-config.md)")),
+    (["gcfl-referenses=2"], ("error: unknown run-config key 'gcfl-referenses': did you mean "
+                             "'gcfl-references'? (every key: docs/run-config.md)")),
+    (["zzzz=1"], "error: unknown run-config key 'zzzz' (every key: docs/run-config.md)"),
+])
+def test_a_misspelled_key_gets_the_closest_keys_in_one_short_line(tmp_path, capsys, argv,
+                                                                   line):
+    """Not the ~140 known keys on one ~2,000-character line: the closest global or method
+    keys, and where every key is described."""
+    assert _fails(capsys, ["simulate", "--output-dir", str(tmp_path), *argv]) == line
+    assert not any(tmp_path.iterdir())
+
+
+def test_the_suggestions_come_from_global_and_method_keys():
+    from dpfl.config import ConfigError, parse_global
+    from dpfl.methods import method_keys
+
+    with pytest.raises(ConfigError) as exc:
+        parse_global({"clipnorm": 1.0}, method_keys())
+    assert str(exc.value).startswith("unknown run-config key 'clipnorm': did you mean "
+                                     "'clip-norm'")
+    assert len(str(exc.value)) < 200
+
+
+def test_the_cheap_key_check_agrees_with_the_launchers(tmp_path):
+    """The CLI's early check (no torch, Opacus, Flower) treats exactly the registry's keys
+    as known: every method key passes it and its message is the registry's."""
+    from dpfl.cli import app_dir, check_run_config_keys
+    from dpfl.config import ConfigError
+    from dpfl.methods import method_keys, parse_run_config
+
+    check_run_config_keys(app_dir(), {})
+    for key in sorted(method_keys()):   # known to both (values: the pyproject's defaults)
+        check_run_config_keys(app_dir(), {"strategy": "dpfedavg"} | {key: _default(key)})
+    with pytest.raises(ConfigError) as early:
+        check_run_config_keys(app_dir(), {"num-round": 3})
+    with pytest.raises(ConfigError) as late:
+        parse_run_config({"num-round": 3})
+    assert str(early.value) == str(late.value)
+
+
+def _default(key: str) -> object:
+    import tomllib
+
+    root = Path(__file__).resolve().parents[1]
+    return tomllib.loads((root / "pyproject.toml").read_text())["tool"]["flwr"]["app"][
+        "config"][key]
+
+
+@pytest.mark.parametrize("argv,option", [
+    (["simulate", "--client", "4"], "--clients"),
+    (["simulate", "--output", "/tmp/x"], "--output-dir"),
+    (["attack", "run", "--reference", "2"], "--reference-models"),
+    (["reproduce", "gcfl", "--seed", "0"], "--seeds"),
+    (["audit", "run", "--canary", "2"], "--canaries"),
+    (["deploy", "up", "--state", "s", "--insec"], None),   # deploy passes extras to flwr
+])
+def test_no_abbreviated_options(capsys, argv, option):
+    """`--client 4` was silently taken as `--clients 4`: every parser refuses abbreviations
+    and names the option meant."""
+    from dpfl.cli import build_parser
+
+    parser, commands = build_parser()
+    assert not parser.allow_abbrev and not any(p.allow_abbrev for p in commands.values())
+    if option is None:
+        args, extra = parser.parse_known_args(argv)
+        assert extra == ["--insec"] and not args.insecure
+        return
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "unrecognized arguments: " + argv[-2] in last and f"did you mean {option}?" in last
+
+
+def test_help_texts_are_plain_and_complete(capsys):
+    """`dpfl --help`: plain text (no RST markup), every reproduction of the registry; every
+    option and argument of every command described; simulate --help points to the keys."""
+    import argparse
+
+    from dpfl.cli import build_parser
+    from dpfl.experiments.common import PAPERS
+
+    parser, commands = build_parser()
+    text = parser.format_help()
+    assert "``" not in text and ":func:" not in text and text.startswith("usage: dpfl ")
+    for paper in PAPERS:
+        assert paper in text, paper
+    for name, p in [("dpfl", parser), *commands.items()]:
+        for action in p._actions:
+            if not isinstance(action, argparse._HelpAction):
+                assert action.help, (name, action.option_strings or action.dest)
+    simulate = commands["simulate"].format_help()
+    assert "docs/run-config.md" in simulate
+    for option in ("--output-dir", "--cpus-per-client"):
+        assert option in simulate

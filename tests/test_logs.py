@@ -167,3 +167,101 @@ def test_flowers_routine_actor_termination_record_is_dropped_and_nothing_else(ca
             ("WARNING", "fraction_train is set to 0.0.")]
     finally:
         flower.filters[:] = saved
+
+
+def test_flowers_empty_info_spacer_record_is_dropped(caplog):
+    """Flower's ``log(INFO, "")`` (an ``INFO :`` line with nothing after it) is dropped where
+    dpfl's filter is installed; an empty text with arguments or at another level is kept."""
+    import logging
+
+    from dpfl.logs import RoutineFlowerRecords
+
+    flower = logging.getLogger("flwr")
+    saved = list(flower.filters)
+    try:
+        flower.filters[:] = [RoutineFlowerRecords()]
+        with caplog.at_level(logging.INFO, logger="flwr"):
+            flower.info("")
+            flower.info("%s", "round 1")
+            flower.warning("")
+        assert [(r.levelname, r.getMessage()) for r in caplog.records] == [
+            ("INFO", "round 1"), ("WARNING", "")]
+    finally:
+        flower.filters[:] = saved
+
+
+def _as_flower_prints(msg: str, *args: object, level: int = 20) -> str:
+    """A record as Flower 1.39's console handler prints it (colours on, as `flwr run
+    --stream` relays it)."""
+    import logging
+
+    from flwr.supercore.logger import ConsoleHandler
+
+    handler = ConsoleHandler(timestamps=False, json=False, colored=True)
+    return handler.format(logging.makeLogRecord({
+        "levelno": level, "levelname": logging.getLevelName(level), "msg": msg,
+        "args": args})) + "\n"
+
+
+def test_the_launcher_drops_flowers_federation_size_advice_and_empty_lines():
+    """`dpfl simulate` relays `flwr run --stream` without the lines Flower's simulation
+    process logs before any app code (flwr/simulation/app.py, flwr_simulation): its
+    advice to resize with `flwr federation simulation-config` (dpfl's size is --clients)
+    and its empty INFO spacer; the federation's size line and everything else are kept."""
+    import io
+
+    from dpfl.launch import relay_stream
+
+    dropped = [
+        # Flower 1.39's own format strings and arguments (flwr/simulation/app.py)
+        _as_flower_prints("To change federation size, use the following command:"),
+        _as_flower_prints("\tflwr federation simulation-config %s <superlink> "
+                          "--num-supernodes <N>", "@none/default"),
+        _as_flower_prints(""),
+        _as_flower_prints("Since flwr 1.32, default simulated SuperNodes changed from 10 to "
+                          "2.", level=30),
+    ]
+    kept = [
+        _as_flower_prints("Federation `%s` (%s simulated SuperNodes)", "@none/default", 4),
+        _as_flower_prints("[round 1/1] accuracy 0.7083"),
+        _as_flower_prints("To change federation size, ask dpfl"),
+    ]
+    stream = io.BytesIO("".join([kept[0], *dropped, kept[1], kept[2]]).encode())
+    out = io.BytesIO()
+    relay_stream(stream, out)
+    assert out.getvalue().decode() == "".join(kept)
+
+
+def test_dpfls_internal_engine_note_is_not_an_info_line():
+    """"Flower's simulation state indexes its instructions by node" is an internal detail:
+    logged at DEBUG, not printed by a default run."""
+    import inspect
+
+    from dpfl.apps import server
+
+    source = inspect.getsource(server._speed_up_simulation_engine)
+    assert 'log.debug("Flower\'s simulation state indexes' in source
+    assert "log.info(" not in source
+
+
+def test_the_shipped_flower_config_uses_no_deprecated_options(tmp_path, monkeypatch, capsys):
+    """deploy/flwr-config.toml, read by Flower 1.39's own loader: both connections, no
+    `options.` (Flower warns at every `flwr run` that reads them)."""
+    import shutil
+    from pathlib import Path
+
+    from flwr.cli.flower_config import read_superlink_connection
+    from flwr.cli.run.run import _parse_federation_config_overrides
+
+    root = Path(__file__).resolve().parents[1]
+    shutil.copy(root / "deploy" / "flwr-config.toml", tmp_path / "config.toml")
+    monkeypatch.setenv("FLWR_HOME", str(tmp_path))
+    local = read_superlink_connection(None)
+    assert local.name == "local" and local.address == ":local:" and local.options is None
+    deployment = read_superlink_connection("deployment")
+    assert deployment.address == "127.0.0.1:9093" and deployment.options is None
+    sim = _parse_federation_config_overrides(
+        ["num-supernodes=4 client-resources-num-cpus=1"], local)
+    assert sim.num_supernodes == 4
+    out = capsys.readouterr()
+    assert "deprecated" not in out.out + out.err

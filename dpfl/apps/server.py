@@ -158,7 +158,7 @@ def _speed_up_simulation_engine(grid: Grid) -> None:
         return
     state = getattr(grid, "state", None)   # InMemoryGrid (simulation) only
     if state is not None and index_instructions_by_node(state):
-        log.info("Flower's simulation state indexes its instructions by node")
+        log.debug("Flower's simulation state indexes its instructions by node")  # internal
 
 
 def setup(grid: Grid, cfg: RunConfig) -> Federation:
