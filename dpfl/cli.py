@@ -264,8 +264,9 @@ def cmd_reproduce(args: argparse.Namespace) -> int:
 
     paper = reproduction(args.paper)
     root = app_dir()
-    results = Path(args.results or root / "results" / args.paper)
+    # a fresh folder by default: the committed results/<paper>/ only when asked for
     work = Path(args.work_dir or root / "runs" / f"reproduce-{args.paper}")
+    results = Path(args.results) if args.results else work / "results"
     command = "dpfl reproduce " + " ".join(sys.argv[2:] if argv_is_cli() else [args.paper])
     for kind, given, known in (("cell", args.cells, paper.cells),
                                ("method", args.methods, paper.methods)):
@@ -279,9 +280,12 @@ def cmd_reproduce(args: argparse.Namespace) -> int:
         check_range("--seeds", seed, 0, MAX_SEED, "each is a run's seed")
     check_writable_dir(results, "--results")
     check_writable_dir(work, "--work-dir")
+    # the default folder is this command's own: started again, it keeps the runs it
+    # finished and runs the rest (an explicit --results keeps what --skip-existing says)
+    skip = args.skip_existing or not args.results
     print(paper.reproduce(root, results, work, args.cells or list(paper.default_cells),
                           args.methods or list(paper.default_methods), args.seeds,
-                          args.skip_existing, command))
+                          skip, command))
     return 0
 
 
@@ -430,9 +434,11 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     p.add_argument("--methods", nargs="+", metavar="METHOD",
                    help="methods to run (default: the paper's methods marked * below)")
     p.add_argument("--skip-existing", action="store_true",
-                   help="skip runs whose record is already in the results folder")
+                   help="skip runs whose record is already in the results folder (always "
+                        "so in the default folder: the same command started again resumes)")
     p.add_argument("--results", metavar="DIR",
-                   help="results folder (default: results/<paper>/ in the checkout)")
+                   help="results folder (default: <work-dir>/results, a fresh folder; the "
+                        "committed results/<paper>/ only when named here)")
     p.add_argument("--work-dir", metavar="DIR",
                    help="run directories (default: runs/reproduce-<paper>/ in the checkout)")
     p.set_defaults(func=cmd_reproduce)

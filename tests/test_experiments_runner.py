@@ -249,3 +249,43 @@ def test_mean_std_formats_percent_mean_and_sample_std():
     assert common.mean_std([0.90, 0.92]) == "91.00 ± 1.41"
     assert common.mean_std([0.88]) == "88.00"
     assert common.mean_std([]) == "—"
+
+
+def test_reproduce_defaults_to_a_fresh_folder_and_resumes_with_the_same_command(
+        tmp_path, monkeypatch, capsys):
+    """Issue 48.1: by default `dpfl reproduce` wrote into the committed results/<paper>/ and,
+    stopped and started again, refused its own unfinished run directory. Now: a fresh
+    folder under the work dir, finished runs kept, the unfinished run's directory set aside
+    and run again, a start line per run."""
+    import dpfl.experiments.common as common
+    from dpfl.cli import main
+
+    calls = []
+
+    def fake(root, clients, overrides, work):
+        calls.append(overrides["run-name"])
+        run_dir = Path(work) / overrides["run-name"]
+        run_dir.mkdir(parents=True)
+        return {"config": overrides, "run-dir": str(run_dir), "accuracy": 0.5,
+                "macro-recall": 0.5, "macro-f1": 0.5, "epsilon": {"client-0": 1.0},
+                "composed-epsilon": {"client-0": 1.0}, "verdict": "formal",
+                "randomness": "secret (OS entropy)", "rounds-run": 1,
+                "accuracy-by-round": [0.5], "selected-by-round": [1],
+                "mean-epsilon-by-round": [1.0], "epsilon-by-round": [{"client-0": 1.0}],
+                "samples-per-second": 1.0, "wall-seconds": 1.0}
+
+    monkeypatch.setattr(common, "simulate_record", fake)
+    work = tmp_path / "work"
+    argv = ["reproduce", "pegasus", "--seeds", "0", "--work-dir", str(work)]
+    assert main(argv) == 0
+    first = list(calls)
+    assert first and (work / "results").is_dir()
+    out = capsys.readouterr().out
+    assert f"reproduce: {len(first)} run(s), 0 already recorded" in out and "starting" in out
+    # interrupted: one record lost, its run directory left behind
+    lost = first[-1]
+    (work / "results" / "runs" / f"{lost}.json").unlink()
+    calls.clear()
+    assert main(argv) == 0                          # the same command
+    assert calls == [lost]                          # only the unfinished run, again
+    assert any(p.name.startswith(f"{lost}.incomplete-") for p in work.iterdir())

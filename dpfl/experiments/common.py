@@ -61,6 +61,51 @@ def run_record(run_dir: Path, clients: int, overrides: dict[str, Any],
     }
 
 
+def set_aside_incomplete(work: Path, name: str) -> None:
+    """A run directory ``work/name`` without its record (an interrupted attempt) is renamed
+    ``<name>.incomplete-<time>`` (kept whole: its ledger is a record of releases made), so
+    the same command can run it again instead of refusing an existing directory."""
+    stale = work / name
+    if stale.exists():
+        stale.rename(work / f"{name}.incomplete-{time.strftime('%Y%m%d-%H%M%S')}")
+
+
+class RoundProgress:
+    """Prints ``round r/T`` of a run as its ``rounds.jsonl`` grows (a background thread
+    polling every 2 s), so a long reproduction shows where it is."""
+
+    def __init__(self, run_dir: Path, rounds: Any = None, every: float = 2.0) -> None:
+        import threading
+
+        self.path = Path(run_dir) / "rounds.jsonl"
+        self.rounds = rounds
+        self.every = every
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, daemon=True)
+        self._t0 = time.time()
+
+    def _watch(self) -> None:
+        seen = 0
+        while not self._stop.wait(self.every):
+            try:
+                count = sum(1 for line in self.path.read_text().splitlines() if line.strip())
+            except OSError:
+                continue
+            if count > seen:
+                seen = count
+                total = f"/{self.rounds}" if self.rounds else ""
+                print(f"    round {count}{total} done, {time.time() - self._t0:.0f} s",
+                      flush=True)
+
+    def __enter__(self) -> "RoundProgress":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+
 PUBLIC_SEEDED = ("none: DP noise seeded from public values (recorded before dpfl drew DP "
                  "randomness from OS entropy)")
 
@@ -229,10 +274,13 @@ class Reproduction:
 
     def run_one(self, root: Path, cell: str, method: str, seed: int, results: Path,
                 work: Path) -> dict[str, Any]:
-        """One simulation; writes and returns its record."""
+        """One simulation; writes and returns its record. A run directory left by an
+        interrupted attempt (no record) is kept aside whole and the run starts afresh."""
         overrides = self.overrides(root, cell, method, seed)
-        record = {"cell": cell, "method": method, "seed": seed,
-                  **simulate_record(root, self.clients_for(cell), overrides, work)}
+        set_aside_incomplete(work, str(overrides["run-name"]))
+        with RoundProgress(work / str(overrides["run-name"]), overrides.get("num-rounds")):
+            outcome = simulate_record(root, self.clients_for(cell), overrides, work)
+        record = {"cell": cell, "method": method, "seed": seed, **outcome}
         record.update(self.extra(record))
         write_record(results, overrides["run-name"], record)
         return record
@@ -244,11 +292,22 @@ class Reproduction:
         already recorded when ``skip_existing``; rebuild the table after every run."""
         results.mkdir(parents=True, exist_ok=True)
         todo = [(c, m, s) for s in seeds for c in cells for m in methods]
+        done = [skip_existing and record_path(results, self.record_name(c, m, s)).exists()
+                for c, m, s in todo]
+        print(f"reproduce: {len(todo)} run(s), {sum(done)} already recorded in {results}; "
+              f"run directories in {work}", flush=True)
+        t_start, ran = time.time(), 0
         for i, (cell, method, seed) in enumerate(todo, 1):
-            if skip_existing and record_path(results, self.record_name(cell, method, seed)).exists():
+            if done[i - 1]:
                 continue
+            left = len(todo) - i + 1 - sum(done[i:])
+            eta = ((time.time() - t_start) / ran * left) if ran else None
+            print(f"[{i}/{len(todo)}] {cell} {method} seed {seed}: starting"
+                  + (f" (ETA of the remaining {left}: {eta / 60:.0f} min)" if eta else ""),
+                  flush=True)
             t0 = time.time()
             rec = self.run_one(root, cell, method, seed, results, work)
+            ran += 1
             eps = list(rec["epsilon"].values())
             print(f"[{i}/{len(todo)}] {cell} {method} seed {seed}: accuracy "
                   f"{rec['accuracy']:.4f}, max eps {max(eps, default=float('inf')):.4g}, "

@@ -41,6 +41,7 @@ from dpfl.experiments.common import (
     pyplot,
     record_epsilons,
     record_path,
+    set_aside_incomplete,
     simulate_record,
     table_header,
     write_record,
@@ -205,9 +206,7 @@ def chosen_config(results: Path, method: str) -> tuple[dict[str, Any], int] | No
 def _run(root: Path, results: Path, work: Path, name: str, cell: str, method: str,
          config: dict[str, Any], seed: int, extra: dict[str, Any]) -> dict[str, Any]:
     overrides = run_overrides(root, cell, method, config, seed, name)
-    stale = work / name   # a run stopped before its record was written: kept aside, whole
-    if stale.exists():
-        stale.rename(work / f"{name}.incomplete-{time.strftime('%Y%m%d-%H%M%S')}")
+    set_aside_incomplete(work, name)   # a run stopped before its record was written
     record = {"cell": cell, "method": method, "seed": seed, "tuned": config, **extra,
               **simulate_record(root, CLIENTS, overrides, work)}
     record["validation-accuracy"] = validation_accuracy(Path(record["run-dir"]))
