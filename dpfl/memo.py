@@ -4,9 +4,11 @@ key, and shared by every process of a machine (calibrated noise multipliers, par
 Where: ``$DPFL_CACHE_DIR`` (``off`` or empty: no memo), else ``$XDG_CACHE_HOME/dpfl``, else
 ``~/.cache/dpfl``; each kind in its own folder, each entry a file named by the SHA-256 of
 its key. The callers put the key inside the entry too and compare it on reading, and check
-every answer before they use it: a damaged or edited entry is a miss, never a wrong answer
-taken on trust. Writing is best effort (atomic rename; a read-only or full disk only loses
-the memo).
+every answer against what it claims to be before they use it (a calibrated sigma against
+its accountant, a partition against the dataset and its partitioner's parameters): a
+damaged or edited entry is logged (one WARNING naming the file and the key), discarded and
+recomputed, never a wrong answer taken on trust. Writing is best effort (atomic rename; a
+read-only or full disk only loses the memo).
 """
 
 from __future__ import annotations
@@ -45,6 +47,23 @@ def code_version(distribution: str, *sources: Path) -> str:
 
 def entry_path(folder: Path, key: str, suffix: str) -> Path:
     return folder / f"{hashlib.sha256(key.encode()).hexdigest()}{suffix}"
+
+
+def entry_file(kind: str, key: str, suffix: str = ".bin") -> Path | None:
+    """Where the entry of ``key`` is (or would be) kept; None when the memo is off."""
+    folder = memo_dir(kind)
+    return None if folder is None else entry_path(folder, key, suffix)
+
+
+def discard(kind: str, key: str, suffix: str = ".bin") -> None:
+    """Remove the entry of ``key`` (one that failed its check); best effort."""
+    path = entry_file(kind, key, suffix)
+    if path is None:
+        return
+    try:
+        path.unlink(missing_ok=True)
+    except OSError as exc:
+        log.debug("memo entry %s not removed (%s)", path, exc)
 
 
 def read(kind: str, key: str, suffix: str = ".bin") -> bytes | None:

@@ -125,3 +125,90 @@ def test_client_level_calibrations_are_kept_too(memo_folder):
     accounting.calibrate_noise(*args, **{**kwargs, "relation": "replace-one",
                                           "sampling": "none", "sampling_rate": 1.0})
     assert len(searches) == 2
+
+
+# -- an entry is checked against what it claims: the smallest sigma meeting the target ------
+
+def _warnings(caplog):
+    return [r for r in caplog.records if r.levelno == logging.WARNING
+            and r.name == "flwr.dpfl.accounting"]
+
+
+def test_a_planted_sigma_ten_times_the_answer_is_detected_and_not_used(memo_folder, caplog):
+    """A sigma x10 meets the target (more noise), so the old check passed it and every run
+    of that question silently trained with ten times the noise. It is not the smallest:
+    eps(10 sigma (1 - rel_tol)) still meets the target. One WARNING names the file and the
+    key; the entry is discarded, the answer calibrated afresh and kept instead."""
+    folder, searches = memo_folder
+    sigma = _calibrate()
+    [path] = _entries(folder)
+    entry = json.loads(path.read_text())
+    entry["sigma"] = (10 * sigma).hex()
+    path.write_text(json.dumps(entry))
+    caplog.set_level(logging.WARNING, logger="flwr.dpfl.accounting")
+    assert _calibrate() == sigma and len(searches) == 2
+    [warning] = _warnings(caplog)
+    message = warning.getMessage()
+    assert str(path) in message and repr(entry["key"]) in message
+    assert "not the smallest" in message and "discarded" in message
+    assert json.loads(path.read_text())["sigma"] == sigma.hex()
+    caplog.clear()
+    assert _calibrate() == sigma and len(searches) == 2 and not _warnings(caplog)
+
+
+def _synthetic(monkeypatch, tmp_path):
+    """memoised on eps(sigma) = 1 / sigma (target 1: the answer is 1), counting
+    evaluations and searches."""
+    monkeypatch.setenv(memo.CACHE_ENV, str(tmp_path))
+    calls = {"eps": 0, "search": 0}
+
+    def eps(sigma):
+        calls["eps"] += 1
+        return 1.0 / sigma
+
+    def search(answer=1.0005):      # the smallest to 1e-3: eps(answer (1 - 1e-3)) > 1
+        calls["search"] += 1
+        return answer
+
+    return calls, eps, search
+
+
+def test_a_hit_costs_two_evaluations_and_both_halves_are_checked(monkeypatch, tmp_path,
+                                                                 caplog):
+    calls, eps, search = _synthetic(monkeypatch, tmp_path)
+    assert calibration_cache.memoised("q", eps, 1.0, search, tolerance=1e-3) == 1.0005
+    assert calls == {"eps": 1, "search": 1}         # the fresh answer's minimality only
+    calls.update(eps=0, search=0)
+    assert calibration_cache.memoised("q", eps, 1.0, search, tolerance=1e-3) == 1.0005
+    assert calls == {"eps": 2, "search": 0}         # a hit: two evaluations, no search
+    caplog.set_level(logging.WARNING, logger="flwr.dpfl.accounting")
+    for planted, why in ((10.0, "not the smallest"), (1.01, "not the smallest"),
+                         (0.5, "above the target epsilon")):
+        calibration_cache.store("q", planted)
+        caplog.clear()
+        assert calibration_cache.memoised("q", eps, 1.0, search, tolerance=1e-3) == 1.0005
+        [warning] = _warnings(caplog)
+        assert why in warning.getMessage() and "'q'" in warning.getMessage()
+        assert calibration_cache.lookup("q") == 1.0005      # mended
+
+
+def test_a_fresh_answer_that_is_not_minimal_is_not_kept(monkeypatch, tmp_path):
+    """A search whose answer fails the minimality check (an accountant not monotone
+    there) is used but not kept: otherwise every later read would flag it."""
+    calls, eps, _ = _synthetic(monkeypatch, tmp_path)
+    assert calibration_cache.memoised("q", eps, 1.0, lambda: 1.5, tolerance=1e-3) == 1.5
+    assert calibration_cache.lookup("q") is None
+
+
+@pytest.mark.parametrize("content", ["garbage", '{"key": "other", "sigma": "0x1.0p+0"}',
+                                     '{"key": "q", "sigma": "-0x1.0p+0"}'])
+def test_an_unreadable_or_foreign_entry_is_logged_and_discarded(monkeypatch, tmp_path, caplog,
+                                                                content):
+    _synthetic(monkeypatch, tmp_path)
+    path = memo.entry_file(calibration_cache.KIND, "q", calibration_cache.SUFFIX)
+    path.parent.mkdir(parents=True)
+    path.write_text(content)
+    caplog.set_level(logging.WARNING, logger="flwr.dpfl.accounting")
+    assert calibration_cache.lookup("q") is None
+    [warning] = _warnings(caplog)
+    assert str(path) in warning.getMessage() and not path.exists()

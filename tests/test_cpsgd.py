@@ -179,7 +179,8 @@ def test_calibration_is_the_smallest_sigma_and_its_memo_is_checked(tmp_path, mon
                                                                   caplog):
     """The calibrated sigma meets the target and 1 % less does not; a second process (the
     in-process cache cleared) takes it from the memo without a search; a memo entry below
-    the target is refused and the search runs again."""
+    the target, or ten times the answer (not the smallest), is refused and the search runs
+    again."""
     monkeypatch.setenv("DPFL_CACHE_DIR", str(tmp_path))
     cfg, dim = _small_cfg(8.0), 64
     sigma = cfg.params._calibrate(cfg, dim)
@@ -195,3 +196,6 @@ def test_calibration_is_the_smallest_sigma_and_its_memo_is_checked(tmp_path, mon
     assert "above the target epsilon" in caplog.text
     other = _small_cfg(4.0)                       # another question, another entry
     assert other.params._calibrate(other, dim) > sigma and len(searches) == 2
+    cp.calibration_cache.store(key, sigma * 10)   # planted: ten times the noise
+    assert cfg.params._calibrate(cfg, dim) == sigma and len(searches) == 3
+    assert "not the smallest" in caplog.text

@@ -9,7 +9,7 @@ import math
 import numpy as np
 import pytest
 import torch
-from flwr.app import ArrayRecord, ConfigRecord, RecordDict
+from flwr.app import ArrayRecord, ConfigRecord, MetricRecord, RecordDict
 
 from dpfl.apps.client import train
 from dpfl.config import ConfigError, RunConfig
@@ -18,6 +18,7 @@ from dpfl.method import TRAIN_LOSS
 from dpfl.methods import METHODS, build_strategy, guarantee, run_config
 from dpfl.methods.fedasgp import (
     LOSS_KEY,
+    MAX_LOSS,
     SIGNIFICANT_KEY,
     FedASGPParams,
     asgp_threshold,
@@ -486,3 +487,102 @@ def test_global_rules():
         run_config(strategy="fedasgp", trainer="dpsgd")
     assert isinstance(_cfg().params, FedASGPParams)
     assert RunConfig().momentum == 0.0
+
+
+# -- a client's reported loss is bounded before it weighs anything ----------------------------
+
+def _cap(n_i, n, odds=3.0):
+    """The largest share capped_shares allows a client of size share n_i / n."""
+    b = n_i / n
+    return odds * b / (1 + (odds - 1) * b)
+
+
+@pytest.mark.parametrize("hostile", [1e308, float("inf"), MAX_LOSS, 1e6])
+def test_gamma_with_a_hostile_loss_stays_finite_and_bounded(hostile):
+    """Eq. 16 gives L_i -> infinity the weight (n_i / n + 1) / 2, and 1e308 made every
+    gamma NaN (n L_i overflows): the loss is clipped to [0, MAX_LOSS] and each gamma_i
+    capped at 3 n_i / (n + 2 n_i) (odds 3 x its size share's)."""
+    sizes, losses = [100] * 5, [hostile, 0.5, 0.6, 0.7, 0.8]
+    w = gamma_weights(sizes, losses)
+    assert bool(torch.isfinite(w).all()) and float(w.sum()) == pytest.approx(1.0, rel=1e-12)
+    assert float(w[0]) == pytest.approx(_cap(100, 500), rel=1e-12)     # 3 / 7, not ~0.6
+    assert bool((w[1:] > 0).all())
+    # the others keep eq. 16's proportions among themselves
+    rest = w[1:] / w[1:].sum()
+    raw = gamma_weights(sizes, [MAX_LOSS, 0.5, 0.6, 0.7, 0.8], odds=math.inf)[1:]
+    assert torch.allclose(rest, raw / raw.sum(), rtol=1e-12)
+    # unequal sizes: the cap follows the size share
+    w = gamma_weights([100, 300, 600], [hostile, 1.0, 1.0])
+    assert float(w[0]) <= _cap(100, 1000) * (1 + 1e-12)
+    with pytest.raises(ValueError, match="numbers"):
+        gamma_weights(sizes, [float("nan"), 0.5, 0.6, 0.7, 0.8])
+
+
+def test_honest_loss_spreads_keep_eq_16():
+    """The cap binds only on a loss share far above the size share: honest spreads (up to 4
+    times the round's mean loss with 10 equal clients; 2 clients always) are eq. 16 as
+    published."""
+    rng = np.random.default_rng(1)
+    for _ in range(50):
+        losses = rng.uniform(0.2, 2.3, 10)
+        assert losses.max() <= 4 * losses.mean()
+        sizes = [100] * 10
+        assert torch.allclose(gamma_weights(sizes, losses),
+                              gamma_weights(sizes, losses, odds=math.inf), rtol=1e-12)
+    assert gamma_weights([100, 100], [MAX_LOSS, 0.0]).tolist() == pytest.approx([0.75, 0.25])
+
+
+def _paper_round(losses, caplog):
+    """One paper-variant round through the real strategy (no federation): 5 clients of
+    100 examples, client i reporting losses[i]; returns (outcome, train metrics)."""
+    from flower_helpers import FakeGrid
+
+    cfg = _cfg(asgp_variant="paper", dataset="digits", model="mlp")
+    strategy = build_strategy(cfg)
+    strategy.bind_partition_sizes({pid: 100 for pid in range(len(losses))})
+    torch.manual_seed(0)
+    model = build_model("mlp", (1, 8, 8), 10)
+    arrays = ArrayRecord(model.state_dict())
+    _, record = strategy.start_round(1, arrays, FakeGrid(range(1, len(losses) + 1)))
+    gen = torch.Generator().manual_seed(1)
+    replies = []
+    for pid, loss in enumerate(losses):
+        update = {k: 0.001 * torch.randn(v.shape, generator=gen)
+                  for k, v in model.state_dict().items()}
+        metrics = MetricRecord({"num-examples": 1, "partition-id": pid, "server-round": 1,
+                                LOSS_KEY: loss, SIGNIFICANT_KEY: 0.4})
+        replies.append(message(RecordDict({"arrays": ArrayRecord(update), "metrics": metrics}),
+                               src_node_id=pid + 1))
+    caplog.set_level("WARNING", logger="flwr.dpfl.strategy")
+    outcome = strategy.finish_round(1, record, replies)
+    flat = torch.cat([torch.from_numpy(a.numpy()).reshape(-1)
+                      for a in outcome.arrays.values()])
+    assert bool(torch.isfinite(flat).all())
+    return outcome, dict(outcome.metrics)
+
+
+def test_a_reported_loss_of_1e308_is_rejected_and_the_model_stays_finite(server_identity,
+                                                                          caplog):
+    """The red team's reproduction: asgp-variant=paper, one client reporting 1e308 made
+    the global model NaN. Now the reply is rejected with its reason (logged, recorded) and
+    the round goes on with the others."""
+    outcome, train = _paper_round([1e308, 0.5, 0.6, 0.7, 0.8], caplog)
+    [rejected] = outcome.record.rejected
+    assert rejected.partition_id == 0 and LOSS_KEY in rejected.reason
+    assert f"[0, {MAX_LOSS:g}]" in rejected.reason
+    assert any("client-0 dropped" in r.getMessage() and LOSS_KEY in r.getMessage()
+               for r in caplog.records)
+    assert [u.partition_id for u in outcome.record.accepted] == [1, 2, 3, 4]
+    assert train["accepted"] == 4 and train["rejected"] == 1
+
+
+def test_the_largest_accepted_loss_cannot_dominate_the_aggregate(server_identity, caplog):
+    """A loss at the top of the range is accepted, but its client's gamma is capped at
+    3 / 7 of the aggregate (5 equal clients; eq. 16 alone would give it 0.6) and the
+    aggregate is the capped weights' mean."""
+    outcome, train = _paper_round([MAX_LOSS, 0.5, 0.6, 0.7, 0.8], caplog)
+    assert not outcome.record.rejected
+    gammas = [train[f"asgp-gamma-client-{pid}"] for pid in range(5)]
+    assert gammas[0] == pytest.approx(3 / 7, rel=1e-6)
+    assert sum(gammas) == pytest.approx(1.0, rel=1e-6)
+    assert train["asgp-gamma-max"] <= 3 / 7 + 1e-6

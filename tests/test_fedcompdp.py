@@ -339,3 +339,102 @@ def test_strategy_state_survives_a_checkpoint_round_trip(tmp_path):
                                                                    {3: 2.5})
     assert torch.equal(t.constraints.directions, s.constraints.directions)
     assert torch.equal(t.constraints.multipliers, s.constraints.multipliers)
+
+
+# -- a client's reported F1 is bounded before it weighs anything ------------------------------
+
+def _cra_strategy(**changes):
+    return build_strategy(cfg(**{"adpc": "off", "cra_score": "client-f1",
+                                 "client_f1_noise": 0.0, "cd_correction": False, **changes}))
+
+
+def test_a_claimed_f1_of_one_cannot_take_the_aggregate():
+    """The red team's reproduction: cra-score=client-f1, a client claiming F1 = 1.0 against
+    peers at 0.3 took 99.94 % of eq. 14's weights (T = 0.1: e^7 times theirs). Its share is
+    now capped at 3 / (M + 2) (odds 3 x those of 1 / M), the rest in eq. 14's proportions."""
+    s = _cra_strategy()
+    ups = [update(0, [1.0, 0.0], **{F1_KEY: 1.0})] + [
+        update(i, [0.0, 1.0], **{F1_KEY: 0.3 + 0.01 * i}) for i in range(1, 5)]
+    raw = cra_weights(reliability_scores(torch.tensor([1.0, 0.31, 0.32, 0.33, 0.34]),
+                                         torch.ones(5), 0.1), 0.1)
+    assert float(raw[0]) > 0.99                    # eq. 14 alone: one reply is the aggregate
+    w = s.aggregation_weights(ups)
+    assert bool(torch.isfinite(w).all()) and float(w.sum()) == pytest.approx(1.0, rel=1e-6)
+    assert float(w[0]) == pytest.approx(3 / 7, rel=1e-6)
+    assert torch.allclose(w[1:] / w[1:].sum(), raw[1:] / raw[1:].sum(), rtol=1e-5)
+    assert s.last_weights[0] == pytest.approx(3 / 7, rel=1e-6)
+
+
+def test_a_noisy_f1_is_clipped_to_0_1_and_an_impossible_one_rejected():
+    """With client-f1-noise s_f, an honest noisy F1 lies in [-10 s_f, 1 + 10 s_f]: outside,
+    the reply is rejected; inside, the value is clipped to [0, 1] before eq. 11's EMA."""
+    s = _cra_strategy(client_f1_noise=1.0)      # honest range [-10, 11]
+    assert "outside" in s.reply_problem(update(0, [1.0], **{F1_KEY: 12.0}))
+    assert "outside" in s.reply_problem(update(0, [1.0], **{F1_KEY: float("inf")}))
+    assert "not a number" in s.reply_problem(update(0, [1.0], **{F1_KEY: [1.0]}))
+    assert s.reply_problem(update(0, [1.0], **{F1_KEY: 1.8})) is None
+    ups = [update(0, [1.0], **{F1_KEY: 1.8}), update(1, [1.0], **{F1_KEY: -0.7})]
+    assert s.client_scores(ups) == [1.0, 0.0]
+    s.aggregation_weights(ups)
+    assert s.cra_state.f1 == {0: 1.0, 1: 0.0}
+
+
+def test_server_val_scores_keep_eq_14():
+    """The cap is for clients' claims: the server's own scores (server-val) keep eq. 14."""
+    from dpfl.methods.fedcompdp import bounded_cra_weights
+
+    raw = cra_weights(torch.tensor([1.0, 0.3, 0.3, 0.3, 0.3]), 0.1)
+    capped = bounded_cra_weights(raw)
+    assert float(capped[0]) == pytest.approx(3 / 7, rel=1e-6)
+    s = build_strategy(cfg(adpc="off", cra_score="server-val", cd_correction=False))
+    s.client_scores = lambda accepted: [1.0, 0.3, 0.3, 0.3, 0.3]
+    w = s.aggregation_weights([update(i, [1.0, float(i)]) for i in range(5)])
+    assert float(w[0]) > 0.99
+
+
+def test_reported_raw_norms_are_clipped_to_the_largest_clip():
+    s = build_strategy(cfg(adpc="raw-norm", adpc_max_clip=10.0))
+    ups = [update(0, [1.0], **{NORM_KEY: 1e308}), update(1, [1.0], **{NORM_KEY: 1e308}),
+           update(2, [1.0], **{NORM_KEY: 2.0}), update(3, [1.0], **{NORM_KEY: 3.0})]
+    assert s.next_clip(ups) == pytest.approx((3.0 + 10.0) / 2)
+    assert "outside" in s.reply_problem(update(0, [1.0], **{NORM_KEY: float("inf")}))
+    assert "outside" in s.reply_problem(update(0, [1.0], **{NORM_KEY: -1.0}))
+
+
+def test_a_claimed_f1_through_the_strategys_round(server_identity, caplog):
+    """One round through the real strategy (no federation): 5 clients; client 4 claims
+    F1 = 5.0 and is rejected with its reason (logged and recorded); client 0 claims 1.0 and
+    is held to 3 / (M + 2) = 1 / 2 of the M = 4 accepted replies' aggregate; the model
+    stays finite."""
+    from flwr.app import ArrayRecord, MetricRecord, RecordDict
+
+    from dpfl.models import build_model
+
+    from flower_helpers import FakeGrid, message
+
+    s = _cra_strategy(model="mlp")
+    s.bind_partition_sizes({pid: 100 for pid in range(5)})
+    torch.manual_seed(0)
+    model = build_model("mlp", (1, 8, 8), 10)
+    _, record = s.start_round(1, ArrayRecord(model.state_dict()), FakeGrid(range(1, 6)))
+    gen = torch.Generator().manual_seed(1)
+    replies = []
+    for pid, f1 in enumerate([1.0, 0.3, 0.31, 0.32, 5.0]):
+        arrays = ArrayRecord({k: 0.01 * torch.randn(v.shape, generator=gen)
+                              for k, v in model.state_dict().items()})
+        metrics = MetricRecord({"num-examples": 1, "partition-id": pid, "server-round": 1,
+                                F1_KEY: f1})
+        replies.append(message(RecordDict({"arrays": arrays, "metrics": metrics}),
+                               src_node_id=pid + 1))
+    caplog.set_level("WARNING", logger="flwr.dpfl.strategy")
+    outcome = s.finish_round(1, record, replies)
+    [rejected] = outcome.record.rejected
+    assert rejected.partition_id == 4 and F1_KEY in rejected.reason
+    assert any("client-4 dropped" in r.getMessage() for r in caplog.records)
+    train = dict(outcome.metrics)
+    weights = [train[f"cra-weight-client-{pid}"] for pid in range(4)]
+    assert weights[0] == pytest.approx(3 / 6, rel=1e-5)     # M = 4 accepted: 3 / (4 + 2)
+    assert sum(weights) == pytest.approx(1.0, rel=1e-6)
+    flat = torch.cat([torch.from_numpy(a.numpy()).reshape(-1)
+                      for a in outcome.arrays.values()])
+    assert bool(torch.isfinite(flat).all())

@@ -139,3 +139,148 @@ def test_thousand_crafted_replies(name, server_identity):
         mean = (w / w.sum()) @ torch.stack([u.flat.double() for u in rec.accepted])
         base = torch.cat([t.reshape(-1) for t in model.state_dict().values()]).double()
         assert torch.allclose(flat.double(), base + mean, atol=1e-5), where
+
+
+# -- values a reply reports never reach a weight or the model unchecked ----------------------
+
+def _arrays(model, scale, gen):
+    return ArrayRecord({k: scale * torch.randn(v.shape, generator=gen)
+                        for k, v in model.state_dict().items()})
+
+
+def _flat(arrays):
+    return torch.cat([torch.from_numpy(a.numpy()).reshape(-1) for a in arrays.values()])
+
+
+def _plain_round(extra_metrics, caplog):
+    """One round of plain FedAvg (no DP: every reply metric is accepted) over 4 nodes
+    of partitions 0-3 (100 examples each); node i's metrics get extra_metrics[i]."""
+    strategy = build_strategy(RunConfig(strategy="fedavg", trainer="plain", dataset="digits",
+                                        model="mlp"))
+    model = build_model("mlp", (1, 8, 8), 10)
+    strategy.bind_partition_sizes({pid: 100 for pid in range(4)})
+    _, rec = strategy.start_round(1, ArrayRecord(model.state_dict()), FakeGrid([1, 2, 3, 4]))
+    gen = torch.Generator().manual_seed(0)
+    replies = [message(RecordDict({
+        "arrays": _arrays(model, 0.01, gen),
+        "metrics": MetricRecord({"num-examples": 100, "partition-id": node - 1,
+                                 **extra_metrics.get(node, {})})}), src_node_id=node)
+        for node in (1, 2, 3, 4)]
+    caplog.set_level("WARNING", logger="flwr.dpfl.strategy")
+    return strategy, rec, strategy.finish_round(1, rec, replies)
+
+
+def test_a_claimed_size_of_an_unknown_partition_is_rejected(server_identity, caplog):
+    """Without DP nothing charges (and so pins) a partition id: a reply claiming a partition
+    the run does not have would be weighted by its own num-examples (10^9 against 100):
+    rejected with its reason, and the others' mean is the new model."""
+    _, rec, outcome = _plain_round({1: {"partition-id": 999, "num-examples": 10 ** 9}}, caplog)
+    [rejected] = rec.rejected
+    assert rejected.node_id == 1 and "999" in rejected.reason and "not public" in rejected.reason
+    assert any("dropped" in r.getMessage() and "999" in r.getMessage() for r in caplog.records)
+    assert [u.partition_id for u in rec.accepted] == [1, 2, 3]
+    assert all(u.num_examples == 100 for u in rec.accepted)
+
+
+@pytest.mark.parametrize("loss", [1e308, float("inf"), float("nan"), -3.0, [1.0, 2.0]])
+def test_a_hostile_train_loss_stays_out_of_the_rounds_mean(server_identity, caplog, loss):
+    """train-loss only feeds the round's metric: a value that is not a number in
+    [0, MAX_REPORTED_LOSS] is left out of the mean (a list crashed the round; 1e308 made
+    the metric inf); the reply and the model are unaffected."""
+    _, rec, outcome = _plain_round({1: {"train-loss": loss}, 2: {"train-loss": 0.5},
+                                    3: {"train-loss": 0.7}}, caplog)
+    assert len(rec.accepted) == 4
+    assert dict(outcome.metrics)["train-loss"] == pytest.approx(0.6)
+    assert torch.isfinite(_flat(outcome.arrays)).all()
+
+
+def test_non_finite_weights_leave_the_model_unchanged(server_identity, caplog, monkeypatch):
+    """The last net: whatever a method's weights come to, a NaN never reaches the model."""
+    from dpfl.server.strategy import DPFLStrategy
+
+    monkeypatch.setattr(DPFLStrategy, "aggregation_weights",
+                        lambda self, accepted: torch.tensor([float("nan")] * len(accepted)))
+    _, rec, outcome = _plain_round({}, caplog)
+    assert outcome.arrays is None and len(rec.accepted) == 4
+    assert any("model is unchanged" in r.getMessage() for r in caplog.records)
+
+
+def test_a_central_clip_bit_that_is_not_a_number_in_0_1_is_rejected(server_identity, caplog):
+    """trust=central: the within-C bit feeds the adaptive clip's count; a list crashed the
+    round (float(list)), any value outside [0, 1] is not a bit: rejected with its reason."""
+    cfg = RunConfig(trainer="update-dp", trust="central", noise_multiplier=1.0,
+                    fraction_train=1.0, dataset="digits", model="mlp", num_rounds=2)
+    strategy = build_strategy(cfg)
+    strategy.bind_partition_sizes({pid: 100 for pid in range(4)})
+    _, rec = strategy.start_round(1, ArrayRecord({"weight": torch.zeros(1, 3)}),
+                                  FakeGrid([1, 2, 3, 4]))
+    bits = {1: [1.0], 2: 7.0, 3: float("nan"), 4: 1.0}
+    replies = [message(RecordDict({
+        "arrays": ArrayRecord({"weight": torch.full((1, 3), 0.01 * node)}),
+        "metrics": MetricRecord({"num-examples": 1, "partition-id": node - 1,
+                                 "server-round": 1, "clip-unclipped": bits[node]})}),
+        src_node_id=node) for node in sorted(rec.sampled)]
+    outcome = strategy.finish_round(1, rec, replies)
+    assert sorted(r.node_id for r in rec.rejected) == [1, 2, 3]
+    assert all("clip-unclipped" in r.reason for r in rec.rejected)
+    assert [u.node_id for u in rec.accepted] == [4]
+    assert torch.isfinite(_flat(outcome.arrays)).all()
+
+
+def _scaffold(server_round=1):
+    cfg = RunConfig(strategy="dpscaffold", trainer="dpsgd", dataset="digits", model="mlp",
+                    noise_multiplier=1.0, num_rounds=2, batch_size=32, lr=0.1)
+    strategy = build_strategy(cfg)
+    model = build_model("mlp", (1, 8, 8), 10)
+    strategy.bind_model(model)
+    return cfg, strategy, model
+
+
+def test_a_huge_scaffold_control_delta_is_rejected(server_identity, caplog):
+    """DP-SCAFFOLD's Delta c_i moves c, which every client adds to each step and which
+    widens the next round's norm bound: one finite but huge Delta c_i (1e30) is rejected
+    with its reason instead of becoming c."""
+    cfg, strategy, model = _scaffold()
+    strategy.bind_partition_sizes({0: 700, 1: 700})
+    bound = strategy.control_delta_bound(1)
+    assert 0 < bound < 1e4
+    _, rec = strategy.start_round(1, ArrayRecord(model.state_dict()), FakeGrid([1, 2]))
+    template = strategy.extra_reply_arrays()["control-delta"]
+    gen = torch.Generator().manual_seed(0)
+    replies = []
+    for node, scale in ((1, 1e30), (2, 0.01)):
+        delta = ArrayRecord({k: torch.full(shape, scale) for k, shape, _ in template})
+        replies.append(message(RecordDict({
+            "arrays": _arrays(model, 0.001, gen), "control-delta": delta,
+            "metrics": MetricRecord({"num-examples": 700, "partition-id": node - 1,
+                                     "server-round": 1})}), src_node_id=node))
+    caplog.set_level("WARNING", logger="flwr.dpfl.strategy")
+    strategy.finish_round(1, rec, replies)
+    [rejected] = rec.rejected
+    assert rejected.node_id == 1 and "control-delta norm" in rejected.reason
+    assert float(strategy.control.norm()) < bound
+
+
+def test_honest_scaffold_control_deltas_are_within_the_bound(server_identity):
+    """Two rounds of two real DP-SCAFFOLD clients (the ClientApp's DP-SGD and option II,
+    c_i kept in the node state): every Delta c_i is accepted."""
+    from dpfl.apps.client import train
+    from dpfl.data import client_data
+
+    from flower_helpers import context
+
+    cfg, strategy, model = _scaffold()
+    raw = {"strategy": "dpscaffold", "trainer": "dpsgd", "dataset": "digits", "model": "mlp",
+           "noise-multiplier": 1.0, "num-rounds": 2, "batch-size": 32, "lr": 0.1}
+    strategy.bind_partition_sizes({pid: len(client_data(cfg, pid, 2).y_train)
+                                   for pid in (0, 1)})
+    contexts = {node: context(raw, node - 1, 2) for node in (1, 2)}
+    arrays = ArrayRecord(model.state_dict())
+    for server_round in (1, 2):
+        msgs, rec = strategy.start_round(server_round, arrays, FakeGrid([1, 2]))
+        replies = [message(train(m, contexts[m.metadata.dst_node_id]).content,
+                           src_node_id=m.metadata.dst_node_id) for m in msgs]
+        outcome = strategy.finish_round(server_round, rec, replies)
+        assert not rec.rejected, [r.reason for r in rec.rejected]
+        arrays = outcome.arrays
+    assert 0 < float(strategy.control.norm()) < strategy.control_delta_bound(2)

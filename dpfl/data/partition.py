@@ -31,8 +31,18 @@ launcher, the ServerApp, each client, each round's ClientApp process of a deploy
 needs the partition, and importing flwr-datasets costs seconds of CPU each time, so
 :func:`partition_indices` keeps its answers in a memo on disk (:mod:`dpfl.memo`) keyed by
 the question, a digest of the labels and the versions of flwr-datasets and of this code.
-A kept answer is checked before use (one index array per partition, within range,
-disjoint, complete where the scheme is) and recomputed if it fails.
+
+A kept answer is checked against what it claims to be before use: one int64 index array
+per partition, within range, disjoint, complete where the scheme is, and equal, array for
+array (sizes, label counts, which samples, their order, which decides each client's local
+validation hold-out), to :func:`dpfl.data.assignment.reference_partition`: the same
+assignment recomputed with numpy alone (each partitioner's rule, its random draws in the
+same order from the same seed; milliseconds, no flwr-datasets import). A skewed or
+otherwise edited entry, an unreadable one or one of another key is logged (one WARNING
+naming the memo file and the key), discarded and partitioned afresh. A fresh answer is
+kept only if it equals the reference too: a flwr-datasets release whose partitioners draw
+differently (its version is in the key) then runs without the memo, with a WARNING, rather
+than with an unchecked one.
 """
 
 from __future__ import annotations
@@ -44,10 +54,12 @@ import zipfile
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 
 from dpfl import memo
+from dpfl.data.assignment import reference_partition
 
 log = logging.getLogger("flwr.dpfl.data")
 
@@ -60,7 +72,8 @@ INCOMPLETE_SCHEMES = ("shards",)
 @lru_cache(maxsize=1)
 def _code_version() -> str:
     here = Path(__file__).parent
-    return memo.code_version("flwr-datasets", here / "partition.py", here / "partitioners.py")
+    return memo.code_version("flwr-datasets", here / "partition.py", here / "partitioners.py",
+                             here / "assignment.py")
 
 
 def _memo_key(labels: np.ndarray, scheme: str, num_partitions: int, seed: int,
@@ -84,19 +97,62 @@ def valid_partition(parts: list[np.ndarray], n: int, num_partitions: int,
     return everything.size == n if complete else True
 
 
-def _recall(key: str, n: int, num_partitions: int, complete: bool) -> list[np.ndarray] | None:
+def partition_problem(parts: list[np.ndarray], reference: list[np.ndarray], labels: np.ndarray,
+                      complete: bool) -> str | None:
+    """Why ``parts`` is not the partition it claims to be (None: it is): its structure
+    (:func:`valid_partition`), then, partition by partition, its size and label counts and
+    its indices against ``reference``."""
+    n, k = len(labels), len(reference)
+    if not valid_partition(parts, n, k, complete):
+        return ("not one int64 index array per partition, within range, disjoint"
+                + (" and complete" if complete else ""))
+    classes, codes = np.unique(labels, return_inverse=True)
+    for pid, (mine, ref) in enumerate(zip(parts, reference)):
+        have = np.bincount(codes[mine], minlength=len(classes))
+        want = np.bincount(codes[ref], minlength=len(classes))
+        if len(mine) != len(ref) or not np.array_equal(have, want):
+            diff = {classes[c].item(): int(have[c] - want[c])
+                    for c in np.flatnonzero(have - want)}
+            return (f"partition {pid} holds {len(mine)} samples where the partitioner gives "
+                    f"{len(ref)}, its label counts differ by {diff} (a skewed partition)")
+        if not np.array_equal(mine, ref):
+            return (f"partition {pid} holds other samples (or in another order) than the "
+                    "partitioner gives")
+    return None
+
+
+def _discard(key: str, why: str) -> None:
+    """One WARNING naming the entry's file and key, and the entry removed."""
+    log.warning("partition memo entry %s (key %r) fails its check: %s; discarded, "
+                "partitioning afresh", memo.entry_file(MEMO_KIND, key), key, why)
+    memo.discard(MEMO_KIND, key)
+
+
+def _recall(key: str, labels: np.ndarray, reference: Callable[[], list[np.ndarray]],
+            complete: bool) -> list[np.ndarray] | None:
+    """The kept partition of ``key`` once checked against ``reference()`` (None: no memo,
+    no entry, or one that fails, discarded with a WARNING)."""
     data = memo.read(MEMO_KIND, key)
     if data is None:
         return None
     try:
         with np.load(io.BytesIO(data), allow_pickle=False) as npz:
-            if str(npz["key"]) != key:
+            kept_key = str(npz["key"])
+            if kept_key != key:
+                _discard(key, f"it holds the partition of another key ({kept_key[:80]!r})")
                 return None
-            parts = [npz[f"p{i}"] for i in range(num_partitions)]
+            parts, i = [], 0
+            while f"p{i}" in npz.files:
+                parts.append(npz[f"p{i}"])
+                i += 1
     except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile) as exc:
-        log.debug("partition memo unreadable (%s): partitioning afresh", exc)
+        _discard(key, f"unreadable ({type(exc).__name__}: {exc})")
         return None
-    return parts if valid_partition(parts, n, num_partitions, complete) else None
+    why = partition_problem(parts, reference(), labels, complete)
+    if why is not None:
+        _discard(key, why)
+        return None
+    return parts
 
 
 def _keep(key: str, parts: list[np.ndarray]) -> None:
@@ -116,13 +172,34 @@ def partition_indices(labels: np.ndarray, scheme: str, num_partitions: int, *,
     labels = np.asarray(labels)
     complete = scheme not in INCOMPLETE_SCHEMES
     key = _memo_key(labels, scheme, num_partitions, seed, kwargs)
-    kept = _recall(key, len(labels), num_partitions, complete)
+    if memo.memo_dir(MEMO_KIND) is None:   # no memo: nothing to check or keep
+        from dpfl.data.partitioners import compute_partition_indices
+
+        return compute_partition_indices(labels, scheme, num_partitions, seed=seed, **kwargs)
+    ref: list[list[np.ndarray]] = []
+
+    def reference() -> list[np.ndarray]:
+        if not ref:
+            ref.append(reference_partition(labels, scheme, num_partitions, seed=seed,
+                                           **kwargs))
+        return ref[0]
+
+    kept = _recall(key, labels, reference, complete)
     if kept is not None:
         return kept
     from dpfl.data.partitioners import compute_partition_indices
 
     parts = compute_partition_indices(labels, scheme, num_partitions, seed=seed, **kwargs)
-    _keep(key, parts)
+    try:
+        why = partition_problem(parts, reference(), labels, complete)
+    except ValueError as exc:   # e.g. the reference's own draws fail where flwr's did not
+        why = str(exc)
+    if why is None:
+        _keep(key, parts)
+    else:
+        log.warning("the partition memo's check does not reproduce %s's %r partition (%s): "
+                    "no entry kept, every process partitions afresh", _code_version(),
+                    scheme, why)
     return parts
 
 

@@ -18,6 +18,13 @@ from flwr_datasets.partitioner import (
     PathologicalPartitioner,
 )
 
+from dpfl.data.assignment import (
+    class_grouped_rows,
+    class_grouped_sizes,
+    contiguous_label_rows,
+    noniid_fraction_rows,
+)
+
 
 class _OwnPartitioner(Partitioner):
     """dpfl's partitioners: a fixed number of partitions over the ``partition_by`` column,
@@ -38,20 +45,18 @@ class ContiguousLabelPartitioner(_OwnPartitioner):
     """GCFL's contiguous label split: the classes are cut into ``num_partitions``
     contiguous groups and client k gets every sample whose label is in group k (2 clients on
     MNIST: labels 0-4, 30,596 samples, and labels 5-9). With more clients than classes it
-    falls back to label-sorted contiguous blocks of equal size."""
+    falls back to label-sorted contiguous blocks of equal size
+    (:func:`dpfl.data.assignment.contiguous_label_rows`)."""
 
     def load_partition(self, partition_id: int) -> Dataset:
         labels = np.asarray(self.dataset[self._partition_by])
-        classes = np.unique(labels)
-        if self._num_partitions <= len(classes):
-            group = np.array_split(classes, self._num_partitions)[partition_id]
-            return self.dataset.select(np.flatnonzero(np.isin(labels, group)))
-        order = np.argsort(labels, kind="stable")
-        return self.dataset.select(np.array_split(order, self._num_partitions)[partition_id])
+        return self.dataset.select(
+            contiguous_label_rows(labels, self._num_partitions)[partition_id])
 
 
 class NonIidFractionPartitioner(_OwnPartitioner):
-    """AADP-FL's non-IID fraction f: f of the data label-sorted in blocks, 1 - f IID."""
+    """AADP-FL's non-IID fraction f: f of the data label-sorted in blocks, 1 - f IID
+    (:func:`dpfl.data.assignment.noniid_fraction_rows`)."""
 
     def __init__(self, num_partitions: int, fraction: float, seed: int = 42,
                  partition_by: str = "label") -> None:
@@ -60,18 +65,14 @@ class NonIidFractionPartitioner(_OwnPartitioner):
 
     def load_partition(self, partition_id: int) -> Dataset:
         labels = np.asarray(self.dataset[self._partition_by])
-        order = np.random.default_rng(self._seed).permutation(len(labels))
-        n_sorted = int(round(self._fraction * len(labels)))
-        sorted_part = order[:n_sorted][np.argsort(labels[order[:n_sorted]], kind="stable")]
-        iid_part = order[n_sorted:]
-        mine = np.concatenate([np.array_split(sorted_part, self._num_partitions)[partition_id],
-                               np.array_split(iid_part, self._num_partitions)[partition_id]])
-        return self.dataset.select(np.sort(mine))
+        return self.dataset.select(noniid_fraction_rows(labels, self._num_partitions,
+                                                        self._fraction, self._seed)[partition_id])
 
 
 class ClassGroupedPartitioner(_OwnPartitioner):
     """Label-sorted contiguous chunks with Dirichlet(``concentration``) sizes, each at least
-    ``max(1, n // (20 * num_partitions))`` samples (see the module docstring)."""
+    ``max(1, n // (20 * num_partitions))`` samples (see the module docstring;
+    :func:`dpfl.data.assignment.class_grouped_rows`)."""
 
     def __init__(self, num_partitions: int, seed: int = 42, concentration: float = 1.0,
                  partition_by: str = "label") -> None:
@@ -81,23 +82,14 @@ class ClassGroupedPartitioner(_OwnPartitioner):
     def chunk_sizes(self, n: int) -> np.ndarray:
         """The ``num_partitions`` chunk sizes (sum ``n``): the minimum, plus the rest split
         by seeded Dirichlet proportions (largest-remainder rounding)."""
-        k = self._num_partitions
-        minimum = max(1, n // (20 * k))
-        rest = n - minimum * k
-        share = np.random.default_rng(self._seed).dirichlet(np.full(k, self._concentration))
-        raw = share * rest
-        sizes = np.floor(raw).astype(np.int64)
-        leftover = rest - int(sizes.sum())
-        sizes[np.argsort(-(raw - sizes), kind="stable")[:leftover]] += 1
-        return sizes + minimum
+        return class_grouped_sizes(n, self._num_partitions, self._seed, self._concentration)
 
     def load_partition(self, partition_id: int) -> Dataset:
         # numpy format: one array, not a Python object per row
         labels = np.asarray(self.dataset.with_format("numpy")[:][self._partition_by])
-        order = np.argsort(labels, kind="stable")
-        bounds = np.concatenate([[0], np.cumsum(self.chunk_sizes(len(labels)))])
-        mine = order[bounds[partition_id]:bounds[partition_id + 1]]
-        return self.dataset.select(np.sort(mine))
+        return self.dataset.select(class_grouped_rows(labels, self._num_partitions,
+                                                      self._seed,
+                                                      self._concentration)[partition_id])
 
 
 def make_partitioner(scheme: str, num_partitions: int, *, seed: int = 42,

@@ -56,6 +56,7 @@ from dpfl.server.strategy import DPFLStrategy
 
 ROTATION_TAG = 0x43505347          # "CPSG": the rotation signs' public stream
 DELTA_SHARE = 1e-3                 # the share of delta left for the excluded support mass
+CALIBRATION_RATIO = 1.01           # sigma is the smallest to this ratio (bracket_and_bisect)
 
 
 # -- the math ----------------------------------------------------------------------------
@@ -182,9 +183,9 @@ class CpsgdParams(MethodParams):
         eps(sigma) <= target < eps(sigma / 1.01). Each eps(sigma) sums the binomial's pmf
         over N ~ 4 (sigma C s)^2 trials (tens of seconds at N ~ 1e10), so the answer is
         memoised on disk (:mod:`dpfl.privacy.calibration_cache`; a kept sigma is returned
-        only once eps(sigma) <= target is confirmed), and the bisection starts from the
-        Gaussian's multiplier for the binomial's sensitivity, which it approaches as N
-        grows."""
+        only once eps(sigma) <= target < eps(sigma / 1.01) is confirmed: two evaluations),
+        and the bisection starts from the Gaussian's multiplier for the binomial's
+        sensitivity, which it approaches as N grows."""
         def eps(sigma: float) -> float:
             ev = self.secure_event(cfg, 1, dim, sigma)
             return events.history_epsilon([ev] * cfg.num_rounds, cfg.delta, "rdp")
@@ -200,7 +201,8 @@ class CpsgdParams(MethodParams):
             return bracket_and_bisect(eps, cfg.target_epsilon, guess)
 
         return calibration_cache.memoised(_memo_key(self, cfg, dim), eps,
-                                          cfg.target_epsilon, search)
+                                          cfg.target_epsilon, search,
+                                          tolerance=1.0 - 1.0 / CALIBRATION_RATIO)
 
     def secure_share(self, cfg: RunConfig, update: torch.Tensor, clip: float, sigma: float,
                      n_min: int, generator: torch.Generator, server_round: int
@@ -249,7 +251,7 @@ class CpsgdParams(MethodParams):
 
 
 def bracket_and_bisect(eps: Callable[[float], float], target: float, guess: float,
-                       ratio: float = 1.01) -> float:
+                       ratio: float = CALIBRATION_RATIO) -> float:
     """The smallest sigma to ``ratio`` with eps(sigma) <= target, for eps decreasing in
     sigma: a bracket [lo, hi] around ``guess`` (widened by 1.25 per step until eps(lo) >
     target >= eps(hi)), then bisection on log sigma until hi / lo <= ``ratio``."""

@@ -14,6 +14,15 @@ the output of DP-SGD, so the control variates are post-processing of the DP outp
 cost no extra privacy; the guarantee is the clients' DP-SGD guarantee (sample-level).
 This is why ``dpscaffold`` requires ``trainer=dpsgd``: with update-level DP, y_i would be
 the raw local model and c_i+ would leak it.
+
+Robustness (CHOICE; SCAFFOLD trusts Delta c_i): Delta c_i enters c, which every client
+then adds to each local step and which widens the server's update norm bound
+(2 B + lr T ||c||), so one huge Delta c_i would blow up the next round's model. Since the
+corrections cancel in option II, c_i+ = -(the K DP steps' displacement) / (K lr), whose
+norm is at most B_p / (K_p lr), DP-SGD's per-step bound (the guard's bound B_p on a
+partition's update over its K_p planned steps); c_i is such a value of an earlier round.
+A reply whose ||Delta c_i|| exceeds 2 max_p B_p / (K_p lr) (exceeded by an honest one
+with negligible probability, as B_p is) is rejected with its reason.
 """
 
 from __future__ import annotations
@@ -28,6 +37,7 @@ from torch import nn
 from dpfl.client.hooks import MethodHooks
 from dpfl.client.trainers import PostStep, TrainResult
 from dpfl.method import ClientHalf, Method
+from dpfl.privacy.plan import dpsgd_norm_bound
 from dpfl.server.strategy import DPFLStrategy
 from dpfl.server.validation import ClientUpdate, Template
 from dpfl.tensors import unflatten
@@ -121,6 +131,44 @@ class DPScaffoldStrategy(DPFLStrategy):
     def aggregation_weights(self, accepted: list[ClientUpdate]) -> torch.Tensor:
         """Uniform mean (SCAFFOLD's server step)."""
         return torch.ones(len(accepted))
+
+    server_round = 0
+    _delta_bound: tuple[int, float | None] | None = None   # (round, bound), once a round
+
+    def finish_round(self, server_round, record, replies):
+        self.server_round = server_round
+        return super().finish_round(server_round, record, replies)
+
+    def control_delta_bound(self, server_round: int) -> float | None:
+        """The largest ||Delta c_i|| an honest client sends (module docstring):
+        2 max_p B_p / (K_p lr), B_p DP-SGD's bound on partition p's update over its K_p
+        planned steps; None before the partition sizes are bound."""
+        if not self.partition_sizes:
+            return None
+        dim = int(self.control.numel())
+        per_step = []
+        for pid, n in self.partition_sizes.items():
+            event = self.planned_event(pid, server_round)
+            steps = max(int(event.steps), 1)
+            per_step.append(dpsgd_norm_bound(self.cfg, n, event.sigma, steps, dim)
+                            / (self.cfg.lr * steps))
+        return 2.0 * max(per_step) * (1.0 + 1e-6)
+
+    def reply_problem(self, update: ClientUpdate) -> str | None:
+        """Delta c_i within :meth:`control_delta_bound` (it moves c, and c every client's
+        steps and the next round's norm bound)."""
+        delta = update.extras.get("control-delta")
+        if self._delta_bound is None or self._delta_bound[0] != self.server_round:
+            self._delta_bound = (self.server_round, self.control_delta_bound(self.server_round))
+        bound = self._delta_bound[1]
+        if delta is None or bound is None:
+            return None
+        norm = float(torch.linalg.vector_norm(delta))
+        if norm > bound:
+            return (f"control-delta norm {norm:.4g} exceeds {bound:.4g}, twice DP-SGD's "
+                    "per-step bound (an honest Delta c_i is a difference of two mean DP "
+                    "steps)")
+        return None
 
     # what the last aggregation did to c, reported by round_metrics
     last_control_step = 0.0

@@ -51,7 +51,23 @@ n = sum n_i, i.e. the mean of the size share n_i / n and the loss share L_i / L 
 equals n_i / n exactly when L_i / L = n_i / n, e.g. equal sizes and equal losses); the
 aggregate sum_i gamma_i Delta_i and the usual server step w <- w + eta_s sum_i gamma_i
 Delta_i, i.e. W <- W - eta g with eta = lr x ``server-lr`` (the paper's eta = lr with
-server-lr 1). A reply whose L_i is missing, not finite or negative is rejected.
+server-lr 1).
+
+CHOICE (robustness of eq. 16; the paper trusts every L_i): L_i is a value the client
+reports (paper variant) or the server's proxy of an update the client chose (dpsgd), and
+eq. 16 gives a client with L_i -> infinity the weight (n_i / n + 1) / 2 (and a loss of
+1e308 turns the whole aggregate into NaN). So L_i must be a finite number in
+[0, :data:`MAX_LOSS`] = [0, 1e4] (a mean cross-entropy of 1e4 puts probability e^-10000 on
+the true class: only a diverged model reports more) or the reply is rejected with its
+reason (the server's own proxy under dpsgd is clipped to the range instead);
+:func:`gamma_weights` clips to it too; and eq. 16's weights are capped by
+:func:`dpfl.server.aggregation.capped_shares` against the public size shares n_i / n (the
+odds of gamma_i against the rest at most :data:`~dpfl.server.aggregation.MAX_WEIGHT_ODDS`
+= 3 times those of n_i / n, the excess water-filled onto the others): no loss makes one
+reply hold more than 3 n_i / (n + 2 n_i) of the aggregate (equal sizes: 75 % of 2 clients,
+25 % of 10). With equal sizes the cap leaves eq. 16 unchanged while every L_i is at most
+4 times the round's mean loss (10 clients; 2 clients: always; many: 5 times); the strict
+variant (L_i = 0: gamma_i = n_i / n) never meets it.
 
 Variants (``asgp-variant``):
 
@@ -145,8 +161,9 @@ from dpfl.privacy.events import PrivacyEvent
 from dpfl.privacy.mechanisms import SparseVector, l2_clip, laplace_noise
 from dpfl.privacy.plan import UPDATE_DP_RELATION
 from dpfl.privacy.verdict import MethodPrivacy
+from dpfl.server.aggregation import MAX_WEIGHT_ODDS, capped_shares
 from dpfl.server.strategy import DPFLStrategy, RoundRecord
-from dpfl.server.validation import ClientUpdate
+from dpfl.server.validation import MAX_REPORTED_LOSS, ClientUpdate
 from dpfl.tensors import flatten, largest_magnitude_indices, unflatten
 
 VARIANTS = ("paper", "strict")
@@ -155,6 +172,7 @@ LOSS_KEY = "asgp-loss"                 # paper: L_i in the clear
 SIGNIFICANT_KEY = "asgp-significant"   # paper: the client's fraction of significant coords
 MECHANISM = "sparse-vector"            # generic pure eps-DP event on the ledger
 TAIL = 50.0                            # norm bounds fail w.p. < 2 exp(-TAIL)
+MAX_LOSS = MAX_REPORTED_LOSS           # the largest L_i eq. 16 takes (module docstring)
 SAMPLE_LEVEL = "dpsgd"                 # the trainer of the sample-level reading
 
 
@@ -360,15 +378,28 @@ def laplace_norm_bound(count: int, scale: float, tail: float = TAIL) -> float:
 # -- server math (eq. 16) ------------------------------------------------------------------
 
 def gamma_weights(sizes: Sequence[float] | torch.Tensor,
-                  losses: Sequence[float] | torch.Tensor) -> torch.Tensor:
+                  losses: Sequence[float] | torch.Tensor,
+                  odds: float = MAX_WEIGHT_ODDS) -> torch.Tensor:
     """Eq. 16: gamma_i = (n_i L + n L_i) / (2 n L), L = sum_i L_i, n = sum_i n_i (float64;
-    sums to 1). With L = 0 (every loss 0) the loss share is undefined: gamma_i = n_i / n."""
+    sums to 1), i.e. (n_i / n + L_i / L) / 2. With L = 0 (every loss 0) the loss share is
+    undefined: gamma_i = n_i / n.
+
+    Bounded (module docstring, CHOICE): every L_i is clipped to [0, :data:`MAX_LOSS`] (a
+    NaN loss is a ValueError: the strategy rejects such a reply before), and the weights are
+    capped against the size shares by :func:`capped_shares` (``odds``; ``math.inf``: eq. 16
+    uncapped), so no reported loss gives one client more than
+    ``odds`` n_i / (n + (odds - 1) n_i) of the aggregate."""
     n_i = torch.as_tensor(sizes, dtype=torch.float64)
     l_i = torch.as_tensor(losses, dtype=torch.float64)
+    if bool(torch.isnan(l_i).any()):
+        raise ValueError(f"eq. 16 needs numbers as losses, got {l_i.tolist()[:8]}")
+    l_i = l_i.clamp(0.0, MAX_LOSS)
     n, total = n_i.sum(), l_i.sum()
     if float(total) <= 0:
-        return n_i / n
-    return (n_i * total + n * l_i) / (2.0 * n * total)
+        gamma = n_i / n
+    else:
+        gamma = 0.5 * (n_i / n + l_i / total)
+    return gamma if math.isinf(odds) else capped_shares(gamma, n_i, odds)
 
 
 def validation_loss(model: nn.Module, template: dict[str, torch.Tensor], weights: torch.Tensor,
@@ -518,18 +549,19 @@ class FedASGPStrategy(DPFLStrategy):
 
     def reply_problem(self, update: ClientUpdate) -> str | None:
         """n_i must be known (public partition sizes); the paper variant needs a finite
-        L_i >= 0 and a fraction in [0, 1]; a strict reply may not release more than c
-        coordinates, a DP-SGD reply not more than m_t (eq. 14), and its proxy loss must be
-        finite."""
+        L_i in [0, MAX_LOSS] and a fraction in [0, 1]; a strict reply may not release more
+        than c coordinates, a DP-SGD reply not more than m_t (eq. 14), and its proxy loss
+        must be finite (the server's own measurement: above MAX_LOSS it is clipped by
+        :func:`gamma_weights`, not refused)."""
         p = _p(self.cfg)
         if update.partition_id not in self.partition_sizes:
             return (f"partition {update.partition_id}'s size n_i (eq. 16) is unknown to the "
                     "server")
         if self._paper():
             loss = update.metrics.get(LOSS_KEY)
-            if not is_finite_number(loss) or loss < 0:
-                return f"metric '{LOSS_KEY}' (L_i of eq. 16) must be a finite number >= 0, " \
-                       f"got {loss!r}"
+            if not is_finite_number(loss) or not 0 <= loss <= MAX_LOSS:
+                return (f"metric '{LOSS_KEY}' (L_i of eq. 16) must be a finite number in "
+                        f"[0, {MAX_LOSS:g}], got {loss!r}")
             frac = update.metrics.get(SIGNIFICANT_KEY)
             if not is_number(frac) or not 0.0 <= frac <= 1.0:
                 return f"metric '{SIGNIFICANT_KEY}' must be a number in [0, 1], got {frac!r}"

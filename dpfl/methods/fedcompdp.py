@@ -57,6 +57,19 @@ Server:
   validation split: in the clear (verdict none) unless ``client-f1-noise`` s_f > 0 adds
   N(0, s_f^2) (sensitivity 1: F1 is in [0, 1] and any of its records may change under
   replace-one), folded into the update's release as above.
+  CHOICE (robustness; the paper trusts F1_i): under ``client-f1`` F1_i is the client's own
+  claim, and with T = 0.1 eq. 14 gives a client claiming 1.0 against peers near 0.3 e^7 times
+  their weight (99.9 % of the aggregate). So a reported F1 outside [-10 s_f, 1 + 10 s_f]
+  (an honest noisy value lies there but with probability < e^-50; [0, 1] without noise) is
+  rejected with its reason, a kept one is clipped to [0, 1] (post-processing of the
+  release) before eq. 11's EMA, and eq. 14's weights are capped by
+  :func:`dpfl.server.aggregation.capped_shares` against equal shares (the odds of p_i
+  against the rest at most :data:`~dpfl.server.aggregation.MAX_WEIGHT_ODDS` = 3 times
+  those of 1 / M, the excess water-filled onto the others): no claim gives one reply more
+  than 3 / (M + 2) of the aggregate (2 clients: 75 %, 10: 25 %). ``server-val`` scores are
+  the server's own measurements of the updates and keep eq. 14's weights as they are.
+  ``raw-norm`` norms are range-checked likewise (finite, >= 0) and clipped to
+  ``adpc-max-clip`` before eq. 7's median (C_t is kept below it anyway).
 - CD-norm constraint and primal-dual correction, eqs. 16-19: d(w) = ||w - w_{t-1}|| <= rho
   (eq. 16). CHOICE: d is not differentiable at w_{t-1}, so it is linearised along the
   round's step: a_t = (w~ - w_{t-1}) / ||w~ - w_{t-1}|| (eq. 17), constraint
@@ -159,7 +172,7 @@ from dpfl.privacy.plan import (
     planned_dpsgd_steps,
 )
 from dpfl.privacy.verdict import MethodPrivacy
-from dpfl.server.aggregation import server_sgd_step
+from dpfl.server.aggregation import capped_shares, server_sgd_step
 from dpfl.server.strategy import DPFLStrategy, RoundRecord
 from dpfl.server.validation import ClientUpdate
 from dpfl.tensors import flatten, unflatten
@@ -385,6 +398,13 @@ def reliability_scores(f1_ema: torch.Tensor, norm_ema: torch.Tensor,
 def cra_weights(scores: torch.Tensor, temperature: float) -> torch.Tensor:
     """Eq. 14: p_i = exp(s_i / T) / sum_j exp(s_j / T) (sums to 1)."""
     return torch.softmax(scores.double() / temperature, dim=0).to(scores.dtype)
+
+
+def bounded_cra_weights(weights: torch.Tensor) -> torch.Tensor:
+    """Eq. 14's p_i when the scores hold values clients report (``cra-score=client-f1``):
+    each capped by :func:`capped_shares` against equal shares 1 / M (module docstring,
+    CHOICE: at most 3 / (M + 2) of the aggregate per reply); same dtype, sums to 1."""
+    return capped_shares(weights, torch.ones(len(weights))).to(weights.dtype)
 
 
 @dataclass
@@ -634,8 +654,9 @@ class FedCompDPStrategy(DPFLStrategy):
         p, clip = _p(self.cfg), self.clip
         if p.adpc == "noisy-norm":
             clip = median_clip([_norm(u) for u in accepted])
-        elif p.adpc == "raw-norm":
-            clip = median_clip([float(u.metrics[NORM_KEY]) for u in accepted])
+        elif p.adpc == "raw-norm":   # reported norms, clipped to [0, adpc-max-clip]
+            clip = median_clip([min(max(float(u.metrics[NORM_KEY]), 0.0), p.adpc_max_clip)
+                                for u in accepted])
         elif p.adpc == "private-quantile" and self.dpsgd:
             self.last_fraction = pooled_fraction(
                 [float(u.metrics[UNCLIPPED_FRACTION]) for u in accepted],
@@ -706,9 +727,10 @@ class FedCompDPStrategy(DPFLStrategy):
     # -- CRA -----------------------------------------------------------------------------
     def client_scores(self, accepted: list[ClientUpdate]) -> list[float]:
         """F1_i of eq. 11's input: server-side validation macro-F1 of w_{t-1} + Delta~_i,
-        or the client's reported F1."""
+        or the client's reported F1 clipped to [0, 1] (:meth:`reply_problem` has rejected
+        one outside its honest range)."""
         if _p(self.cfg).cra_score == "client-f1":
-            return [float(u.metrics[F1_KEY]) for u in accepted]
+            return [min(max(float(u.metrics[F1_KEY]), 0.0), 1.0) for u in accepted]
         if self.val is None:
             self.val = server_validation(self.cfg)
         x, y = self.val
@@ -735,6 +757,8 @@ class FedCompDPStrategy(DPFLStrategy):
         norm_ema = torch.tensor([self.cra_state.norm[u.partition_id] for u in accepted])
         weights = cra_weights(reliability_scores(f1_ema, norm_ema, p.cra_norm_weight),
                               p.cra_temperature)
+        if p.cra_score == "client-f1":   # the clients' claims: each reply's share capped
+            weights = bounded_cra_weights(weights)
         self.last_weights = {u.partition_id: float(w) for u, w in zip(accepted, weights)}
         return weights
 

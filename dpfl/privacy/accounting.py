@@ -650,12 +650,13 @@ def _calibrate_pld(items: Callable[[float], tuple], delta: float, target: float,
     fallbacks), which decides the answer: eps(sigma) <= target < eps(sigma (1 - rel_tol)).
 
     Answers are memoised on disk (:mod:`dpfl.privacy.calibration_cache`); a memoised sigma
-    is returned only if the accounting function confirms eps(sigma) <= target."""
+    is returned only if the accounting function confirms eps(sigma) <= target <
+    eps(sigma (1 - rel_tol)) (two evaluations: it meets the target and is the smallest)."""
     key = memo_version() + "\n" + repr(
         (tuple(_canonical(items(p)) for p in _KEY_PROBES), delta, target, rel_tol))
     return calibration_cache.memoised(
         key, lambda sigma: _pld_detail(_canonical(items(sigma)), delta)[0], target,
-        lambda: _search_pld(items, delta, target, rel_tol))
+        lambda: _search_pld(items, delta, target, rel_tol), tolerance=rel_tol)
 
 
 def _search_pld(items: Callable[[float], tuple], delta: float, target: float,

@@ -6,11 +6,17 @@ launcher's check, the ServerApp's plan, every simulated client, and under Flower
 subprocess isolation a fresh ClientApp process on every node in every round — and so does
 every run of the same configuration. The memo keeps each answer once per machine.
 
-A hit is never trusted for privacy: :func:`dpfl.privacy.accounting._calibrate_pld` checks
-eps(sigma) <= target with the accounting function itself before it returns a kept sigma,
-and calibrates afresh if the check fails. A damaged, foreign or edited entry can therefore
-at worst cost utility (a sigma larger than the smallest one), never privacy. The key
-(built by the caller) holds the question and the versions of the code that answers it.
+A hit is never taken on trust. An entry claims to be the answer of a calibration: the
+smallest sigma, to the calibration's relative ``tolerance``, whose epsilon meets the
+target. :func:`memoised` checks both halves with the calibration's own accounting function,
+two evaluations instead of a search: eps(sigma) <= target (privacy) and
+eps(sigma (1 - tolerance)) > target (minimality: the search's own promise, so a sigma
+planted larger than the answer, e.g. ten times it, is caught and not used). An entry that
+fails, is unreadable or names another key is logged (one WARNING naming the memo file and
+the key), discarded and calibrated afresh. A fresh answer is kept only if its minimality
+holds too (one more evaluation after the search; an accountant that is not monotone at that
+point would otherwise fail every later read). The key (built by the caller) holds the question and the versions of the code that
+answers it.
 """
 
 from __future__ import annotations
@@ -28,20 +34,33 @@ KIND = "calibration"
 SUFFIX = ".json"
 
 
+def _discard(key: str, why: str) -> None:
+    """One WARNING naming the entry's file and key, and the entry removed."""
+    log.warning("calibration memo entry %s (key %r) fails its check: %s; discarded, "
+                "calibrating afresh", memo.entry_file(KIND, key, SUFFIX), key, why)
+    memo.discard(KIND, key, SUFFIX)
+
+
 def lookup(key: str) -> float | None:
-    """The sigma kept for ``key`` (None: no memo, no entry, or an unreadable one)."""
+    """The sigma kept for ``key`` (None: no memo or no entry; an unreadable entry, one of
+    another key or one whose sigma is not a positive finite number is also discarded,
+    with a WARNING)."""
     data = memo.read(KIND, key, SUFFIX)
     if data is None:
         return None
     try:
         entry = json.loads(data)
         if entry["key"] != key:
+            _discard(key, f"it holds the answer for another key ({str(entry['key'])[:80]!r})")
             return None
         sigma = float.fromhex(entry["sigma"])
-    except (ValueError, KeyError, TypeError) as exc:
-        log.debug("calibration memo entry unreadable (%s): calibrating afresh", exc)
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        _discard(key, f"unreadable ({type(exc).__name__}: {exc})")
         return None
-    return sigma if sigma > 0 and math.isfinite(sigma) else None
+    if not (sigma > 0 and math.isfinite(sigma)):
+        _discard(key, f"sigma {sigma!r} is not a positive finite number")
+        return None
+    return sigma
 
 
 def store(key: str, sigma: float) -> None:
@@ -50,17 +69,42 @@ def store(key: str, sigma: float) -> None:
                SUFFIX)
 
 
+def problem(sigma: float, epsilon: Callable[[float], float], target: float,
+            tolerance: float, meets_target: bool = False) -> str | None:
+    """Why ``sigma`` is not the calibration's answer (None: it is): eps(sigma) must meet
+    ``target`` (not evaluated when ``meets_target``, a search's own answer) and
+    eps(sigma (1 - ``tolerance``)) must not (at most two evaluations)."""
+    eps = None if meets_target else epsilon(sigma)
+    if eps is not None and not eps <= target:
+        return (f"sigma {sigma:.6g} gives epsilon {eps:.6g}, above the target epsilon "
+                f"{target:.6g}")
+    below = sigma * (1.0 - tolerance)
+    eps_below = epsilon(below)
+    if not eps_below > target:
+        return (f"sigma {sigma:.6g} is not the smallest to the calibration's tolerance "
+                f"{tolerance:.3g}: sigma x (1 - tolerance) = {below:.6g} already meets the "
+                f"target epsilon {target:.6g} (epsilon {eps_below:.6g})")
+    return None
+
+
 def memoised(key: str, epsilon: Callable[[float], float], target: float,
-             search: Callable[[], float]) -> float:
-    """The sigma kept for ``key`` if ``epsilon`` confirms it meets ``target``; else
-    ``search()``'s answer, kept for ``key`` (a kept sigma above the target is logged and
-    calibrated afresh)."""
+             search: Callable[[], float], tolerance: float) -> float:
+    """The sigma kept for ``key`` if ``epsilon`` confirms it is the calibration's answer
+    (:func:`problem`: meets ``target``, and sigma (1 - ``tolerance``) does not, the promise
+    of ``search``); else ``search()``'s answer, kept for ``key`` when it passes the same
+    check. A kept sigma that fails is logged, discarded and calibrated afresh."""
+    if not 0 < tolerance < 1:
+        raise ValueError(f"tolerance must be in (0, 1), got {tolerance}")
     cached = lookup(key)
     if cached is not None:
-        if epsilon(cached) <= target:
+        why = problem(cached, epsilon, target, tolerance)
+        if why is None:
             return cached
-        log.warning("calibration memo gave sigma %.6g above the target epsilon %.6g: "
-                    "calibrating afresh", cached, target)
+        _discard(key, why)
     sigma = search()
-    store(key, sigma)
+    why = problem(sigma, epsilon, target, tolerance, meets_target=True)
+    if why is None:
+        store(key, sigma)
+    else:
+        log.info("calibration answer not kept in the memo (%s)", why)
     return sigma

@@ -36,6 +36,7 @@ from flwr.serverapp.strategy import FedAvg
 from dpfl.config import RunConfig
 from dpfl.errors import UserError
 from dpfl.logs import get_logger
+from dpfl.numbers import is_finite_number
 from dpfl.privacy.charging import Charge
 from dpfl.privacy.events import PrivacyEvent
 from dpfl.privacy.plan import EQUAL_WEIGHTS_CLAIM
@@ -50,6 +51,7 @@ from dpfl.server.central import CentralAggregator, FlowerCentralAggregator
 from dpfl.server.guard import DPGuard
 from dpfl.server.secagg import SecureSum, masked_reply
 from dpfl.server.validation import (
+    MAX_REPORTED_LOSS,
     PUBLIC_REPLY_METRICS,
     TRAIN_LOSS_METRIC,
     ClientUpdate,
@@ -365,6 +367,10 @@ class DPFLStrategy(FedAvg):
                                     checked.metrics)
             if isinstance(checked, ClientUpdate):
                 checked = self._trusted(checked, server_round)
+            if isinstance(checked, ClientUpdate) and (why := self._shared_value_problem(
+                    checked)):
+                checked = Rejection(checked.node_id, checked.partition_id, "invalid", why,
+                                    checked.metrics)
             if isinstance(checked, ClientUpdate) and (why := self.reply_problem(checked)):
                 checked = Rejection(checked.node_id, checked.partition_id, "invalid", why,
                                     checked.metrics)
@@ -386,7 +392,20 @@ class DPFLStrategy(FedAvg):
         record.accepted.sort(key=lambda u: u.partition_id)
         updates = torch.stack([u.flat for u in record.accepted])
         weights = self.aggregation_weights(record.accepted)
+        # every input was checked finite and every reported value bounded: a last net, so
+        # that nothing a reply carries makes the global model (or a server optimizer's
+        # state) non-finite
+        if not (bool(torch.isfinite(weights).all()) and bool((weights >= 0).all())
+                and float(weights.sum()) > 0):
+            log.warning("round %d: aggregation weights %s are not finite and >= 0 with a "
+                        "positive sum; the global model is unchanged", server_round,
+                        weights.tolist()[:10])
+            return RoundOutcome(None, None, record)
         aggregated = self.aggregate_updates(updates, weights)
+        if not bool(torch.isfinite(aggregated).all()):
+            log.warning("round %d: the aggregate of %d updates is not finite; the global "
+                        "model is unchanged", server_round, len(record.accepted))
+            return RoundOutcome(None, None, record)
         return self._stepped(aggregated, record)
 
     def _trusted(self, update: ClientUpdate, server_round: int) -> ClientUpdate | Rejection:
@@ -398,6 +417,12 @@ class DPFLStrategy(FedAvg):
             if why is not None:
                 return Rejection(update.node_id, update.partition_id, "invalid", why,
                                  update.metrics)
+        if self.partition_sizes and update.partition_id not in self.partition_sizes:
+            # (a private run refuses it when charging; a plain one would weigh the claim)
+            return Rejection(update.node_id, update.partition_id, "invalid",
+                             f"partition-id {update.partition_id} is not one of the run's "
+                             f"{len(self.partition_sizes)} partitions: its size (the "
+                             "aggregation weight) is not public", update.metrics)
         public = self.guard.public_examples(update.partition_id, update.num_examples)
         # the claim an honest client makes: its public size, or under client-level DP the
         # protocol's equal-weights constant (its size is private there)
@@ -408,6 +433,20 @@ class DPFLStrategy(FedAvg):
                      update.num_examples, honest, public)
         update.num_examples = public
         return update
+
+    def _shared_value_problem(self, update: ClientUpdate) -> str | None:
+        """Why a value every method's server reads from a reply is unusable (None: fine).
+        trust=central: the client's within-C bit (``clip-unclipped``, the adaptive clip's
+        count; missing = clipped) must be a number in [0, 1]. (``num-examples`` is checked
+        by :func:`validate_train_reply` and replaced by the public size in
+        :meth:`_trusted`; ``train-loss`` only enters the round's metrics, where
+        :meth:`round_metrics` leaves out a value outside [0, MAX_REPORTED_LOSS]; a
+        method's own values are its :meth:`reply_problem`.)"""
+        if self.central is not None and UNCLIPPED_KEY in update.metrics:
+            bit = update.metrics[UNCLIPPED_KEY]
+            if not is_finite_number(bit) or not 0 <= bit <= 1:
+                return f"metric '{UNCLIPPED_KEY}' must be a number in [0, 1], got {bit!r}"
+        return None
 
     def _stepped(self, aggregated: torch.Tensor, record: RoundRecord) -> RoundOutcome:
         """The server step from the round's aggregate, and the round's outcome."""
@@ -495,11 +534,14 @@ class DPFLStrategy(FedAvg):
         return self.guard.planned_event(partition_id, server_round)
 
     def round_metrics(self, record: RoundRecord) -> dict[str, float]:
-        """Weighted train loss and counts of the round."""
+        """Weighted train loss and counts of the round. The mean takes the clients'
+        reported ``train-loss`` values that are numbers in [0, MAX_REPORTED_LOSS] (another
+        is left out of it; the client's own record keeps what it sent)."""
         out: dict[str, float] = {"accepted": len(record.accepted),
                                  "rejected": len(record.rejected)}
-        losses = [(u.metrics["train-loss"], u.num_examples) for u in record.accepted
-                  if "train-loss" in u.metrics]
+        losses = [(loss, u.num_examples) for u in record.accepted
+                  if is_finite_number(loss := u.metrics.get(TRAIN_LOSS_METRIC))
+                  and 0 <= loss <= MAX_REPORTED_LOSS]
         if losses:
             out["train-loss"] = sum(l * n for l, n in losses) / sum(n for _, n in losses)
         return out

@@ -67,6 +67,11 @@ TRAIN_LOSS_METRIC = "train-loss"
 # No client holds more samples than this; a larger claim would let one reply dominate the
 # sample-weighted mean.
 MAX_NUM_EXAMPLES = 10 ** 9
+# The largest mean training loss (cross-entropy) the server takes from a reply: 1e4 puts
+# probability e^-10000 on the true class, which only a diverged model reports. A loss that
+# weighs an aggregate (DP-FedASGP's eq. 16) must lie in [0, MAX_REPORTED_LOSS]; the round's
+# ``train-loss`` metric averages only such values.
+MAX_REPORTED_LOSS = 1e4
 
 
 def array_template(arrays: ArrayRecord) -> Template:
