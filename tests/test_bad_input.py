@@ -1,5 +1,5 @@
 """Bad input gets a clear error and loses nothing: one line naming the key, argument or file,
-exit 2, before any process starts or any file is written (the red team's cases, issue 51).
+exit 2, before any process starts or any file is written (the red team's cases, issue 46).
 No test here starts a federation: each input is refused at parse time or by the launcher's
 checks before the SuperLink."""
 
@@ -13,20 +13,11 @@ from pathlib import Path
 
 import pytest
 
-from dpfl.cli import main
 from dpfl.config import ConfigError, parse_node_partitions
 
+from cli_helpers import fails
+
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def _fails(capsys, argv: list[str], *named: str) -> str:
-    assert main(argv) == 2
-    err = capsys.readouterr().err
-    lines = err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: "), err
-    for text in named:
-        assert text in lines[0], lines[0]
-    return lines[0]
 
 
 def _listing(path: Path) -> list[str]:
@@ -65,7 +56,7 @@ def _listing(path: Path) -> list[str]:
     (["audit-seed=-1"], ["run-config key 'audit-seed'"]),
 ])
 def test_bad_run_config_values_are_one_line_before_anything(tmp_path, capsys, argv, named):
-    _fails(capsys, ["simulate", "--output-dir", str(tmp_path), *argv], *named)
+    fails(capsys, ["simulate", "--output-dir", str(tmp_path), *argv], *named)
     assert not any(tmp_path.iterdir())
 
 
@@ -110,17 +101,17 @@ def test_node_partitions_take_64_bit_node_ids_in_ascii_digits_only():
 ])
 def test_sizes_beyond_the_dataset_are_refused_before_the_superlink(tmp_path, capsys, argv,
                                                                    named):
-    _fails(capsys, ["simulate", "--output-dir", str(tmp_path), "dataset=digits", "model=mlp",
+    fails(capsys, ["simulate", "--output-dir", str(tmp_path), "dataset=digits", "model=mlp",
                     *argv], *named)
     assert not any(tmp_path.iterdir())
 
 
 def test_the_default_dataset_bounds_clients_too(tmp_path, capsys):
-    _fails(capsys, ["simulate", "--output-dir", str(tmp_path), "--clients", "1000000"],
+    fails(capsys, ["simulate", "--output-dir", str(tmp_path), "--clients", "1000000"],
            "--clients 1000000: mnist has 60000 training examples", "at most 30000 clients")
-    _fails(capsys, ["simulate", "--output-dir", str(tmp_path), "train-subset=100000000"],
+    fails(capsys, ["simulate", "--output-dir", str(tmp_path), "train-subset=100000000"],
            "run-config key 'train-subset'", "[8, 60000]")
-    _fails(capsys, ["simulate", "--output-dir", str(tmp_path), "server-holdout=100000000"],
+    fails(capsys, ["simulate", "--output-dir", str(tmp_path), "server-holdout=100000000"],
            "run-config key 'server-holdout'", "at most 59992")
     assert not any(tmp_path.iterdir())
 
@@ -133,11 +124,11 @@ def test_a_symbolic_link_loop_as_output_dir(tmp_path, capsys):
     out.mkdir()
     loop = tmp_path / "loop"
     loop.symlink_to(loop)
-    _fails(capsys, ["simulate", "--output-dir", str(loop)],
+    fails(capsys, ["simulate", "--output-dir", str(loop)],
            f"error: --output-dir {loop}: a symbolic link loop")
-    _fails(capsys, ["simulate", "--output-dir", str(out), f"output-dir={loop}"],
+    fails(capsys, ["simulate", "--output-dir", str(out), f"output-dir={loop}"],
            f"error: run-config key 'output-dir' {loop}: a symbolic link loop")
-    _fails(capsys, ["simulate", "--output-dir", str(out), f"output-dir={loop / 'sub'}"],
+    fails(capsys, ["simulate", "--output-dir", str(out), f"output-dir={loop / 'sub'}"],
            "error: run-config key 'output-dir' ", "a symbolic link loop")
     assert _listing(tmp_path) == ["loop", "out"]
 
@@ -179,7 +170,7 @@ def test_a_refused_launch_does_not_take_over_a_stale_lock(tmp_path):
 def test_a_summary_of_the_wrong_shape_is_named(tmp_path, capsys, text, why):
     (tmp_path / "config.json").write_text("{}")
     (tmp_path / "summary.json").write_text(text)
-    _fails(capsys, ["summary", str(tmp_path)],
+    fails(capsys, ["summary", str(tmp_path)],
            f"error: {tmp_path / 'summary.json'}: run summary is damaged ({why})")
     assert _listing(tmp_path) == ["config.json", "summary.json"]
 
@@ -226,7 +217,7 @@ def _saved_run(tmp_path: Path, clients: int, **changes) -> Path:
 ])
 def test_attack_arguments_are_checked_first(tmp_path, capsys, argv, named):
     run = _saved_run(tmp_path, 2)
-    _fails(capsys, ["attack", str(run), *argv], *named)
+    fails(capsys, ["attack", str(run), *argv], *named)
     assert _listing(run) == ["config.json"]   # no attack/ folder
 
 
@@ -239,7 +230,7 @@ def test_attack_arguments_are_checked_first(tmp_path, capsys, argv, named):
 def test_audit_arguments_are_checked_before_the_audit_run(tmp_path, capsys, trainer, argv,
                                                           named):
     run = _saved_run(tmp_path, 2, trainer=trainer)
-    _fails(capsys, ["audit", str(run), *argv], *named)
+    fails(capsys, ["audit", str(run), *argv], *named)
     assert _listing(run) == ["config.json"]   # no audit/ folder
 
 
@@ -249,6 +240,6 @@ def test_audit_arguments_are_checked_before_the_audit_run(tmp_path, capsys, trai
     (["--cells", "nope"], ["--cells: unknown gcfl cell(s) ['nope']"]),
 ])
 def test_reproduce_arguments_are_checked_before_any_run(tmp_path, capsys, argv, named):
-    _fails(capsys, ["reproduce", "gcfl", "--results", str(tmp_path / "res"), "--work-dir",
+    fails(capsys, ["reproduce", "gcfl", "--results", str(tmp_path / "res"), "--work-dir",
                     str(tmp_path / "work"), *argv], *named)
     assert not any(tmp_path.iterdir())

@@ -8,47 +8,39 @@ import pytest
 
 from dpfl.cli import main
 
-
-def _fails(capsys, argv: list[str], *named: str) -> str:
-    assert main(argv) == 2
-    err = capsys.readouterr().err
-    lines = err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: "), err
-    for text in named:
-        assert text in lines[0], lines[0]
-    return lines[0]
+from cli_helpers import fails
 
 
 @pytest.mark.parametrize("command", ["summary", "privacy-report"])
 def test_missing_and_non_run_directories(tmp_path, capsys, command):
-    _fails(capsys, [command, str(tmp_path / "nope")], str(tmp_path / "nope"),
+    fails(capsys, [command, str(tmp_path / "nope")], str(tmp_path / "nope"),
            "no such run directory")
-    _fails(capsys, [command, str(tmp_path)], str(tmp_path), "not a dpfl run directory")
+    fails(capsys, [command, str(tmp_path)], str(tmp_path), "not a dpfl run directory")
 
 
 def test_damaged_summary_is_named(tmp_path, capsys):
     (tmp_path / "config.json").write_text("{}")
-    _fails(capsys, ["summary", str(tmp_path)], "summary.json", "no such file")
+    fails(capsys, ["summary", str(tmp_path)], "summary.json", "no such file")
     (tmp_path / "summary.json").write_text('{"guarantee": ')
-    _fails(capsys, ["summary", str(tmp_path)], "summary.json", "damaged")
+    fails(capsys, ["summary", str(tmp_path)], "summary.json", "damaged")
     (tmp_path / "summary.json").write_text("")
-    _fails(capsys, ["summary", str(tmp_path)], "summary.json", "empty")
+    fails(capsys, ["summary", str(tmp_path)], "summary.json", "empty")
 
 
 def test_simulate_rejects_before_starting(tmp_path, capsys):
-    _fails(capsys, ["simulate", "--output-dir", str(tmp_path), "num-rounds"], "key=value")
-    _fails(capsys, ["simulate", "--output-dir", str(tmp_path), "target-epsilon=-1"],
+    fails(capsys, ["simulate", "--output-dir", str(tmp_path), "num-rounds"], "key=value")
+    fails(capsys, ["simulate", "--output-dir", str(tmp_path), "target-epsilon=-1"],
            "target-epsilon")
-    _fails(capsys, ["simulate", "--output-dir", str(tmp_path), "--clients", "3",
+    fails(capsys, ["simulate", "--output-dir", str(tmp_path), "--clients", "3",
                     "min-train-nodes=4"], "min-train-nodes", "--clients is 3")
-    _fails(capsys, ["simulate", "--output-dir", str(tmp_path), "dataset=mnist",
+    fails(capsys, ["simulate", "--output-dir", str(tmp_path), "dataset=mnist",
                     f"data-dir={tmp_path / 'no-data'}"], "mnist", str(tmp_path / "no-data"))
-    _fails(capsys, ["simulate", "--output-dir", str(tmp_path), "resume=true",
+    fails(capsys, ["simulate", "--output-dir", str(tmp_path), "resume=true",
                     "run-name=gone"], "no run to resume", str(tmp_path / "gone"))
-    _fails(capsys, ["simulate", "--output-dir", str(tmp_path),
+    fails(capsys, ["simulate", "--output-dir", str(tmp_path),
                     "resume-without-checkpoint=true"], "resume-without-checkpoint",
            "needs resume=true")
-    _fails(capsys, ["simulate", "--output-dir", str(tmp_path), "--clients", "0"],
+    fails(capsys, ["simulate", "--output-dir", str(tmp_path), "--clients", "0"],
            "--clients must be at least 1")
     assert not any(tmp_path.iterdir())  # nothing was written
 
@@ -56,7 +48,7 @@ def test_simulate_rejects_before_starting(tmp_path, capsys):
 def test_a_budget_one_round_exceeds_stops_before_training(tmp_path, capsys):
     """sigma 0.3 on digits (2 clients, q = 32/646, 21 steps): one round costs epsilon ~39
     under RDP, far above 1.0; found before any process starts, by the clients' own check."""
-    line = _fails(capsys, ["simulate", "--clients", "2", "--output-dir", str(tmp_path),
+    line = fails(capsys, ["simulate", "--clients", "2", "--output-dir", str(tmp_path),
                            "dataset=digits", "model=mlp", "batch-size=32", "accountant=rdp",
                            "noise-multiplier=0.3", "target-epsilon=1.0"],
                   "target-epsilon", "one round already costs client-0")
@@ -75,7 +67,7 @@ def test_a_budget_one_round_exceeds_stops_before_training(tmp_path, capsys):
 def test_a_new_run_never_reuses_a_finished_run_directory(tmp_path, capsys):
     (tmp_path / "old").mkdir()
     (tmp_path / "old" / "summary.json").write_text("{}")
-    _fails(capsys, ["simulate", "--output-dir", str(tmp_path), "run-name=old"],
+    fails(capsys, ["simulate", "--output-dir", str(tmp_path), "run-name=old"],
            str(tmp_path / "old"), "already exists")
 
 
@@ -93,7 +85,7 @@ def test_a_new_run_never_reuses_a_finished_run_directory(tmp_path, capsys):
     (["seed=1", "num-rounds=2", "seed=1"], ["run-config key 'seed' is given twice"]),
 ])
 def test_bad_values_are_refused_before_anything_starts(tmp_path, capsys, argv, named):
-    _fails(capsys, ["simulate", "--output-dir", str(tmp_path), *argv], *named)
+    fails(capsys, ["simulate", "--output-dir", str(tmp_path), *argv], *named)
     assert not any(tmp_path.iterdir())
 
 
@@ -124,14 +116,14 @@ def test_an_output_folder_that_cannot_be_written_is_refused(tmp_path, capsys):
     """--output-dir and the output-dir key: one line naming the option and why, exit 2,
     before the launcher creates anything (no traceback from mkdir)."""
     if Path("/proc/self").is_dir():   # Linux: a pseudo file system where mkdir fails
-        _fails(capsys, ["simulate", "--output-dir", "/proc/x"],
+        fails(capsys, ["simulate", "--output-dir", "/proc/x"],
                "error: --output-dir /proc/x: cannot create a folder in /proc: ")
         assert not Path("/proc/x").exists()
     (tmp_path / "file").write_text("x")
     out = tmp_path / "file" / "runs"
-    _fails(capsys, ["simulate", "--output-dir", str(out)],
+    fails(capsys, ["simulate", "--output-dir", str(out)],
            f"error: --output-dir {out}: {tmp_path / 'file'} exists and is not a directory")
-    _fails(capsys, ["simulate", f"output-dir={out}"],
+    fails(capsys, ["simulate", f"output-dir={out}"],
            f"error: run-config key 'output-dir' {out}: {tmp_path / 'file'} exists and is not")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]
 
@@ -139,9 +131,9 @@ def test_an_output_folder_that_cannot_be_written_is_refused(tmp_path, capsys):
 def test_path_options_go_through_the_same_writability_check(tmp_path, capsys, monkeypatch):
     (tmp_path / "file").write_text("x")
     bad = tmp_path / "file" / "sub"
-    _fails(capsys, ["reproduce", "gcfl", "--results", str(bad)],
+    fails(capsys, ["reproduce", "gcfl", "--results", str(bad)],
            f"error: --results {bad}: {tmp_path / 'file'} exists and is not a directory")
-    _fails(capsys, ["reproduce", "gcfl", "--results", str(tmp_path / "r"), "--work-dir",
+    fails(capsys, ["reproduce", "gcfl", "--results", str(tmp_path / "r"), "--work-dir",
                     str(bad)], f"error: --work-dir {bad}: ")
     # a run folder the command cannot write into (read-only mount; root ignores chmod, so
     # the write fails here by hand)
@@ -153,9 +145,9 @@ def test_path_options_go_through_the_same_writability_check(tmp_path, capsys, mo
         raise OSError(30, "Read-only file system")
 
     monkeypatch.setattr("dpfl.errors.tempfile.mkstemp", read_only)
-    _fails(capsys, ["attack", str(run)], f"error: RUN_DIR {run}: cannot write in {run}: "
+    fails(capsys, ["attack", str(run)], f"error: RUN_DIR {run}: cannot write in {run}: "
            "Read-only file system (this command writes attack/ there)")
-    _fails(capsys, ["audit", str(run)], f"error: RUN_DIR {run}: cannot write in {run}: ",
+    fails(capsys, ["audit", str(run)], f"error: RUN_DIR {run}: cannot write in {run}: ",
            "audit/")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["file", "run"]
     assert [p.name for p in run.iterdir()] == ["config.json"]
@@ -190,7 +182,7 @@ def test_a_resume_over_records_that_are_not_utf8(tmp_path, capsys, name, what):
     if name != "ledger.json":
         (run / "ledger.json").write_text('{"delta": 1e-05, "accountant": "pld", "clients": {}}')
     (run / name).write_bytes(b'{"delta": 1e-05, "accountant": "pld", "clients": {"\xff": 1}}\n')
-    _fails(capsys, ["simulate", "--output-dir", str(tmp_path), "resume=true", "run-name=r"],
+    fails(capsys, ["simulate", "--output-dir", str(tmp_path), "resume=true", "run-name=r"],
            f"error: {run / name}: {what} is damaged (not UTF-8 text: byte 0xff at offset ")
     assert not (run / ".flwr").exists()   # no SuperLink was started
 
@@ -209,7 +201,7 @@ def test_a_misspelled_key_gets_the_closest_keys_in_one_short_line(tmp_path, caps
                                                                    line):
     """Not the ~140 known keys on one ~2,000-character line: the closest global or method
     keys, and where every key is described."""
-    assert _fails(capsys, ["simulate", "--output-dir", str(tmp_path), *argv]) == line
+    assert fails(capsys, ["simulate", "--output-dir", str(tmp_path), *argv]) == line
     assert not any(tmp_path.iterdir())
 
 
