@@ -53,12 +53,19 @@ def append_line(path: Path, line: str) -> None:
         os.fsync(f.fileno())
 
 
-def read_lines(path: Path) -> tuple[list[str], str | None]:
-    """The complete lines of an append-only file and the partial last line a kill left
-    (None when the file ends with a newline)."""
-    text = path.read_text(encoding="utf-8") if path.exists() else ""
+def split_lines(text: str) -> tuple[list[str], str | None]:
+    """An append-only file's text as its complete lines (blank ones kept, so that line
+    numbers hold) and the partial last line a kill left (None when the text ends with a
+    newline)."""
     if not text:
         return [], None
     lines = text.split("\n")
-    tail = lines.pop()  # "" when the file ends with "\n"
-    return [l for l in lines if l.strip()], (tail if tail.strip() else None)
+    tail = lines.pop()  # "" when the text ends with "\n"
+    return lines, (tail if tail.strip() else None)
+
+
+def read_lines(path: Path) -> tuple[list[str], str | None]:
+    """The complete, non-blank lines of an append-only file and the partial last line a
+    kill left (None when the file ends with a newline): :func:`split_lines`."""
+    lines, tail = split_lines(path.read_text(encoding="utf-8") if path.exists() else "")
+    return [l for l in lines if l.strip()], tail

@@ -21,6 +21,7 @@ import os
 import signal
 import subprocess
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -114,13 +115,23 @@ def test_a_second_writer_is_refused_naming_the_holder(tmp_path):
         pass
 
 
-def test_a_killed_holders_lock_is_taken_over(tmp_path):
-    code = ("import sys, time; from pathlib import Path; from dpfl.runlock import RunLock; "
-            f"RunLock(Path({str(tmp_path)!r})).acquire(); print('held', flush=True); "
+@contextmanager
+def _writer_lock_held_elsewhere(folder: Path):
+    """Another process holding ``folder``'s writer lock (killed when the block ends)."""
+    code = ("import time; from pathlib import Path; from dpfl.runlock import RunLock; "
+            f"RunLock(Path({str(folder)!r})).acquire(); print('held', flush=True); "
             "time.sleep(60)")
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     try:
         assert proc.stdout.readline().strip() == "held"
+        yield proc
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_a_killed_holders_lock_is_taken_over(tmp_path):
+    with _writer_lock_held_elsewhere(tmp_path) as proc:
         with pytest.raises(UserError, match=f"process {proc.pid}"):
             RunLock(tmp_path).acquire()
         os.kill(proc.pid, signal.SIGKILL)
@@ -128,20 +139,12 @@ def test_a_killed_holders_lock_is_taken_over(tmp_path):
         with RunLock(tmp_path, role="successor") as lock:   # the stale lock: taken over
             assert (tmp_path / WRITER_LOCK).read_text().startswith(f"{os.getpid()} ")
             assert lock.held
-    finally:
-        proc.kill()
-        proc.wait()
 
 
 def test_removing_the_lock_file_under_a_live_writer_lets_nobody_in(tmp_path):
     """Issue 46.8: lock files removed under a live run let a second writer in (8 releases
     per client, a ledger showing 4). The writer also holds the folder's own lock."""
-    code = ("import time; from pathlib import Path; from dpfl.runlock import RunLock; "
-            f"RunLock(Path({str(tmp_path)!r})).acquire(); print('held', flush=True); "
-            "time.sleep(60)")
-    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
-    try:
-        assert proc.stdout.readline().strip() == "held"
+    with _writer_lock_held_elsewhere(tmp_path) as proc:
         (tmp_path / WRITER_LOCK).unlink()
         with pytest.raises(UserError, match="in use by another process \\(its .lock was "
                                             "removed or replaced\\)"):
@@ -153,9 +156,6 @@ def test_removing_the_lock_file_under_a_live_writer_lets_nobody_in(tmp_path):
         proc.wait(10)
         with RunLock(tmp_path, role="successor") as lock:   # the folder's lock went with it
             assert lock.held
-    finally:
-        proc.kill()
-        proc.wait()
 
 
 def test_the_server_opens_a_run_folder_only_under_its_lock(tmp_path):
@@ -477,6 +477,10 @@ def test_every_instruction_carries_the_ledger_a_node_must_count(server_identity)
     messages, _ = strategy.start_round(3, arrays, _Grid())
     config = messages[0].content["config"]
     assert sorted(set(config["ledger-client"])) == [0, 1, 2, 3]
+    # built once per ledger state for all unpinned nodes, and anew after a charge
+    before = len(strategy.guard.history_record(None)["ledger-round"])
+    ledger.record("client-2", 2, [PrivacyEvent.dpsgd(2, 1.0, 0.1, 5)])
+    assert len(strategy.guard.history_record(None)["ledger-round"]) == before + 1
     # ... and its client, on a node whose state was lost, counts round 1 before round 3
     node = int(messages[0].metadata.dst_node_id)
     fresh = context({**HOSTILE}, NODES[node], len(NODES))

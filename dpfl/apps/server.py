@@ -57,7 +57,6 @@ from dpfl.server.rundir import CONFIG_FILE, RunDir
 from dpfl.server.runidentity import NUM_CLIENTS, check_resume
 from dpfl.server.secagg import SecAggPlusServer, SecureSum
 from dpfl.server.strategy import DPFLStrategy, RoundRecord
-from dpfl.server.validation import claimed_partition
 from dpfl.tensors import flatten
 
 log = get_logger("flwr.dpfl.server")
@@ -452,15 +451,9 @@ def _secure_sum(fed: Federation, messages, rnd: int) -> SecureSum:
                               cfg.secagg_threshold, min_survivors(cfg, len(messages)),
                               cfg.round_timeout)
     guard = fed.strategy.guard
-
-    def admit(msg) -> str | None:
-        """A masked vector joins the sum only from a node whose partition claim holds."""
-        claimed = claimed_partition(msg)
-        return guard.partition_of(int(msg.metadata.src_node_id),
-                                  claimed if claimed is not None else -1)[1]
-
+    # a masked vector joins the sum only from a node whose partition claim holds
     return server.run({int(m.metadata.dst_node_id): m.content for m in messages},
-                      group=str(rnd), admit=admit)
+                      group=str(rnd), admit=lambda msg: guard.sender_partition(msg)[1])
 
 
 def with_overflow(claim: Guarantee, added: float) -> Guarantee:
@@ -468,7 +461,7 @@ def with_overflow(claim: Guarantee, added: float) -> Guarantee:
     if added <= 0:
         return claim
     return replace(claim, delta=claim.delta + added,
-                               scope=claim.scope + "; " + overflow_note(added, claim.delta))
+                   scope=claim.scope + "; " + overflow_note(added, claim.delta))
 
 
 def check_trust(strategy: DPFLStrategy, cfg: RunConfig, num_nodes: int, dim: int) -> float:

@@ -39,6 +39,7 @@ from dpfl.methods import (
 )
 from dpfl.models import MODELS
 from dpfl.privacy.filter import holds_anything
+from dpfl.privacy.trust import own_noise
 from dpfl.privacy.verdict import Guarantee, guarantee_for
 from dpfl.server.strategy import DPFLStrategy
 
@@ -77,7 +78,7 @@ def parse_run_config(raw: Mapping[str, Any]) -> RunConfig:
     method.check(cfg)   # its rules may read its own parameters too
     if method.adaptive and cfg.is_private:
         _check_filter_budget(cfg)
-    if cfg.trust == "distributed" and not hasattr(cfg.params, "secure_event"):
+    if cfg.trust == "distributed" and own_noise(cfg) is None:
         # the shared secure-noise path quantises C-clipped updates at scale s (a method
         # with its own secure noise, cpSGD, quantises by its own rule)
         need(cfg.clip_norm * cfg.secagg_scale <= MAX_SECAGG_UNITS, "secagg-scale",

@@ -60,8 +60,8 @@ from dpfl.privacy.accounting import (
 
 __all__ = ["ACCOUNTANTS", "GAUSSIAN", "MECHANISMS", "PRV_CLIENT_LEVEL", "PURE", "SAMPLE_LEVEL",
            "PrivacyEvent", "dp_event_of", "histories_epsilon", "history_epsilon",
-           "history_epsilon_detail", "history_rdp", "history_terms", "history_signature", "history_unit",
-           "orders_for", "rdp_curve", "rdp_to_epsilon"]
+           "history_epsilon_detail", "history_rdp", "history_signature", "history_terms",
+           "history_unit", "orders_for", "rdp_curve", "rdp_to_epsilon"]
 
 ACCOUNTANTS = DPSGD_ACCOUNTANTS  # rdp and pld for both units, prv for DP-SGD only
 

@@ -397,13 +397,13 @@ def ledger_config(ledger: Ledger, client: str | None = None) -> dict[str, list]:
     out: dict[str, list] = {"ledger-client": []}
     for name in _FIELDS:
         out[f"ledger-{name}"] = []
-    for key, history in ledger.clients.items():
+    for key in (ledger.clients if client is None else [client]):
         # only partitions' histories (a node-<id> key is a sender whose partition is not
         # known: its number is a node id, not a partition id)
-        if (client is not None and key != client) or not key.startswith("client-"):
+        if not key.startswith("client-") or key not in ledger.clients:
             continue
         pid = client_order(key)[0]
-        for e in history.events:
+        for e in ledger.clients[key].events:
             out["ledger-client"].append(pid)
             for name in _FIELDS:
                 out[f"ledger-{name}"].append(getattr(e, name))

@@ -39,6 +39,7 @@ from typing import Any, TextIO
 from rich.console import Console
 from rich.table import Table
 
+from dpfl.durable import split_lines
 from dpfl.errors import UserError, one_line, read_json_file, read_text_file
 from dpfl.logs import get_logger
 from dpfl.numbers import is_number
@@ -115,10 +116,8 @@ def load_rounds(path: Path) -> list[dict[str, Any]]:
     partial last line (a kill mid-append, no newline yet) is dropped with a warning, by
     the same rule as a resume (:meth:`dpfl.server.rundir.RunDir.read_rounds`): a killed run
     that ``resume=true`` accepts is one the report reads."""
-    text = read_text_file(path, "round log")
-    lines = text.split("\n")
-    partial = lines.pop()          # "" when the file ends with a newline
-    if partial.strip():
+    lines, partial = split_lines(read_text_file(path, "round log"))
+    if partial is not None:
         log.warning("%s: dropping a partial last line left by an interruption", path)
     out = []
     for number, line in enumerate(lines, 1):

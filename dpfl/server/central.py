@@ -125,12 +125,13 @@ class FlowerCentralAggregator:
     Flower's wrapper adds N(0, (sigma C / k)^2) to the MEAN of the replies it is handed and
     does not require k of them: with m < k the sum carries noise sigma C m / k, an
     effective multiplier sigma m / k. dpfl therefore always hands it k replies, the
-    accepted updates plus k - m zero updates (a node that dropped out, failed or was
+    accepted updates plus k - m padding replies (a node that dropped out, failed or was
     rejected contributes nothing): the mean is the fixed-denominator sum / k and the
     multiplier is sigma whatever m is. (Flower's clip divides by the update's norm, so a
     padding reply is a PUBLIC constant update p of norm C / 2, whose share (k - m) p / k
-    is subtracted from the wrapper's output: post-processing.) Flower's ADAPTIVE wrapper is refused by the config
-    (it noises a round with the clip it has just moved by that round's noisy count)."""
+    is subtracted from the wrapper's output: post-processing.) Flower's ADAPTIVE wrapper is
+    refused by the config (it noises a round with the clip it has just moved by that
+    round's noisy count)."""
 
     def __init__(self, cfg: RunConfig, num_clients: int) -> None:
         if cfg.adaptive_clip:

@@ -45,7 +45,7 @@ from dpfl.privacy.plan import (
 )
 from dpfl.privacy.trust import distributed_planned_event
 from dpfl.server.secagg import carries_masked_vector
-from dpfl.server.validation import ClientUpdate, Rejection, client_label
+from dpfl.server.validation import ClientUpdate, Rejection, claimed_partition, client_label
 
 log = get_logger("flwr.dpfl.guard")
 # A method's per-round noise multiplier for a partition (None: the run's calibrated one).
@@ -93,6 +93,8 @@ class DPGuard:
         self.method_bound = method_bound
         self.adaptive = adaptive
         self.ledger = None                          # the server's ledger (bind_ledger)
+        # every partition's ledger-* record, built once per ledger state (history_record)
+        self._all_history: tuple[Any, int, dict[str, list]] | None = None
         self.partition_sizes: dict[int, int] = {}   # partition id -> training-set size
         # node id -> partition id: the operator's map (fixed), else pinned on first claim
         self.operator_map = parse_node_partitions(cfg.node_partitions)
@@ -151,7 +153,15 @@ class DPGuard:
         the server charges and checks the budget itself: none."""
         if self.ledger is None or self.cfg.trust == "central":
             return {}
-        return ledger_config(self.ledger, f"client-{pid}" if pid is not None else None)
+        if pid is not None:
+            return ledger_config(self.ledger, f"client-{pid}")
+        # the same for every unpinned node of a round: built once, not once per node
+        cached = self._all_history
+        if cached is None or cached[0] is not self.ledger or cached[1] != len(
+                self.ledger.charges):     # charges only grow: their count dates the record
+            cached = self._all_history = (self.ledger, len(self.ledger.charges),
+                                          ledger_config(self.ledger))
+        return cached[2]
 
     # -- what the mechanism promises ---------------------------------------------------
     def norm_bound(self, dim: int, server_round: int) -> float | None:
@@ -262,6 +272,12 @@ class DPGuard:
                         [e.to_dict() for e in charge.events],
                         "" if known else f" (ledger key {client})", charge.note)
         return charge
+
+    def sender_partition(self, msg: Message) -> tuple[int | None, str | None]:
+        """:meth:`partition_of` a reply's sender with the partition it claims (-1: none)."""
+        claimed = claimed_partition(msg)
+        return self.partition_of(int(msg.metadata.src_node_id),
+                                 claimed if claimed is not None else -1)
 
     def partition_of(self, node: int, claimed: int) -> tuple[int | None, str | None]:
         """The partition a reply of ``node`` is charged to, and why the reply is not

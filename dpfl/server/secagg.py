@@ -169,9 +169,9 @@ class SecAggPlusServer:
 
         ``admit``: why a stage-2 reply's sender may not be in the sum (e.g. a refused
         partition claim), or None; such a node is unmasked as a dropout and its vector
-        never summed, like a vector of another shape than most replies'. A malformed reply at any stage drops its node, never the
-        server; an unmasked sum outside the range its shares allow (a vector masked with
-        an offset) discards the round."""
+        never summed, like a vector of another shape than most replies'. A malformed reply
+        at any stage drops its node, never the server; an unmasked sum outside the range
+        its shares allow (a vector masked with an offset) discards the round."""
         sampled = sorted(instructions)
         if len(sampled) < 2:
             return SecureSum(None, dropped=sampled, reason="fewer than 2 sampled clients")
@@ -194,7 +194,6 @@ class SecAggPlusServer:
                 state.public_keys[node] = cast(tuple[bytes, bytes], pair)
             except Exception as exc:  # noqa: BLE001 - any malformed reply drops its node
                 self._drop(state, node, "setup", f"malformed keys: {type(exc).__name__}")
-        state.active &= set(state.public_keys)
         if not self._enough(state):
             return self._discard(state, [], "too few nodes after setup")
         # stage 1: share keys

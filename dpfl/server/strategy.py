@@ -58,7 +58,6 @@ from dpfl.server.validation import (
     Rejection,
     Template,
     array_template,
-    claimed_partition,
     client_label,
     validate_train_reply,
 )
@@ -507,8 +506,7 @@ class DPFLStrategy(FedAvg):
             node = int(msg.metadata.src_node_id)
             metrics = (dict(msg.content["metrics"]) if "metrics" in msg.content.metric_records
                        else {})
-            claimed = claimed_partition(msg)
-            pid = self.guard.partition_of(node, claimed if claimed is not None else -1)[0]
+            pid = self.guard.sender_partition(msg)[0]
             if node in secure.refused:
                 record.rejected.append(Rejection(node, pid, "refused", secure.refused[node],
                                                  metrics))
