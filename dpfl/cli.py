@@ -80,6 +80,7 @@ demo: MNIST, 4 IID clients, DP-SGD at epsilon <= 4); every key, its default, typ
 allowed values: docs/run-config.md. Examples:
   dpfl simulate num-rounds=3 strategy=gcfl
   dpfl simulate --clients 10 dataset=fashion-mnist partitioning=dirichlet dirichlet-alpha=0.3
+  dpfl simulate --clients 2 --config conf/gcfl/mnist_eps2.toml num-rounds=2
 """
 
 def _parse_value(text: str) -> object:
@@ -107,6 +108,36 @@ def parse_overrides(pairs: list[str]) -> dict[str, object]:
     return out
 
 
+def read_preset(path: str) -> dict[str, object]:
+    """A preset file's run-config (a flat TOML table of key = value, the files under
+    ``conf/``, which ``flwr run . --run-config FILE`` reads too); one line naming the file
+    for a missing, unreadable or malformed one."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else "not UTF-8 text"
+        raise UserError(f"--config {path}: {reason.lower()}") from None
+    try:
+        table = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise UserError(f"--config {path}: not TOML ({exc})") from None
+    for key, value in table.items():
+        if isinstance(value, (dict, list)):
+            raise UserError(f"--config {path}: key '{key}' holds a "
+                            f"{'table' if isinstance(value, dict) else 'list'}; a preset is a "
+                            "flat list of run-config key = value lines")
+    return table
+
+
+def run_config_overrides(args: argparse.Namespace) -> dict[str, object]:
+    """The presets of ``--config`` (in the order given, a later file's key winning), then
+    the command line's ``key=value`` pairs over them."""
+    merged: dict[str, object] = {}
+    for path in args.config or ():
+        merged.update(read_preset(path))
+    return {**merged, **parse_overrides(args.overrides)}
+
+
 def app_dir() -> Path:
     """The Flower app folder (the one holding dpfl's pyproject.toml)."""
     here = Path(__file__).resolve().parent.parent
@@ -118,7 +149,7 @@ def app_dir() -> Path:
 def cmd_simulate(args: argparse.Namespace) -> int:
     """Invalid settings stop before any process starts (exit 2); a federation that did not
     finish exits 1, whatever files an earlier run left."""
-    overrides = parse_overrides(args.overrides)   # before the imports below (seconds)
+    overrides = run_config_overrides(args)   # before the imports below (seconds)
     root = app_dir()
     check_run_config_keys(root, overrides)
     from dpfl.launch import RunFailed, simulate
@@ -413,6 +444,10 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
                         "one per --cpus-per-client of this machine's CPUs)")
     p.add_argument("--ray-address", metavar="HOST:PORT", help="run the clients on this Ray "
                    "cluster (its head's `ray start --head --port`; docs/ray-cluster.md)")
+    p.add_argument("--config", action="append", metavar="FILE",
+                   help="a preset: a TOML file of run-config key = value lines (e.g. the "
+                        "files under conf/); key=value pairs override it; given twice, the "
+                        "later file's keys win")
     p.add_argument("overrides", nargs="*", metavar="key=value",
                    help="run-config overrides, e.g. num-rounds=3 (every key, its default and "
                         "allowed values: docs/run-config.md)")

@@ -13,7 +13,7 @@ import dataclasses
 import difflib
 import math
 from dataclasses import dataclass, fields
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 from dpfl.errors import UserError
 from dpfl.numbers import is_finite_number, is_number
@@ -34,6 +34,13 @@ CENTRAL_IMPLS = ("dpfl", "flower")
 # trust=distributed: the integer noise of the shares (dpfl.privacy.skellam,
 # dpfl.privacy.ddgauss)
 SECURE_NOISES = ("skellam", "ddgauss")
+# The registries' names (dpfl.methods.METHODS, dpfl.models.MODELS), here so that a misspelled
+# strategy or model is refused before torch is imported (the registries import it: ~2.4 s);
+# tests/test_methods_registry.py keeps both equal to their registry.
+METHOD_NAMES = ("fedavg", "dpfedavg", "gcfl", "dpfedprox", "dpscaffold", "dpfedexp", "pegasus",
+                "aadp", "dpfedavgm", "fedcompdp", "dpfedsam", "fedasgp", "fedsmp", "cpsgd",
+                "fedacg")
+MODEL_NAMES = ("mlp", "mnist-cnn", "cifar-cnn", "alexnet", "resnet18-gn", "resnet50-gn")
 
 
 # Upper ends of the sensible ranges (a value above them is a typo or an attack on the
@@ -500,11 +507,7 @@ def parse_global(raw: Mapping[str, Any], method_keys: frozenset[str] = frozenset
 def unknown_key_message(key: str, known: set[str]) -> str:
     """One short line for a key that is no run-config key: the closest known keys (a typo's
     likely meaning) and where every key is described, not the whole list (~140 keys)."""
-    close = difflib.get_close_matches(key, sorted(known), n=3, cutoff=0.6)
-    quoted = [f"'{k}'" for k in close]
-    hint = (f": did you mean {', '.join(quoted[:-1])} or {quoted[-1]}?" if len(quoted) > 1
-            else f": did you mean {quoted[0]}?" if quoted else "")
-    return f"unknown run-config key '{key}'{hint} (every key: {KEY_REFERENCE})"
+    return f"unknown run-config key '{key}'{did_you_mean(key, sorted(known))} (every key: {KEY_REFERENCE})"
 
 
 def need(cond: bool, key: str, message: str, value: Any) -> None:
@@ -512,22 +515,38 @@ def need(cond: bool, key: str, message: str, value: Any) -> None:
         raise ConfigError(f"run-config key '{key}': {message}, got {value!r}")
 
 
+def did_you_mean(word: str, known: Sequence[str]) -> str:
+    """``": did you mean 'a' or 'b'?"`` for the known words closest to ``word`` ("" if none)."""
+    quoted = [f"'{k}'" for k in difflib.get_close_matches(word, sorted(known), n=3, cutoff=0.6)]
+    if len(quoted) > 1:
+        return f": did you mean {', '.join(quoted[:-1])} or {quoted[-1]}?"
+    return f": did you mean {quoted[0]}?" if quoted else ""
+
+
+def need_choice(value: str, choices: Sequence[str], key: str) -> None:
+    """``value`` must be one of ``choices``: else one line naming the key, the choices and
+    the closest of them."""
+    if value not in choices:
+        raise ConfigError(f"run-config key '{key}': must be one of {tuple(choices)}, got "
+                          f"{value!r}{did_you_mean(value, choices)}")
+
+
 def validate(cfg: RunConfig) -> RunConfig:
     """Check every global value's range; raise :class:`ConfigError` naming the first bad key.
-    (The strategy and model names and the method's own rules are checked by the registry,
-    ``dpfl.methods.parse_run_config``.)"""
-    need(cfg.dataset in DATASETS, "dataset", f"must be one of {DATASETS}", cfg.dataset)
-    need(cfg.partitioning in PARTITIONINGS, "partitioning",
-          f"must be one of {PARTITIONINGS}", cfg.partitioning)
-    need(cfg.trainer in TRAINERS, "trainer", f"must be one of {TRAINERS}", cfg.trainer)
-    need(cfg.accountant in ACCOUNTANTS, "accountant", f"must be one of {ACCOUNTANTS}",
-          cfg.accountant)
+    (The method's own keys and rules are checked by the registry,
+    ``dpfl.methods.parse_run_config``, which imports torch.)"""
+    if cfg.strategy:
+        need_choice(cfg.strategy, METHOD_NAMES, "strategy")
+    need_choice(cfg.model, MODEL_NAMES, "model")
+    need_choice(cfg.dataset, DATASETS, "dataset")
+    need_choice(cfg.partitioning, PARTITIONINGS, "partitioning")
+    need_choice(cfg.trainer, TRAINERS, "trainer")
+    need_choice(cfg.accountant, ACCOUNTANTS, "accountant")
     if cfg.accountant == "prv":
         need(cfg.trainer == "dpsgd", "accountant",
               "'prv' is Opacus' DP-SGD accountant; use 'pld' or 'rdp' for client-level DP",
               cfg.accountant)
-    need(cfg.opacus_mode in OPACUS_MODES, "opacus-mode", f"must be one of {OPACUS_MODES}",
-          cfg.opacus_mode)
+    need_choice(cfg.opacus_mode, OPACUS_MODES, "opacus-mode")
     need(cfg.dirichlet_alpha > 0, "dirichlet-alpha", "must be > 0", cfg.dirichlet_alpha)
     need(cfg.labels_per_client >= 1, "labels-per-client", "must be >= 1",
           cfg.labels_per_client)
@@ -581,12 +600,11 @@ def validate(cfg: RunConfig) -> RunConfig:
          cfg.audit_canary_support)
     need(cfg.record_updates >= 0, "record-updates", "must be >= 0 (0 = none)",
          cfg.record_updates)
-    need(cfg.trust in TRUSTS, "trust", f"must be one of {TRUSTS}", cfg.trust)
+    need_choice(cfg.trust, TRUSTS, "trust")
     need(0.0 < cfg.clip_target_quantile < 1.0, "clip-target-quantile", "must be in (0, 1)",
          cfg.clip_target_quantile)
     need(cfg.clip_lr > 0, "clip-lr", "must be > 0", cfg.clip_lr)
-    need(cfg.central_impl in CENTRAL_IMPLS, "central-impl", f"must be one of {CENTRAL_IMPLS}",
-         cfg.central_impl)
+    need_choice(cfg.central_impl, CENTRAL_IMPLS, "central-impl")
     need(cfg.clip_count_stddev >= 0, "clip-count-stddev", "must be >= 0 (0 = m / 20)",
          cfg.clip_count_stddev)
     if cfg.adaptive_clip:
@@ -608,8 +626,7 @@ def validate(cfg: RunConfig) -> RunConfig:
          f"must be in [1, {MAX_SECAGG_UNITS}]", cfg.secagg_scale)
     need(cfg.secagg_drop_partition >= -1, "secagg-drop-partition", "must be >= -1",
          cfg.secagg_drop_partition)
-    need(cfg.secure_noise in SECURE_NOISES, "secure-noise", f"must be one of {SECURE_NOISES}",
-         cfg.secure_noise)
+    need_choice(cfg.secure_noise, SECURE_NOISES, "secure-noise")
     # (after every trust key's own range: a bad value is named before the combination)
     if cfg.trust != "local":
         need(cfg.trainer == "update-dp", "trainer",

@@ -37,6 +37,16 @@ def test_method_is_complete(name):
         assert cfg.to_dict().keys() >= set(method.params.keys())
 
 
+def test_the_light_name_lists_are_the_registries():
+    """config.METHOD_NAMES / MODEL_NAMES let the CLI refuse a misspelled strategy or model
+    before torch is imported: they must be exactly the registries' names."""
+    from dpfl.config import METHOD_NAMES, MODEL_NAMES
+    from dpfl.models import MODELS
+
+    assert METHOD_NAMES == tuple(METHODS)
+    assert MODEL_NAMES == tuple(MODELS)
+
+
 def test_method_keys_are_owned_by_one_method_and_never_global():
     owners: dict[str, str] = {}
     for name, method in METHODS.items():

@@ -17,6 +17,7 @@ from dpfl.config import (
     ConfigError,
     RunConfig,
     need,
+    need_choice,
     parse_global,
 )
 from dpfl.method import Method
@@ -68,8 +69,7 @@ def parse_run_config(raw: Mapping[str, Any]) -> RunConfig:
     configured method's parameters. Every method's keys are type- and range-checked (the
     pyproject lists them all), so a bad value stops the run whichever method it belongs to."""
     cfg = _with_default_method(parse_global(raw, method_keys()))
-    need(cfg.strategy in METHODS, "strategy", f"must be one of {tuple(METHODS)}", cfg.strategy)
-    need(cfg.model in MODELS, "model", f"must be one of {tuple(MODELS)}", cfg.model)
+    need_choice(cfg.strategy, tuple(METHODS), "strategy")   # config.METHOD_NAMES, checked
     for method in METHODS.values():
         if method.params is not None and method.name != cfg.strategy:
             method.params.parse(raw)
