@@ -17,6 +17,7 @@ import torch
 from flwr.app import Context, Message
 
 from dpfl.client.hooks import MethodHooks
+from dpfl.client.job import TRAIN_LOSS  # noqa: F401  (re-exported for the methods)
 from dpfl.config import RunConfig, coerce_field, need
 from dpfl.data import ClientData
 from dpfl.models import build_model
@@ -62,9 +63,9 @@ class MethodParams:
         return {f.name.replace("_", "-"): getattr(self, f.name) for f in fields(self)}
 
 
-# The private mean training loss of the round, always among the ``local`` values the client
-# app passes to :meth:`ClientHalf.release_update` (released only if a method releases it).
-TRAIN_LOSS = "train-loss"
+# TRAIN_LOSS (dpfl.client.job): the private mean training loss of the round, always among
+# the ``local`` values passed to :meth:`ClientHalf.release_update` (released only if a method
+# releases it); re-exported here for the methods.
 
 
 class ClientHalf:

@@ -473,7 +473,7 @@ def test_every_instruction_carries_the_ledger_a_node_must_count(server_identity)
             assert set(config["ledger-client"]) == {pid}
             assert len(config["ledger-round"]) == len(round1[f"client-{pid}"])
     # a node the server has not pinned (a new node id after a resume) gets every partition's
-    strategy.guard.node_partition.clear()
+    strategy.nodes.node_partition.clear()
     messages, _ = strategy.start_round(3, arrays, _Grid())
     config = messages[0].content["config"]
     assert sorted(set(config["ledger-client"])) == [0, 1, 2, 3]

@@ -210,8 +210,8 @@ def test_the_guard_sends_each_client_the_releases_charged_to_it():
 
     guard = DPGuard(run_config(trainer="update-dp", noise_multiplier=1.0),
                     plan_sigma=lambda pid, rnd: None)
-    guard.bind_partition_sizes({0: 100, 1: 100})
-    guard.node_partition.update({7: 0, 8: 1})
+    guard.nodes.bind_sizes({0: 100, 1: 100})
+    guard.nodes.node_partition.update({7: 0, 8: 1})
     guard.bind_ledger(Ledger(D, "rdp"))
     count = PrivacyEvent.gaussian(1, 2 * SIGMA_B, relation="replace-one")
     guard.charge_server_release(1, [count], [0], "adaptive-clipping count")

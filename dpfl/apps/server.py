@@ -35,7 +35,7 @@ from dpfl.methods import (
 from dpfl.models.evaluation import device_for
 from dpfl.privacy.budget import BUDGET_RTOL, PrivacyHistory
 from dpfl.privacy.events import history_terms
-from dpfl.privacy.ledger import Ledger
+from dpfl.privacy.ledger import Ledger, client_key
 from dpfl.privacy.trust import (
     check_overflow,
     distributed_noise_multiplier,
@@ -229,7 +229,7 @@ def _set_up(grid: Grid, cfg: RunConfig, run_dir: RunDir, t_start: float) -> Fede
 def check_operator_map(strategy: DPFLStrategy, num_nodes: int, grid: Grid) -> None:
     """``node-partitions`` must name partitions of this federation; a connected node it
     does not name will be refused (a warning now, a rejection per reply later)."""
-    mapping = strategy.guard.operator_map
+    mapping = strategy.nodes.operator_map
     if not mapping:
         return
     unknown = sorted(set(mapping.values()) - set(strategy.partition_sizes))
@@ -248,7 +248,7 @@ def resume(fed: Federation) -> bool:
     history of ``ledger.json``; refusals are one-line errors); True when resumed."""
     point = fed.run_dir.resume_point(
         fed.cfg.resume_without_checkpoint,
-        population=[f"client-{p}" for p in sorted(fed.strategy.partition_sizes)],
+        population=[client_key(p) for p in sorted(fed.strategy.partition_sizes)],
         adaptive=fed.strategy.guard.adaptive) if fed.cfg.resume else None
     if point is None:
         return False

@@ -46,6 +46,7 @@ from dpfl.errors import UserError, read_json_file
 from dpfl.methods import guarantee
 from dpfl.privacy.audit import audit_scores
 from dpfl.privacy.canaries import canary_bits
+from dpfl.privacy.ledger import client_key
 from dpfl.server.observer import AUDIT_FILE
 
 # keys of config.json that belong to the audited run's identity, not to its training
@@ -118,8 +119,8 @@ def score_audit_run(run_dir: Path, confidence: float = 0.95) -> dict[str, Any]:
     clients = summary.get("clients", {})
     # each canary is covered by its client's epsilon (its host's, for canary examples)
     owners = sorted({hosts.get(c, c) for c in seen})
-    canary_eps = [float(clients[f"client-{c}"]["epsilon"]) for c in owners
-                  if f"client-{c}" in clients]
+    canary_eps = [float(clients[client_key(c)]["epsilon"]) for c in owners
+                  if client_key(c) in clients]
     verdict = guarantee(cfg).verdict
     accounted = max(canary_eps) if canary_eps else (float("inf") if not cfg.is_private
                                                       else 0.0)

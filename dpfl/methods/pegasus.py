@@ -62,7 +62,7 @@ class PegasusStrategy(DPFLStrategy):
         nodes = self.wait_for_nodes(grid, self.min_available_nodes)
         if server_round == 1 or self.ledger is None:
             return nodes
-        eps = {n: self.ledger.epsilon(self.node_client[n]) if n in self.node_client else 0.0
+        eps = {n: self.ledger.epsilon(client) if (client := self.nodes.client_of(n)) else 0.0
                for n in nodes}
         return pegasus_select(eps, self.out_of_budget)
 

@@ -47,6 +47,19 @@ from dpfl.privacy.events import (
 
 log = logging.getLogger("flwr.dpfl.ledger")
 MISMATCH_RTOL = 1e-6
+# A partition's key in the ledger, the run's records and every server message; a sender
+# whose partition is not known is charged as ``node-<node id>`` instead.
+CLIENT_PREFIX = "client-"
+
+
+def client_key(partition_id: int) -> str:
+    """The ledger's key of partition ``partition_id`` (``client-<id>``)."""
+    return f"{CLIENT_PREFIX}{int(partition_id)}"
+
+
+def is_client_key(key: str) -> bool:
+    """Whether ``key`` names a partition (not a ``node-<id>`` of an unknown partition)."""
+    return str(key).startswith(CLIENT_PREFIX)
 
 
 @dataclass
@@ -213,8 +226,8 @@ class Ledger:
         claimed: dict[str, list[PrivacyEvent]] = {}
         for c in self.charges:
             if c.get("source", "client") == "client" and "claimed-partition" in c \
-                    and not str(c["client"]).startswith("client-"):
-                claimed.setdefault(f"client-{int(c['claimed-partition'])}", []).extend(
+                    and not is_client_key(c["client"]):
+                claimed.setdefault(client_key(c["claimed-partition"]), []).extend(
                     PrivacyEvent(**e) for e in c["events"])
         return {client: PrivacyHistory(self.history(client).events + events).epsilon(
                     self.delta, self.accountant)
@@ -400,7 +413,7 @@ def ledger_config(ledger: Ledger, client: str | None = None) -> dict[str, list]:
     for key in (ledger.clients if client is None else [client]):
         # only partitions' histories (a node-<id> key is a sender whose partition is not
         # known: its number is a node id, not a partition id)
-        if not key.startswith("client-") or key not in ledger.clients:
+        if not is_client_key(key) or key not in ledger.clients:
             continue
         pid = client_order(key)[0]
         for e in ledger.clients[key].events:

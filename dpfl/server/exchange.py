@@ -28,6 +28,7 @@ from flwr.common.constant import SUPERLINK_NODE_ID
 from flwr.serverapp import Grid
 
 from dpfl.logs import get_logger
+from dpfl.privacy.ledger import CLIENT_PREFIX
 from dpfl.server.validation import claimed_partition, client_label
 
 log = get_logger("flwr.dpfl.exchange")
@@ -72,7 +73,7 @@ class ReplyExchange:
         strategy's name first when it knows the node (e.g. pins restored by a resume)."""
         if self.namer is not None:
             name = self.namer(node_id)
-            if name.startswith("client-"):
+            if name.startswith(CLIENT_PREFIX):
                 return name
         return client_label(node_id, self.partitions.get(node_id))
 

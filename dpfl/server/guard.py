@@ -24,18 +24,18 @@ from __future__ import annotations
 
 import hashlib
 import math
-from typing import Any, Callable, Mapping
+from typing import Any, Callable
 
 import torch
 from flwr.app import Message
 
-from dpfl.config import RunConfig, parse_node_partitions
+from dpfl.config import RunConfig
 from dpfl.logs import get_logger
 from dpfl.numbers import is_number
 from dpfl.privacy.budget import PrivacyHistory
 from dpfl.privacy.charging import Charge, charge_for
 from dpfl.privacy.events import PrivacyEvent
-from dpfl.privacy.ledger import ledger_config, server_events_config
+from dpfl.privacy.ledger import CLIENT_PREFIX, client_key, ledger_config, server_events_config
 from dpfl.privacy.plan import (
     dpsgd_norm_bound,
     gaussian_norm_bound,
@@ -44,6 +44,7 @@ from dpfl.privacy.plan import (
     planned_event,
 )
 from dpfl.privacy.trust import distributed_planned_event
+from dpfl.server.nodes import NodeRegistry
 from dpfl.server.secagg import carries_masked_vector
 from dpfl.server.validation import ClientUpdate, Rejection, claimed_partition, client_label
 
@@ -83,9 +84,12 @@ class DPGuard:
 
     def __init__(self, cfg: RunConfig, plan_sigma: PlanSigma, adaptive: bool = False,
                  plan_clip: PlanClip = _configured, noise_scale: NoiseScale = _unscaled,
-                 plan_event: PlanEvent = _shared_plan, method_bound: NormBound = _gaussian_bound
-                 ) -> None:
+                 plan_event: PlanEvent = _shared_plan, method_bound: NormBound = _gaussian_bound,
+                 nodes: NodeRegistry | None = None) -> None:
         self.cfg = cfg
+        # who each node is (partition sizes, the operator's map, pins, the connected set):
+        # the strategy's registry, shared
+        self.nodes = nodes if nodes is not None else NodeRegistry(cfg.node_partitions)
         self.plan_sigma = plan_sigma
         self.plan_clip = plan_clip
         self.noise_scale = noise_scale
@@ -95,18 +99,14 @@ class DPGuard:
         self.ledger = None                          # the server's ledger (bind_ledger)
         # every partition's ledger-* record, built once per ledger state (history_record)
         self._all_history: tuple[Any, int, dict[str, list]] | None = None
-        self.partition_sizes: dict[int, int] = {}   # partition id -> training-set size
-        # node id -> partition id: the operator's map (fixed), else pinned on first claim
-        self.operator_map = parse_node_partitions(cfg.node_partitions)
-        self.node_partition: dict[int, int] = dict(self.operator_map)
         self.dim = 0                                # parameters of the model (bound at setup)
         self.seen_updates: dict[str, dict[bytes, int]] = {}   # client -> digest -> round
-        self.connected: set[int] | None = None   # nodes of the current round (None: unknown)
 
     # -- planning --------------------------------------------------------------------
-    def bind_partition_sizes(self, sizes: Mapping[int, int]) -> None:
-        """Training-set sizes per partition id (public: derived from the run-config)."""
-        self.partition_sizes = dict(sizes)
+    @property
+    def partition_sizes(self) -> dict[int, int]:
+        """Training-set sizes per partition id (public; the registry's)."""
+        return self.nodes.sizes
 
     def planned_event(self, partition_id: int, server_round: int) -> PrivacyEvent:
         """The release the server asks of ``partition_id`` in ``server_round``: the
@@ -133,13 +133,13 @@ class DPGuard:
         """``plan-*`` keys for a node whose partition is known (else none), and the
         server's own releases charged to it so far (``server-event-*``: the client's budget
         check counts them)."""
-        pid = self.node_partition.get(node_id)
+        pid = self.nodes.pinned(node_id)
         if not self.cfg.is_private:
             return {}
         history = self.history_record(pid)
         if pid not in self.partition_sizes:
             return history
-        released = (server_events_config(self.ledger, f"client-{pid}")
+        released = (server_events_config(self.ledger, client_key(pid))
                     if self.ledger is not None else {})
         return {**plan_to_record(self.planned_event(pid, server_round)), **released,
                 **history}
@@ -154,7 +154,7 @@ class DPGuard:
         if self.ledger is None or self.cfg.trust == "central":
             return {}
         if pid is not None:
-            return ledger_config(self.ledger, f"client-{pid}")
+            return ledger_config(self.ledger, client_key(pid))
         # the same for every unpinned node of a round: built once, not once per node
         cached = self._all_history
         if cached is None or cached[0] is not self.ledger or cached[1] != len(
@@ -240,9 +240,9 @@ class DPGuard:
             return None
         node = checked.node_id
         claimed = checked.partition_id if checked.partition_id is not None else -1
-        pid, identity_problem = self.partition_of(node, claimed)
+        pid, identity_problem = self.nodes.partition_of(node, claimed)
         if pid is not None:
-            client, plan = f"client-{pid}", self.planned_event(pid, sent_round)
+            client, plan = client_key(pid), self.planned_event(pid, sent_round)
         else:  # unknown sender: charge the node at the costliest plan of any partition
             client = f"node-{node}"
             plan = self._costliest_plan(client, sent_round)
@@ -266,7 +266,7 @@ class DPGuard:
                            claimed=claimed if pid is None and claimed in self.partition_sizes
                            else None)
         if charge.problem is not None:
-            known = client.startswith("client-")
+            known = client.startswith(CLIENT_PREFIX)
             log.warning("round %d: %s charged %s%s: %s", sent_round,
                         client if known else client_label(node, None),
                         [e.to_dict() for e in charge.events],
@@ -274,45 +274,11 @@ class DPGuard:
         return charge
 
     def sender_partition(self, msg: Message) -> tuple[int | None, str | None]:
-        """:meth:`partition_of` a reply's sender with the partition it claims (-1: none)."""
+        """The registry's ``partition_of`` a reply's sender with the partition it claims
+        (-1: none)."""
         claimed = claimed_partition(msg)
-        return self.partition_of(int(msg.metadata.src_node_id),
-                                 claimed if claimed is not None else -1)
-
-    def partition_of(self, node: int, claimed: int) -> tuple[int | None, str | None]:
-        """The partition a reply of ``node`` is charged to, and why the reply is not
-        acceptable as it stands (None: fine).
-
-        - The operator's map (``node-partitions``) decides: a node outside it is unknown,
-          a claim other than its partition is refused (charged to the mapped partition).
-        - Without one, a node is pinned to the first partition it claims, if no other
-          connected node holds it; a later different claim is refused (charged to the pinned
-          partition); a claim of a partition another connected node holds is refused and
-          charged to this node. A holder that is gone (a restarted simulation or an
-          unauthenticated SuperNode that re-registered: new node ids) leaves the partition
-          to the next node that claims it: without an operator's map, identity is only as
-          good as the first claim of a connected node (see docs/privacy.md, "The privacy
-          record").
-        """
-        pinned = self.node_partition.get(node)
-        if pinned is not None:
-            if claimed != pinned:
-                return pinned, (f"partition-id {claimed} differs from this node's {pinned}"
-                                + (" (node-partitions)" if self.operator_map else ""))
-            return pinned, None
-        if self.operator_map:
-            return None, f"node {node} is not in node-partitions (claims partition {claimed})"
-        if claimed not in self.partition_sizes:
-            return None, f"unknown partition-id {claimed}"
-        holder = next((n for n, p in self.node_partition.items() if p == claimed), None)
-        if holder is not None and (self.connected is None or holder in self.connected):
-            return None, f"partition-id {claimed} already belongs to node {holder}"
-        if holder is not None:
-            log.info("partition %d: node %d is gone; node %d now holds it", claimed, holder,
-                     node)
-            del self.node_partition[holder]
-        self.node_partition[node] = claimed
-        return claimed, None
+        return self.nodes.partition_of(int(msg.metadata.src_node_id),
+                                       claimed if claimed is not None else -1)
 
     def charge_server_release(self, server_round: int, events: list[PrivacyEvent],
                               partition_ids: list[int], note: str) -> None:
@@ -320,7 +286,7 @@ class DPGuard:
         central noise) to every client it covers, beside the clients' own events."""
         if not self.cfg.is_private or self.ledger is None:
             return
-        clients = [f"client-{p}" for p in partition_ids]
+        clients = [client_key(p) for p in partition_ids]
         self.ledger.charge_server_release(server_round, events, clients, note,
                                           adaptive=self.adaptive)
         log.info("round %d: server release %s charged to %d clients (%s)", server_round,
@@ -331,7 +297,7 @@ class DPGuard:
         amplified by Poisson sampling, costs every client, sampled or not)."""
         if not self.cfg.is_private or self.ledger is None:
             return
-        clients = [f"client-{p}" for p in sorted(self.partition_sizes)]
+        clients = [client_key(p) for p in sorted(self.partition_sizes)]
         self.ledger.charge_population_release(server_round, events, clients,
                                               "central release (every client, every round)")
 
@@ -342,14 +308,3 @@ class DPGuard:
             raise RuntimeError("no partition sizes bound: the server cannot plan charges")
         return max(plans, key=lambda e: PrivacyHistory(history.events + [e]).epsilon(
             self.ledger.delta, self.ledger.accountant))
-
-    # -- persistence -----------------------------------------------------------------
-    def state_dict(self) -> dict[str, Any]:
-        return {"node-partition": dict(self.node_partition)}
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Pins of the checkpoint; the operator's map (this launch's) always wins."""
-        self.node_partition.update({int(k): int(v) for k, v in
-                                    state.get("node-partition", {}).items()})
-        if self.operator_map:
-            self.node_partition = dict(self.operator_map)

@@ -39,6 +39,7 @@ from dpfl.logs import get_logger
 from dpfl.numbers import is_finite_number
 from dpfl.privacy.charging import Charge
 from dpfl.privacy.events import PrivacyEvent
+from dpfl.privacy.ledger import client_key
 from dpfl.privacy.plan import EQUAL_WEIGHTS_CLAIM
 from dpfl.privacy.trust import (
     UNCLIPPED_KEY,
@@ -49,6 +50,7 @@ from dpfl.privacy.trust import (
 from dpfl.server.aggregation import server_sgd_step, weighted_mean
 from dpfl.server.central import CentralAggregator, FlowerCentralAggregator
 from dpfl.server.guard import DPGuard
+from dpfl.server.nodes import NodeRegistry
 from dpfl.server.secagg import SecureSum, masked_reply
 from dpfl.server.validation import (
     MAX_REPORTED_LOSS,
@@ -58,7 +60,6 @@ from dpfl.server.validation import (
     Rejection,
     Template,
     array_template,
-    client_label,
     validate_train_reply,
 )
 from dpfl.tensors import flatten, unflatten
@@ -85,9 +86,9 @@ class RoundRecord:
         """Reported metrics keyed by client name (``client-<partition-id>``)."""
         out: dict[str, dict[str, Any]] = {}
         for u in self.accepted:
-            out[f"client-{u.partition_id}"] = {**u.metrics, "status": "accepted"}
+            out[client_key(u.partition_id)] = {**u.metrics, "status": "accepted"}
         for r in self.rejected:
-            name = f"client-{r.partition_id}" if r.partition_id is not None else f"node-{r.node_id}"
+            name = client_key(r.partition_id) if r.partition_id is not None else f"node-{r.node_id}"
             out[name] = {**r.metrics, "status": r.kind, "reason": r.reason}
         return out
 
@@ -129,13 +130,14 @@ class DPFLStrategy(FedAvg):
             self.min_evaluate_nodes = 0   # as FedAvg.__init__ sets it for 0.0
         self.cfg = cfg
         self.rng = random.Random(cfg.seed)
+        self.nodes = NodeRegistry(cfg.node_partitions)   # who each node is (shared)
         self.guard = DPGuard(cfg, self.plan_sigma, adaptive, self.plan_clip,
-                             self.update_noise_scale, self.plan_event, self.update_norm_bound)
+                             self.update_noise_scale, self.plan_event, self.update_norm_bound,
+                             nodes=self.nodes)
         self._global: ArrayRecord | None = None
         self._template: Template = []
         self._pending: RoundRecord | None = None   # for the Flower adapters only
         self.num_nodes = 0
-        self.node_client: dict[int, str] = {}   # node id -> client-<partition-id>
         # trust=central (bound with the partition sizes)
         self.central: CentralAggregator | FlowerCentralAggregator | None = None
 
@@ -143,7 +145,7 @@ class DPFLStrategy(FedAvg):
     def bind_partition_sizes(self, sizes: Mapping[int, int]) -> None:
         """Training-set sizes per partition id (public: derived from the run-config), so
         the server can compute each client's planned privacy release."""
-        self.guard.bind_partition_sizes(sizes)
+        self.nodes.bind_sizes(sizes)
         if self.cfg.trust == "central" and self.central is None:
             impl = FlowerCentralAggregator if self.cfg.central_impl == "flower" \
                 else CentralAggregator
@@ -151,7 +153,7 @@ class DPFLStrategy(FedAvg):
 
     @property
     def partition_sizes(self) -> dict[int, int]:
-        return self.guard.partition_sizes
+        return self.nodes.sizes
 
     def bind_ledger(self, ledger) -> None:
         """Give the guard the server's privacy ledger (charges; read by selection)."""
@@ -235,18 +237,11 @@ class DPFLStrategy(FedAvg):
 
     def known_partition(self, partition_id: int | None) -> bool:
         """A partition id this run has (any id >= 0 before the sizes are bound)."""
-        return (partition_id is not None and partition_id >= 0
-                and (not self.partition_sizes or partition_id in self.partition_sizes))
+        return self.nodes.known_partition(partition_id)
 
     def client_name(self, node_id: int, claimed: int | None = None) -> str:
-        """The name messages give a node: ``client-<partition-id>`` from the guard's pin,
-        else from the node's earlier replies, else from a known ``claimed`` id; ``node <id>
-        (partition unknown)`` otherwise."""
-        pinned = self.guard.node_partition.get(node_id)
-        if pinned is not None:
-            return client_label(node_id, pinned)
-        known = claimed if self.known_partition(claimed) else None
-        return self.node_client.get(node_id) or client_label(node_id, known)
+        """The name messages give a node (:meth:`NodeRegistry.name`)."""
+        return self.nodes.name(node_id, claimed)
 
     # -- selection and configuration -------------------------------------------------
     def wait_for_nodes(self, grid: Grid, minimum: int, timeout: float | None = None
@@ -280,7 +275,7 @@ class DPFLStrategy(FedAvg):
         self._template = array_template(arrays)
         connected = list(grid.get_node_ids())
         self.num_nodes = len(connected)
-        self.guard.connected = set(connected)
+        self.nodes.connected = set(connected)
         node_ids = self.select_nodes(server_round, grid)
         record = RoundRecord(server_round, sampled=list(node_ids))
         log.info("round %d: training on %d nodes", server_round, len(node_ids))
@@ -352,7 +347,7 @@ class DPFLStrategy(FedAvg):
             charge = self.guard.charge_reply(msg, checked, server_round)
             if charge is not None:
                 record.charges.append(charge)
-                held = self.guard.node_partition.get(checked.node_id)
+                held = self.nodes.pinned(checked.node_id)
                 if held is not None:   # the partition charged, not the one claimed
                     checked.partition_id = held
                 if charge.problem is not None and isinstance(checked, ClientUpdate):
@@ -373,8 +368,7 @@ class DPFLStrategy(FedAvg):
             if isinstance(checked, ClientUpdate) and (why := self.reply_problem(checked)):
                 checked = Rejection(checked.node_id, checked.partition_id, "invalid", why,
                                     checked.metrics)
-            if self.known_partition(checked.partition_id):
-                self.node_client[checked.node_id] = f"client-{checked.partition_id}"
+            self.nodes.note_reply(checked.node_id, checked.partition_id)
             if isinstance(checked, Rejection):
                 record.rejected.append(checked)
                 level = logging.INFO if checked.kind == "refused" else logging.WARNING
@@ -411,7 +405,7 @@ class DPFLStrategy(FedAvg):
         """What the server does not take on a client's word: a replayed update is refused;
         the aggregation weight is the partition's public size, not the claimed count."""
         if self.cfg.is_private:
-            why = self.guard.replayed(update.flat, f"client-{update.partition_id}",
+            why = self.guard.replayed(update.flat, client_key(update.partition_id),
                                       server_round)
             if why is not None:
                 return Rejection(update.node_id, update.partition_id, "invalid", why,
@@ -548,11 +542,11 @@ class DPFLStrategy(FedAvg):
     def state_dict(self) -> dict[str, Any]:
         """Strategy state to checkpoint (the sampling RNG; methods add theirs)."""
         central = self.central.state_dict() if self.central is not None else {}
-        return {"rng": self.rng.getstate(), **self.guard.state_dict(), **central}
+        return {"rng": self.rng.getstate(), **self.nodes.state_dict(), **central}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if "rng" in state:
             self.rng.setstate(state["rng"])
-        self.guard.load_state_dict(state)
+        self.nodes.load_state_dict(state)
         if self.central is not None:
             self.central.load_state_dict(state)

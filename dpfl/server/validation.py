@@ -25,6 +25,7 @@ from flwr.app import ArrayRecord, Message
 
 from dpfl.numbers import is_finite_number, is_number
 from dpfl.privacy.charging import reported_events
+from dpfl.privacy.ledger import client_key
 
 
 @dataclass
@@ -96,7 +97,7 @@ def client_label(node_id: int, partition_id: int | None) -> str:
     key) when the partition is known, else ``node <id> (partition unknown)``."""
     if partition_id is None or partition_id < 0:
         return f"node {node_id} (partition unknown)"
-    return f"client-{partition_id}"
+    return client_key(partition_id)
 
 
 def validate_train_reply(msg: Message, template: Template, norm_bound: float | None = None,
