@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import importlib.util
 import math
 from dataclasses import dataclass, fields
+from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from dpfl.errors import UserError
@@ -34,12 +36,9 @@ CENTRAL_IMPLS = ("dpfl", "flower")
 # trust=distributed: the integer noise of the shares (dpfl.privacy.skellam,
 # dpfl.privacy.ddgauss)
 SECURE_NOISES = ("skellam", "ddgauss")
-# The registries' names (dpfl.methods.METHODS, dpfl.models.MODELS), here so that a misspelled
-# strategy or model is refused before torch is imported (the registries import it: ~2.4 s);
-# tests/test_methods_registry.py keeps both equal to their registry.
-METHOD_NAMES = ("fedavg", "dpfedavg", "gcfl", "dpfedprox", "dpscaffold", "dpfedexp", "pegasus",
-                "aadp", "dpfedavgm", "fedcompdp", "dpfedsam", "fedasgp", "fedsmp", "cpsgd",
-                "fedacg")
+# The model registry's names (dpfl.models.MODELS), here so that a misspelled model is refused
+# before torch is imported (the registries import it: ~2.4 s); tests/test_methods_registry.py
+# keeps it equal to the registry. The methods' names: method_names().
 MODEL_NAMES = ("mlp", "mnist-cnn", "cifar-cnn", "alexnet", "resnet18-gn", "resnet50-gn")
 
 
@@ -510,6 +509,18 @@ def unknown_key_message(key: str, known: set[str]) -> str:
     return f"unknown run-config key '{key}'{did_you_mean(key, sorted(known))} (every key: {KEY_REFERENCE})"
 
 
+def method_names() -> tuple[str, ...]:
+    """The registered methods' names without importing them (the registry imports torch):
+    one module ``dpfl/methods/<name>.py`` per method, named as its method
+    (tests/test_methods_registry.py keeps them equal to the registry's)."""
+    spec = importlib.util.find_spec("dpfl.methods")
+    folders = spec.submodule_search_locations if spec is not None else None
+    if not folders:
+        return ()
+    return tuple(sorted(p.stem for p in Path(folders[0]).glob("*.py")
+                        if not p.stem.startswith("_")))
+
+
 def need(cond: bool, key: str, message: str, value: Any) -> None:
     if not cond:
         raise ConfigError(f"run-config key '{key}': {message}, got {value!r}")
@@ -536,7 +547,7 @@ def validate(cfg: RunConfig) -> RunConfig:
     (The method's own keys and rules are checked by the registry,
     ``dpfl.methods.parse_run_config``, which imports torch.)"""
     if cfg.strategy:
-        need_choice(cfg.strategy, METHOD_NAMES, "strategy")
+        need_choice(cfg.strategy, method_names(), "strategy")
     need_choice(cfg.model, MODEL_NAMES, "model")
     need_choice(cfg.dataset, DATASETS, "dataset")
     need_choice(cfg.partitioning, PARTITIONINGS, "partitioning")

@@ -208,10 +208,11 @@ def test_a_misspelled_key_gets_the_closest_keys_in_one_short_line(tmp_path, caps
 
 
 @pytest.mark.parametrize("argv,line", [
-    (["strategy=gcfll"], ("error: run-config key 'strategy': must be one of ('fedavg', "
-                          "'dpfedavg', 'gcfl', 'dpfedprox', 'dpscaffold', 'dpfedexp', "
-                          "'pegasus', 'aadp', 'dpfedavgm', 'fedcompdp', 'dpfedsam', 'fedasgp', "
-                          "'fedsmp', 'cpsgd', 'fedacg'), got 'gcfll': did you mean 'gcfl'?")),
+    (["strategy=gcfll"], ("error: run-config key 'strategy': must be one of ('aadp', "
+                          "'cpsgd', 'dpfedavg', 'dpfedavgm', 'dpfedexp', 'dpfedprox', "
+                          "'dpfedsam', 'dpscaffold', 'fedacg', 'fedasgp', 'fedavg', "
+                          "'fedcompdp', 'fedsmp', 'gcfl', 'pegasus'), got 'gcfll': did you mean "
+                          "'gcfl'?")),
     (["model=mnist_cnn"], ("error: run-config key 'model': must be one of ('mlp', 'mnist-cnn', "
                            "'cifar-cnn', 'alexnet', 'resnet18-gn', 'resnet50-gn'), got "
                            "'mnist_cnn': did you mean 'mnist-cnn'?")),

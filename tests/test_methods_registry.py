@@ -38,12 +38,17 @@ def test_method_is_complete(name):
 
 
 def test_the_light_name_lists_are_the_registries():
-    """config.METHOD_NAMES / MODEL_NAMES let the CLI refuse a misspelled strategy or model
-    before torch is imported: they must be exactly the registries' names."""
-    from dpfl.config import METHOD_NAMES, MODEL_NAMES
+    """config.method_names() (the modules of dpfl/methods/) and MODEL_NAMES let the CLI
+    refuse a misspelled strategy or model before torch is imported: they must be exactly the
+    registries' names, and every method module must be named as its method."""
+    import importlib
+
+    from dpfl.config import MODEL_NAMES, method_names
     from dpfl.models import MODELS
 
-    assert METHOD_NAMES == tuple(METHODS)
+    assert method_names() == tuple(sorted(METHODS))
+    for name in method_names():
+        assert importlib.import_module(f"dpfl.methods.{name}").METHOD.name == name
     assert MODEL_NAMES == tuple(MODELS)
 
 

@@ -69,7 +69,7 @@ def parse_run_config(raw: Mapping[str, Any]) -> RunConfig:
     configured method's parameters. Every method's keys are type- and range-checked (the
     pyproject lists them all), so a bad value stops the run whichever method it belongs to."""
     cfg = _with_default_method(parse_global(raw, method_keys()))
-    need_choice(cfg.strategy, tuple(METHODS), "strategy")   # config.METHOD_NAMES, checked
+    need_choice(cfg.strategy, tuple(sorted(METHODS)), "strategy")   # as config.method_names()
     for method in METHODS.values():
         if method.params is not None and method.name != cfg.strategy:
             method.params.parse(raw)
