@@ -139,11 +139,14 @@ def run_config_overrides(args: argparse.Namespace) -> dict[str, object]:
 
 
 def app_dir() -> Path:
-    """The Flower app folder (the one holding dpfl's pyproject.toml)."""
-    here = Path(__file__).resolve().parent.parent
-    if not (here / "pyproject.toml").exists():
-        raise SystemExit("dpfl simulate needs the source checkout (pyproject.toml not found)")
-    return here
+    """The Flower app folder (the one holding dpfl's pyproject.toml, the run-config defaults,
+    and conf/): the source checkout, or an installed dpfl's copy (:func:`dpfl.fab.app_folder`)."""
+    from dpfl.fab import app_folder
+
+    try:
+        return app_folder()
+    except FileNotFoundError as exc:
+        raise SystemExit(f"error: {exc}") from None
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
@@ -295,8 +298,12 @@ def cmd_reproduce(args: argparse.Namespace) -> int:
 
     paper = reproduction(args.paper)
     root = app_dir()
+    from dpfl.fab import is_installed_app
+
+    # the checkout's runs/, or (an installed dpfl: its app folder is package data) ./runs;
     # a fresh folder by default: the committed results/<paper>/ only when asked for
-    work = Path(args.work_dir or root / "runs" / f"reproduce-{args.paper}")
+    runs = Path("runs") if is_installed_app(root) else root / "runs"
+    work = Path(args.work_dir or runs / f"reproduce-{args.paper}")
     results = Path(args.results) if args.results else work / "results"
     command = "dpfl reproduce " + " ".join(sys.argv[2:] if argv_is_cli() else [args.paper])
     for kind, given, known in (("cell", args.cells, paper.cells),
@@ -475,7 +482,8 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
                    help="results folder (default: <work-dir>/results, a fresh folder; the "
                         "committed results/<paper>/ only when named here)")
     p.add_argument("--work-dir", metavar="DIR",
-                   help="run directories (default: runs/reproduce-<paper>/ in the checkout)")
+                   help="run directories (default: runs/reproduce-<paper>/ in the checkout; an "
+                        "installed dpfl: in the current folder)")
     p.set_defaults(func=cmd_reproduce)
     p = command("deploy", help="a containerised N-client federation (Docker)",
                 epilog="docs/deployment.md describes the federation, its certificates "

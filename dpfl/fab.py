@@ -11,6 +11,12 @@ files is in the FAB (``fab-include = ["dpfl/**/*.py"]``).
 small folder, walking only the top-level folders that the include patterns name; ``flwr
 run`` of that folder builds the same FAB, byte for byte (same files, same FAB_DATE), so
 its hash, and everything a SuperNode verifies, is unchanged.
+
+:func:`app_folder` is dpfl's own app folder: the source checkout, or in an installed dpfl (a
+wheel, no checkout) the package's copy of the checkout's ``pyproject.toml`` and ``conf/``,
+``dpfl/_flower_app/``, which the wheel build makes (``hatch_build.py``). Its
+``fab-include`` patterns (``dpfl/**/*.py``) name the installed package itself, found
+beside it (site-packages): staged, it gives the FAB the checkout gives, file for file.
 """
 
 from __future__ import annotations
@@ -21,6 +27,56 @@ from pathlib import Path
 
 PYPROJECT = "pyproject.toml"
 _GLOB_CHARS = set("*?[]!")
+# An installed dpfl's app folder, in the package: the checkout's pyproject.toml (the Flower
+# app: components, fab-include, every run-config default) and conf/ (the papers' presets),
+# copied unchanged by the wheel build (hatch_build.py)
+INSTALLED_APP = "_flower_app"
+PROJECT = "dpfl"
+
+
+def package_dir() -> Path:
+    """The folder of the imported ``dpfl`` package."""
+    return Path(__file__).resolve().parent
+
+
+def is_installed_app(app: Path) -> bool:
+    """Is ``app`` the installed package's app folder (:data:`INSTALLED_APP`)?"""
+    return app.resolve() == package_dir() / INSTALLED_APP
+
+
+def _is_checkout(pyproject: Path) -> bool:
+    """Is ``pyproject`` (beside the package) dpfl's own, the source checkout's? A file that
+    does not parse is taken as the checkout's (its reader then names the error)."""
+    try:
+        config = tomllib.loads(pyproject.read_text())
+    except tomllib.TOMLDecodeError:
+        return True
+    return (config.get("project", {}).get("name") == PROJECT
+            and "app" in config.get("tool", {}).get("flwr", {}))
+
+
+def app_folder() -> Path:
+    """dpfl's Flower app folder, whose ``pyproject.toml`` holds the run-config defaults: the
+    source checkout when dpfl is imported from one (an editable install too), else the
+    installed package's copy (:data:`INSTALLED_APP`). FileNotFoundError naming both places
+    when neither is there."""
+    package = package_dir()
+    checkout = package.parent / PYPROJECT
+    if checkout.is_file() and _is_checkout(checkout):
+        return package.parent
+    installed = package / INSTALLED_APP
+    if (installed / PYPROJECT).is_file():
+        return installed
+    raise FileNotFoundError(f"dpfl's Flower app config is missing: neither {checkout} (a source "
+                            f"checkout) nor {installed / PYPROJECT} (an installed dpfl) exists; "
+                            "reinstall dpfl from its wheel or checkout")
+
+
+def files_root(app: Path) -> Path:
+    """The folder ``app``'s ``fab-include`` patterns are relative to: ``app`` itself, or for
+    the installed app folder the one holding the installed package (its patterns name
+    ``dpfl/...``)."""
+    return package_dir().parent if is_installed_app(app) else app.resolve()
 
 
 def _include_roots(config: dict) -> set[str] | None:
@@ -48,14 +104,20 @@ def fab_files(app: Path) -> dict[str, Path]:
     app = app.resolve()
     config = tomllib.loads((app / PYPROJECT).read_text())
     roots = _include_roots(config)
+    root = files_root(app)
+    if root != app and roots is None:   # never walk all of site-packages
+        raise ValueError(f"{app / PYPROJECT}: an installed app's fab-include must start with "
+                         f"its package's folder (e.g. dpfl/**/*.py), got a pattern that "
+                         f"matches at the top of {root}")
     if roots is None:
         files = collect_files(app)
-    else:
-        files = {p.name: p for p in app.iterdir() if p.is_file() and not p.is_symlink()}
+    else:   # the app folder's own top-level files: not site-packages'
+        files = ({p.name: p for p in app.iterdir() if p.is_file() and not p.is_symlink()}
+                 if root == app else {})
         for top in sorted(roots):
-            if (app / top).is_dir() and not (app / top).is_symlink():
+            if (root / top).is_dir() and not (root / top).is_symlink():
                 files.update({f"{top}/{rel}": path
-                              for rel, path in collect_files(app / top).items()})
+                              for rel, path in collect_files(root / top).items()})
     files = filter_paths_for_publish(files)
     chosen = get_filtered_fab_paths(files, config)
     return {PYPROJECT: app / PYPROJECT, **{p: files[p] for p in chosen}}

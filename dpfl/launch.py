@@ -17,6 +17,7 @@ config has no Ray address field, so the launcher sets ``RAY_ADDRESS`` for the Su
 
 from __future__ import annotations
 
+import importlib.util
 import io
 import json
 import logging
@@ -328,17 +329,20 @@ def check_audit_canaries(cfg: RunConfig, num_clients: int) -> None:
 def preflight(cfg: RunConfig, num_clients: int, run_dir: Path, num_cpus: float = 1.0,
               ray_address: str | None = None, parallel: int | None = None) -> None:
     """Settings that cannot work stop here, before any process starts (one-line
-    :class:`UserError` each): no clients, more ``min-train-nodes`` than clients (the server
-    would wait for nodes that never come), a new run on an existing run directory, a resume
-    of a directory that is not there or whose ledger or round log is damaged, a dataset or
-    data-dir that is not there, a budget that one round at an explicit ``noise-multiplier``
-    already exceeds, a ``ray_address`` that is malformed or where nothing answers, more
-    clients, ``server-holdout`` or ``train-subset`` than the dataset's training examples
-    hold (:func:`check_data_size`), more ``audit-canaries`` than the clients can host.
-    Nothing here writes a file: :func:`simulate` runs it before taking the run folder's
-    lock."""
+    :class:`UserError` each): no clients, no Ray installed, more ``min-train-nodes`` than
+    clients (the server would wait for nodes that never come), a new run on an existing run
+    directory, a resume of a directory that is not there or whose ledger or round log is
+    damaged, a dataset or data-dir that is not there, a budget that one round at an explicit
+    ``noise-multiplier`` already exceeds, a ``ray_address`` that is malformed or where
+    nothing answers, more clients, ``server-holdout`` or ``train-subset`` than the dataset's
+    training examples hold (:func:`check_data_size`), more ``audit-canaries`` than the
+    clients can host. Nothing here writes a file: :func:`simulate` runs it before taking the
+    run folder's lock."""
     if num_clients < 1:
         raise UserError(f"--clients must be at least 1, got {num_clients}")
+    if importlib.util.find_spec("ray") is None:   # else flwr-simulation fails in the log
+        raise UserError("dpfl simulate needs Flower's simulation engine (Ray), which is not "
+                        "installed here: pip install 'dpfl[simulation]'")
     check_cpus_per_client(num_cpus, cluster=ray_address is not None)
     check_parallel_clients(parallel, num_cpus, cluster=ray_address is not None)
     if ray_address is not None:

@@ -17,7 +17,7 @@ import torch
 from flwr.app import Context, Message
 
 from dpfl.client.hooks import MethodHooks
-from dpfl.client.job import TRAIN_LOSS  # noqa: F401  (re-exported for the methods)
+from dpfl.client.job import TRAIN_LOSS as TRAIN_LOSS  # re-exported for the methods
 from dpfl.config import RunConfig, coerce_field, need
 from dpfl.data import ClientData
 from dpfl.models import build_model

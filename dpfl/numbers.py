@@ -8,10 +8,10 @@ belongs must still be refused. Every such check in dpfl goes through these two f
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, TypeGuard
 
 
-def is_number(value: Any) -> bool:
+def is_number(value: Any) -> TypeGuard[int | float]:
     """An ``int`` or ``float`` (NaN and infinities included), not a ``bool``."""
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 

@@ -32,6 +32,25 @@ def test_import_contracts_are_kept():
     assert "2 kept, 0 broken" in result.stdout
 
 
+def test_every_module_of_the_package_is_in_a_layer_and_on_the_map():
+    """Issue 50: no module outside the layering contract (import-linter only checks the
+    modules its layers name) or missing from docs/architecture.md's layout."""
+    import tomllib
+
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    layers = config["tool"]["importlinter"]["contracts"][0]["layers"]
+    named = {m.strip() for layer in layers for m in layer.split("|")}
+    top = {f"dpfl.{p.stem}" for p in (ROOT / "dpfl").glob("*.py")
+           if p.stem not in ("__init__", "__main__")}
+    top |= {f"dpfl.{p.parent.name}" for p in (ROOT / "dpfl").glob("*/__init__.py")}
+    assert not sorted(top - named), "modules outside the layers contract"
+    layout = (ROOT / "docs" / "architecture.md").read_text().split("## Layout", 1)[1]
+    layout = layout.split("##", 1)[0]
+    missing = sorted(m for m in top if m.replace(".", "/") not in layout
+                     and f" {m.split('.')[1]}.py" not in layout)
+    assert not missing, f"not on docs/architecture.md's layout: {missing}"
+
+
 @pytest.mark.parametrize("module, back_edge", [
     ("dpfl/privacy/events.py", "import dpfl.methods.gcfl"),     # privacy -> a method
     ("dpfl/server/guard.py", "import dpfl.apps.server"),        # shared server -> app

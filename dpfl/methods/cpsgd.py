@@ -241,7 +241,7 @@ class CpsgdParams(MethodParams):
                              f"{DELTA_SHARE:g} delta: more noise (N = {n} trials) needed")
         return extra
 
-    def secure_scope(self, cfg: RunConfig) -> str:
+    def secure_scope(self, cfg: RunConfig) -> tuple[str, str]:
         return (f"cpSGD shares ({'rotated, ' if self.cpsgd_rotate else ''}"
                 f"{self.cpsgd_levels}-level stochastic quantisation plus Bin(m, 1/2))",
                 "binomial noise Bin(N, 1/2) of variance >= (sigma C s)^2, accounted by the "

@@ -50,7 +50,7 @@ import logging
 import math
 from functools import lru_cache
 from pathlib import Path
-from typing import Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Callable, Iterable, Sequence, TypeAlias
 
 import dp_accounting
 import numpy as np
@@ -61,6 +61,9 @@ from dp_accounting.rdp import rdp_privacy_accountant
 
 from dpfl import memo
 from dpfl.privacy import calibration_cache
+
+if TYPE_CHECKING:
+    from opacus.accountants import IAccountant
 
 log = logging.getLogger("flwr.dpfl.accounting")
 
@@ -82,7 +85,7 @@ RELATIONS = ("add-remove", "replace-one")
 SAMPLINGS = ("none", "poisson", "fixed")
 DPSGD_ACCOUNTANTS = ("rdp", "prv", "pld")
 EVENT_ACCOUNTANTS = ("rdp", "pld")
-NeighborRel = dp_accounting.NeighboringRelation
+NeighborRel: TypeAlias = dp_accounting.NeighboringRelation
 
 # PLD discretisation intervals, finest first: the first whose grid fits is used, then RDP.
 PLD_INTERVALS = (1e-4, 1e-3, 1e-2)
@@ -110,6 +113,8 @@ BRACKET_FACTOR = 2.0
 # (noise_multiplier, sample_rate, steps): Opacus' own history format for DP-SGD.
 DpsgdHistory = Sequence[tuple[float, float, int]]
 EventCounts = Iterable[tuple[dp_event.DpEvent, int]]
+# A composition as a tuple of (event, count) pairs (hashable: the caches' keys)
+Composition = tuple[tuple[dp_event.DpEvent, int], ...]
 # A dpfl event's key, PrivacyEvent.key: (mechanism, sigma, rate, epsilon, relation)
 EventKey = tuple[str, float, float, float, str]
 
@@ -252,7 +257,7 @@ def discrete_curve(orders: np.ndarray, key: EventKey) -> np.ndarray:
 # DP-SGD (sample-level)
 
 
-def _opacus_accountant(accountant: str):
+def _opacus_accountant(accountant: str) -> IAccountant:
     from opacus.accountants import PRVAccountant, RDPAccountant
 
     if accountant == "rdp":
@@ -326,7 +331,7 @@ def calibrate_dpsgd_noise(target_epsilon: float, delta: float, sample_rate: floa
         raise ValueError("target_epsilon must be > 0")
     _check_delta(delta)
     if accountant == "pld":
-        def items(sigma: float):
+        def items(sigma: float) -> Composition:
             return ((dpsgd_event(sigma, sample_rate), int(steps)),)
 
         return _calibrate_pld(items, delta, target_epsilon, rel_tol)
@@ -399,7 +404,7 @@ def _relation_enum(event: dp_event.DpEvent) -> NeighborRel:
     return NeighborRel.ADD_OR_REMOVE_ONE
 
 
-def _canonical(events: EventCounts) -> tuple[tuple[dp_event.DpEvent, int], ...]:
+def _canonical(events: EventCounts) -> Composition:
     """Equal events merged (counts summed), sorted: the order-free signature of a
     composition. Equal signatures give bit-identical epsilons (and share the cache)."""
     counts: dict[dp_event.DpEvent, int] = {}
@@ -416,7 +421,7 @@ def _relation_of(items: Sequence[tuple[dp_event.DpEvent, int]]) -> NeighborRel:
     return relations.pop()
 
 
-def _rdp_epsilon(items, relation: NeighborRel, delta: float,
+def _rdp_epsilon(items: EventCounts, relation: NeighborRel, delta: float,
                  orders: Sequence[float] | None = None) -> float:
     acc = rdp_privacy_accountant.RdpAccountant(
         orders=None if orders is None else list(orders), neighboring_relation=relation)
@@ -438,7 +443,8 @@ def _pld_points(rdp_tail_epsilon: float, interval: float) -> float:
     return (4.0 * rdp_tail_epsilon + 20.0) / interval
 
 
-def _merge_gaussians(items):
+def _merge_gaussians(items: Sequence[tuple[dp_event.DpEvent, int]]
+                     ) -> list[tuple[dp_event.DpEvent, int]]:
     """Plain Gaussian releases of multipliers sigma_i (count c_i) compose exactly to ONE
     Gaussian of multiplier (sum_i c_i / sigma_i^2)^(-1/2): a Gaussian's privacy loss
     depends only on 1/sigma and these add in quadrature (Dong, Roth & Su 2019, GDP
@@ -481,7 +487,8 @@ def _pld_of(event: dp_event.DpEvent, count: int, relation: NeighborRel,
     return None
 
 
-def _pld_once(items, relation: NeighborRel, delta: float, interval: float) -> float:
+def _pld_once(items: Sequence[tuple[dp_event.DpEvent, int]], relation: NeighborRel,
+              delta: float, interval: float) -> float:
     items = _merge_gaussians(items)
     plds = [_pld_of(event, count, relation, interval) for event, count in items]
     if all(p is not None for p in plds):  # Gaussians, sampled or not: the cached route
@@ -497,7 +504,7 @@ def _pld_once(items, relation: NeighborRel, delta: float, interval: float) -> fl
 
 
 @lru_cache(maxsize=4096)
-def _pld_compute(items: tuple[tuple[dp_event.DpEvent, int], ...], delta: float,
+def _pld_compute(items: Composition, delta: float,
                  finest: float) -> tuple[float, str, tuple[str, ...]]:
     """(epsilon, method, reasons for skipping finer grids) of a canonical composition:
     PLD at the finest feasible interval of :data:`PLD_INTERVALS` (>= ``finest``), else
@@ -520,10 +527,10 @@ def _pld_compute(items: tuple[tuple[dp_event.DpEvent, int], ...], delta: float,
     return _rdp_epsilon(items, relation, delta), "rdp (pld fallback)", tuple(skipped)
 
 
-_warned: set[tuple] = set()
+_warned: set[tuple[Composition, float, float]] = set()
 
 
-def _pld_detail(items: tuple[tuple[dp_event.DpEvent, int], ...], delta: float,
+def _pld_detail(items: Composition, delta: float,
                 finest: float = PLD_INTERVALS[0], warn: bool = True) -> tuple[float, str]:
     if any(isinstance(e, dp_event.SampledWithoutReplacementDpEvent) for e, _ in items):
         raise ValueError("dp-accounting's PLD accountant has no fixed-size sampling "
@@ -643,7 +650,7 @@ def memo_version() -> str:
     return memo.code_version("dp-accounting", Path(__file__))
 
 
-def _calibrate_pld(items: Callable[[float], tuple], delta: float, target: float,
+def _calibrate_pld(items: Callable[[float], Composition], delta: float, target: float,
                    rel_tol: float) -> float:
     """Bisection on the PLD epsilon, coarse to fine: located on the cheap 1e-2 grid, then
     refined on 1e-3 and finally on the accounting function itself (1e-4 with its
@@ -659,7 +666,7 @@ def _calibrate_pld(items: Callable[[float], tuple], delta: float, target: float,
         lambda: _search_pld(items, delta, target, rel_tol), tolerance=rel_tol)
 
 
-def _search_pld(items: Callable[[float], tuple], delta: float, target: float,
+def _search_pld(items: Callable[[float], Composition], delta: float, target: float,
                 rel_tol: float) -> float:
     """The coarse-to-fine bisection of :func:`_calibrate_pld`."""
     sigma, factor = SIGMA_GUESS, BRACKET_FACTOR
@@ -696,7 +703,7 @@ def calibrate_noise(target_epsilon: float, delta: float, rounds: int,
     gaussian_event(1.0, sampling_rate, sampling, relation, population_size)  # validate
 
     if accountant == "pld" and rounds > 0:
-        def items(sigma: float):
+        def items(sigma: float) -> Composition:
             return ((gaussian_event(sigma, sampling_rate, sampling, relation,
                                     population_size), int(rounds)),)
 
@@ -723,7 +730,7 @@ def calibrate_events(keys_for: Callable[[float], Sequence[tuple[EventKey, int]]]
     _check_delta(delta)
     check_event_accountant(accountant)
 
-    def items(sigma: float):
+    def items(sigma: float) -> Composition:
         return tuple((dp_event_of(k), int(n)) for k, n in keys_for(sigma))
 
     if accountant == "pld":

@@ -62,7 +62,8 @@ TAIL_LOG = -40.0              # log of the Hoeffding-bounded mass left out below
 
 
 def _log_pmf(n: int, x: np.ndarray) -> np.ndarray:
-    return gammaln(n + 1) - gammaln(x + 1) - gammaln(n - x + 1) - n * math.log(2.0)
+    logs: np.ndarray = gammaln(n + 1) - gammaln(x + 1) - gammaln(n - x + 1) - n * math.log(2.0)
+    return logs
 
 
 def support_mass(n: int, s: int) -> float:
@@ -84,7 +85,8 @@ def _window(n: int, s: int, alpha: int) -> tuple[int, int]:
 
 def _log_ratio_term(n: int, j: np.ndarray) -> np.ndarray:
     """log((n - j + 1) / j), one term of D(x) = log C(n, x) / C(n, x - s)."""
-    return np.log1p((n - 2.0 * j + 1.0) / j)
+    terms: np.ndarray = np.log1p((n - 2.0 * j + 1.0) / j)
+    return terms
 
 
 def restricted_divergence(n: int, s: int, alpha: int) -> float:
@@ -173,7 +175,8 @@ def binomial_curve(n: int, max_shift: int, d2: float, dim: int) -> np.ndarray:
     """The (conditional) RDP at :data:`ORDERS` of Bin(n, 1/2) noise on an integer vector of
     L2 sensitivity ``d2`` and L-inf sensitivity ``max_shift`` in ``dim`` coordinates."""
     per_sq, per = per_unit_shift(n, max_shift)
-    return np.minimum(d2 * d2 * np.asarray(per_sq), dim * np.asarray(per))
+    curve: np.ndarray = np.minimum(d2 * d2 * np.asarray(per_sq), dim * np.asarray(per))
+    return curve
 
 
 def support_delta(n: int, max_shift: int, d2: float, dim: int) -> float:

@@ -13,8 +13,9 @@ the budget. Adaptive histories (parameters chosen from earlier outputs) are chec
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any, Mapping
 
-from flwr.app import ConfigRecord
+from flwr.app import ConfigRecord, RecordDict
 
 from dpfl.privacy.events import PrivacyEvent, history_epsilon, history_unit
 from dpfl.privacy.filter import RenyiFilter
@@ -79,7 +80,7 @@ class PrivacyHistory:
         return ConfigRecord({**rec, "adaptive": self.adaptive})
 
     @classmethod
-    def from_record(cls, record) -> "PrivacyHistory":
+    def from_record(cls, record: Mapping[str, Any]) -> "PrivacyHistory":
         n = len(record.get("round", []))
         if any(len(record[name]) != n for name in _FIELDS):
             raise ValueError("privacy record lists have different lengths")
@@ -87,11 +88,11 @@ class PrivacyHistory:
         return cls(events, bool(record.get("adaptive", False)))
 
     @classmethod
-    def load(cls, state, adaptive: bool = False) -> "PrivacyHistory":
+    def load(cls, state: RecordDict, adaptive: bool = False) -> "PrivacyHistory":
         """The history kept in a ``context.state`` RecordDict (empty if none yet)."""
         if STATE_KEY in state:
             return cls.from_record(state[STATE_KEY])
         return cls(adaptive=adaptive)
 
-    def save(self, state) -> None:
+    def save(self, state: RecordDict) -> None:
         state[STATE_KEY] = self.to_record()

@@ -86,6 +86,7 @@ def charge_for(client: str, server_round: int, privacy: Mapping[str, Any] | None
             problem = f"clip {clip!r} differs from the plan {planned_clip:g}"
     adaptive = bool(privacy.get("adaptive", False)) if privacy is not None else history.adaptive
     if problem is None:
+        assert events is not None  # reported_events gives events whenever no problem
         return Charge(client, server_round, list(events), "reported = plan",
                       reported_epsilon=reported_epsilon, adaptive=adaptive)
     charged = [plan] if events is None else costlier(history, [plan], list(events), delta,

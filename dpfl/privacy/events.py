@@ -37,7 +37,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 from functools import lru_cache
-from typing import Iterable, Mapping, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
 from dp_accounting import dp_event
@@ -51,6 +51,7 @@ from dpfl.privacy.accounting import (
     PRV_CLIENT_LEVEL,
     PURE,
     SAMPLE_LEVEL,
+    EventKey,
     check_event_key,
     discrete_curve,
     dp_event_of,
@@ -64,6 +65,8 @@ __all__ = ["ACCOUNTANTS", "GAUSSIAN", "MECHANISMS", "PRV_CLIENT_LEVEL", "PURE", 
            "history_unit", "orders_for", "rdp_curve", "rdp_to_epsilon"]
 
 ACCOUNTANTS = DPSGD_ACCOUNTANTS  # rdp and pld for both units, prv for DP-SGD only
+# A history's canonical signature: ((event key, total steps), ...), see history_signature
+Signature = tuple[tuple[EventKey, int], ...]
 
 
 @dataclass(frozen=True)
@@ -123,12 +126,12 @@ class PrivacyEvent:
         return "sample" if self.mechanism in SAMPLE_LEVEL else "client"
 
     @property
-    def key(self) -> tuple:
+    def key(self) -> EventKey:
         """Everything but the round and step count: events with equal keys share a curve."""
         return (self.mechanism, float(self.sigma), float(self.rate), float(self.epsilon),
                 self.relation)
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
     def to_dp_event(self) -> dp_event.DpEvent:
@@ -158,7 +161,7 @@ def orders_for(unit: str) -> np.ndarray:
 
 
 @lru_cache(maxsize=4096)
-def rdp_curve(key: tuple) -> np.ndarray:
+def rdp_curve(key: EventKey) -> np.ndarray:
     """RDP of ONE step of the event with this key, at :func:`orders_for` its unit."""
     mechanism, sigma, rate, epsilon, relation = key
     check_event_key(key)
@@ -236,24 +239,24 @@ def _pure_bound(unit: str, events: Sequence[PrivacyEvent], eps_rdp: float,
     return min(eps_rdp, eps_rest + sum(e.epsilon * e.steps for e in pure))
 
 
-def history_signature(events: Iterable[PrivacyEvent]) -> tuple[tuple[tuple, int], ...]:
+def history_signature(events: Iterable[PrivacyEvent]) -> Signature:
     """Canonical signature of a (non-adaptive) history: ((event key, total steps), ...)
     sorted, zero-step events dropped. Composition is order-free, so this is all the
     accountant needs; equal signatures have equal epsilons."""
-    steps: dict[tuple, int] = {}
+    steps: dict[EventKey, int] = {}
     for e in events:
         if e.steps > 0:
             steps[e.key] = steps.get(e.key, 0) + int(e.steps)
     return tuple(sorted(steps.items()))
 
 
-def _events_of(signature: tuple[tuple[tuple, int], ...]) -> list[PrivacyEvent]:
+def _events_of(signature: Signature) -> list[PrivacyEvent]:
     return [PrivacyEvent(0, m, sigma=s, rate=r, steps=n, epsilon=eps, relation=rel)
             for (m, s, r, eps, rel), n in signature]
 
 
 @lru_cache(maxsize=8192)
-def _signature_epsilon(signature: tuple[tuple[tuple, int], ...], delta: float,
+def _signature_epsilon(signature: Signature, delta: float,
                        accountant: str) -> tuple[float, str]:
     events = _events_of(signature)
     unit = history_unit(events)
@@ -333,7 +336,7 @@ def histories_epsilon(histories: Mapping[str, Sequence[PrivacyEvent]], delta: fl
         names = [n for n, h in histories.items() if h and history_unit(h) == unit]
         if not names:
             continue
-        keys: dict[tuple, int] = {}
+        keys: dict[EventKey, int] = {}
         rows, cols, vals = [], [], []
         for i, name in enumerate(names):
             for e in histories[name]:

@@ -93,7 +93,7 @@ class Ledger:
     def _population_set(self) -> set[str]:
         if getattr(self, "_pop_cache", None) is None or len(self._pop_cache) != len(
                 self.population):
-            self._pop_cache = set(self.population)
+            self._pop_cache: set[str] = set(self.population)
         return self._pop_cache
 
     def record(self, client: str, server_round: int, events: Sequence[PrivacyEvent],
@@ -193,8 +193,8 @@ class Ledger:
             out = dict.fromkeys(shared, eps)
         rest = [n for n in names if n not in out]
         if self.accountant == "rdp":
-            eps = histories_epsilon({n: self.history(n).events for n in rest}, self.delta)
-            out.update({n: eps[n] for n in rest})
+            by_name = histories_epsilon({n: self.history(n).events for n in rest}, self.delta)
+            out.update({n: by_name[n] for n in rest})
         else:
             out.update({n: self.recomputed(n) for n in rest})
         return {n: out[n] for n in names}
@@ -404,10 +404,10 @@ def client_order(name: str) -> tuple[int, str]:
     return (int(tail), name) if tail.isdigit() else (1 << 30, name)
 
 
-def ledger_config(ledger: Ledger, client: str | None = None) -> dict[str, list]:
+def ledger_config(ledger: Ledger, client: str | None = None) -> dict[str, list[Any]]:
     """Every client's recorded events (or only ``client``'s) as flat ConfigRecord lists
     (``ledger-*`` keys; empty when there are none)."""
-    out: dict[str, list] = {"ledger-client": []}
+    out: dict[str, list[Any]] = {"ledger-client": []}
     for name in _FIELDS:
         out[f"ledger-{name}"] = []
     for key in (ledger.clients if client is None else [client]):
@@ -436,7 +436,7 @@ def prior_history(config: Mapping[str, Any], partition_id: int) -> PrivacyHistor
 SERVER_EVENTS_PREFIX = "server-event-"
 
 
-def server_events_config(ledger: Ledger, client: str) -> dict[str, list]:
+def server_events_config(ledger: Ledger, client: str) -> dict[str, list[Any]]:
     """The server's own releases charged to ``client`` so far, as flat ConfigRecord lists
     (``server-event-*`` keys; empty when there are none). Sent with every instruction so
     the client's budget check counts what the server spent on its behalf."""

@@ -57,12 +57,13 @@ from __future__ import annotations
 
 import math
 from fractions import Fraction
+from typing import Any
 
 import numpy as np
 import torch
 
 # float dtype -> (unsigned integer of the same width, number of magnitude bits)
-_UINT = {
+_UINT: dict[np.dtype[Any], tuple[type[np.unsignedinteger[Any]], int]] = {
     np.dtype(np.float16): (np.uint16, 15),
     np.dtype(np.float32): (np.uint32, 31),
     np.dtype(np.float64): (np.uint64, 63),
@@ -122,7 +123,8 @@ def _certified(x: np.ndarray, sumsq: float, bound: float) -> bool:
     return _exactly_within(x, bound)
 
 
-def _descend(bucket: np.ndarray, sq: np.ndarray, acc: float, bits: int, budget: float):
+def _descend(bucket: np.ndarray, sq: np.ndarray, acc: float, bits: int,
+             budget: float) -> tuple[float, int] | None:
     """One radix level: (sum of squares above the bucket holding the cut, that bucket), or
     None if the whole range fits in the budget after all (rounding in the level above)."""
     sums = np.bincount(bucket, weights=sq, minlength=1 << bits)
@@ -190,7 +192,7 @@ def _keep_largest(flat: np.ndarray, sq: np.ndarray, budget: float) -> np.ndarray
         while r < n and acc + (r + 1) * v2 <= budget:
             r += 1
     keep = np.concatenate([cand[key > kt], ties[n - r:]])
-    out = flat * (bucket > top_cut)            # a multiply: much faster than a masked copy
+    out: np.ndarray = flat * (bucket > top_cut)  # a multiply: much faster than a masked copy
     out[keep] = flat[keep]
     out += 0                                   # -0.0 -> +0.0
     return out

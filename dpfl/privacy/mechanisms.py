@@ -307,4 +307,5 @@ class QuantileClipTracker:
         rest = total_noise_multiplier ** -2 - (2.0 * count_noise_multiplier) ** -2
         if rest <= 0:
             raise ValueError("count_noise_multiplier too small for this total noise")
-        return rest ** -0.5
+        sigma: float = rest ** -0.5
+        return sigma

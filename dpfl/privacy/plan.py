@@ -18,6 +18,7 @@ A plan is a :class:`~dpfl.privacy.events.PrivacyEvent`:
 from __future__ import annotations
 
 import math
+from typing import Any, Mapping
 
 from dpfl.config import RunConfig
 from dpfl.privacy.accounting import calibrate_dpsgd_noise, calibrate_noise
@@ -137,7 +138,7 @@ def plan_to_record(event: PrivacyEvent) -> dict[str, object]:
     return {f"plan-{name}": getattr(event, name) for name in _PLAN_FIELDS}
 
 
-def plan_from_record(config, server_round: int) -> PrivacyEvent | None:
+def plan_from_record(config: Mapping[str, Any], server_round: int) -> PrivacyEvent | None:
     """The plan the server sent in a ConfigRecord (None when it sent none)."""
     if "plan-mechanism" not in config:
         return None

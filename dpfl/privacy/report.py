@@ -54,19 +54,23 @@ EXIT_OVER_BUDGET = 4
 # Relative tolerance when comparing epsilons across files (JSON keeps floats exactly; this
 # allows for another dp-accounting build recomputing the same history).
 EPSILON_RTOL = 1e-6
+# One event as its sorted (field, value) pairs (a key of server_releases)
+EventItems = tuple[tuple[str, Any], ...]
+# A charged event as (round, mechanism, sigma, rate, epsilon, steps, relation)
+ChargeKey = tuple[int, str, float, float, float, int, str]
 
 
 def server_releases(charges: list[dict[str, Any]]
-                    ) -> dict[tuple[int, str, tuple], list[str]]:
+                    ) -> dict[tuple[int, str, tuple[EventItems, ...]], list[str]]:
     """The server's own releases, one per (round, note, events), with the clients covered."""
-    out: dict[tuple[int, str, tuple], list[str]] = {}
+    out: dict[tuple[int, str, tuple[EventItems, ...]], list[str]] = {}
     for c in charges:
         key = (c["round"], c["note"], tuple(tuple(sorted(e.items())) for e in c["events"]))
         out.setdefault(key, []).append(c["client"])
     return out
 
 
-def _describe(event: tuple) -> str:
+def _describe(event: EventItems) -> str:
     e = dict(event)
     if e["mechanism"] in PURE:
         return f"{e['mechanism']} eps={e['epsilon']:g}"
@@ -98,8 +102,8 @@ def load_summary(path: Path) -> dict[str, Any] | None:
         return None
     data = read_json_file(path, "run summary")
     g = data.get("guarantee") if isinstance(data, dict) else None
-    if not isinstance(g, dict) or not all(isinstance(g.get(k), str) for k in
-                                          ("verdict", "scope", "relation", "sampling")):
+    if not isinstance(data, dict) or not isinstance(g, dict) or not all(
+            isinstance(g.get(k), str) for k in ("verdict", "scope", "relation", "sampling")):
         raise UserError(f"{path}: not a run summary (no 'guarantee' with verdict, scope, "
                         "relation and sampling)")
     clients = data.get("clients")
@@ -189,11 +193,11 @@ def _differ(a: float, b: float) -> bool:
     return abs(a - b) > EPSILON_RTOL * max(abs(a), abs(b))
 
 
-def _event_key(e: PrivacyEvent) -> tuple:
-    return (int(e.round),) + tuple(e.key[:4]) + (int(e.steps), e.key[4])
+def _event_key(e: PrivacyEvent) -> ChargeKey:
+    return (int(e.round),) + e.key[:4] + (int(e.steps), e.key[4])
 
 
-def _key_text(key: tuple) -> str:
+def _key_text(key: ChargeKey) -> str:
     _, mechanism, sigma, rate, epsilon, steps, relation = key
     items = (("mechanism", mechanism), ("sigma", sigma), ("rate", rate), ("epsilon", epsilon),
              ("steps", steps), ("relation", relation))
@@ -201,7 +205,7 @@ def _key_text(key: tuple) -> str:
 
 
 def _run_checks(ledger: Ledger, config: dict[str, Any] | None) -> list[Difference]:
-    out = []
+    out: list[Difference] = []
     if config is None:
         return out
     delta = _number(config.get("delta"))
@@ -261,12 +265,12 @@ def _summary_checks(ledger: Ledger, summary: dict[str, Any], recomputed: dict[st
 def _rounds_checks(ledger: Ledger, rounds: list[dict[str, Any]],
                    figures: dict[str, float]) -> list[Difference]:
     out = []
-    logged: dict[str, Counter] = {}
+    logged: dict[str, Counter[ChargeKey]] = {}
     for line in rounds:
         for c in line.get("charges", []):
             counts = logged.setdefault(c["client"], Counter())
             counts.update(_event_key(PrivacyEvent(**e)) for e in c["events"])
-    last = rounds[-1] if rounds else {"round": 0, "epsilon": {}}
+    last: dict[str, Any] = rounds[-1] if rounds else {"round": 0, "epsilon": {}}
     last_eps = last.get("epsilon", {})
     for client in sorted(set(logged) | set(last_eps), key=_client_key):
         if client not in ledger.clients:
@@ -409,11 +413,11 @@ def build_privacy_report(run_dir: Path, plot: PlotEpsilon | None = None) -> Priv
                       shown, str(len(history.rounds)), str(releases), mark)
     off_plan = [c for c in ledger.charges
                 if c.get("source", "client") == "client" and c["note"] != "reported = plan"]
-    releases = server_releases(server)
+    by_release = server_releases(server)
     console.print(f"accountant: {ledger.accountant}; server-recomputed epsilon (never below a "
                   f"client's own report); {len(ledger.mismatches)} mismatch(es) with client "
                   f"reports; {len(off_plan)} charge(s) not matching the plan; "
-                  f"{len(releases)} server release(s) composed into the clients' epsilon",
+                  f"{len(by_release)} server release(s) composed into the clients' epsilon",
                   soft_wrap=True)
     console.print(table)
     for client, value in over.items():
@@ -424,7 +428,7 @@ def build_privacy_report(run_dir: Path, plot: PlotEpsilon | None = None) -> Priv
                       f"{m['reported']:.6g}, recomputed {m['recomputed']:.6g}")
     for c in off_plan:
         console.print(f"CHARGE {c['client']} round {c['round']}: {c['note']}")
-    for (server_round, note, events), clients in releases.items():
+    for (server_round, note, events), clients in by_release.items():
         described = ", ".join(_describe(e) for e in events)
         console.print(f"SERVER round {server_round}: {note or 'server release'} [{described}] "
                       f"charged to {', '.join(clients)}", soft_wrap=True)

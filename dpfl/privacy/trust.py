@@ -32,12 +32,15 @@ from __future__ import annotations
 import dataclasses
 import math
 from functools import lru_cache
-from typing import Callable
+from typing import TYPE_CHECKING, Callable, Protocol
 
 from dpfl.config import ConfigError, RunConfig
 from dpfl.privacy import ddgauss, skellam
 from dpfl.privacy.accounting import SIGMA_MAX, bisect_sigma, calibrate_events
 from dpfl.privacy.events import PrivacyEvent, history_epsilon
+
+if TYPE_CHECKING:
+    import torch
 
 CENTRAL_RELATION = "add-remove"
 # central + adaptive clipping: the client's bit 1[||Delta|| <= C] in its reply metrics
@@ -130,7 +133,30 @@ def secure_event(noise: str, round_: int, sigma: float, clip: float, scale: floa
     return skellam.skellam_event(round_, sigma, clip, scale, dim, DISTRIBUTED_RELATION)
 
 
-def own_noise(cfg: RunConfig):
+class OwnSecureNoise(Protocol):
+    """A method's own integer noise under SecAgg+ (:func:`own_noise`; cpSGD's quantiser and
+    binomial, ``dpfl.methods.cpsgd``): what replaces the shared share, event, calibration,
+    dequantisation, range check and scope text."""
+
+    def secure_event(self, cfg: RunConfig, server_round: int, dim: int,
+                     sigma: float) -> PrivacyEvent: ...
+
+    def secure_sigma(self, cfg: RunConfig, dim: int) -> float: ...
+
+    def secure_share(self, cfg: RunConfig, update: torch.Tensor, clip: float, sigma: float,
+                     n_min: int, generator: torch.Generator,
+                     server_round: int) -> torch.Tensor: ...
+
+    def secure_mean(self, cfg: RunConfig, total: torch.Tensor, survivors: int, n_min: int,
+                    dim: int, sigma: float, server_round: int) -> torch.Tensor: ...
+
+    def secure_check(self, cfg: RunConfig, dim: int, sigma: float, sampled: int, n_min: int,
+                     limit: int) -> float: ...
+
+    def secure_scope(self, cfg: RunConfig) -> tuple[str, str]: ...
+
+
+def own_noise(cfg: RunConfig) -> OwnSecureNoise | None:
     """The method's own secure-sum noise (its parameters, when they define
     ``secure_event``), or None: the shared ``secure-noise`` path."""
     return cfg.params if hasattr(cfg.params, "secure_event") else None

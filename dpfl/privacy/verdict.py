@@ -4,7 +4,7 @@ the verdict ``formal`` or ``none: <reason>``."""
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, replace
-from typing import Sequence
+from typing import Any, Sequence
 
 from dpfl.config import RunConfig
 from dpfl.privacy.plan import UPDATE_DP_RELATION
@@ -49,7 +49,7 @@ class Guarantee:
     def formal(self) -> bool:
         return self.verdict == "formal"
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
 

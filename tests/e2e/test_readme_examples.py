@@ -1,7 +1,9 @@
 """The README's `dpfl simulate` examples give sensible results as written (issue 28, item 7):
 the non-private reference and the client-level DP example, read from the README itself and
 run at a small size (digits, 2 clients, batch 32; rounds as written), must beat chance, with
-no divergence warning and the privacy summary printed once."""
+no divergence warning and the privacy summary printed once. The Fashion-MNIST example (issue
+48): the line before it says what to install, and without that package it stops at once
+(exit 2, one line naming the package)."""
 
 from __future__ import annotations
 
@@ -13,6 +15,9 @@ from pathlib import Path
 
 import pytest
 
+from dpfl.data import loaders
+
+from cli_helpers import fails
 from federation import ONE_ACTOR
 
 pytestmark = pytest.mark.e2e
@@ -77,3 +82,36 @@ def test_a_readme_example_learns_at_a_small_size(tmp_path, trainer):
     assert proc.stdout.count("privacy per client") == 1, proc.stdout[-4000:]
     expected = "none: no DP mechanism" if trainer == "plain" else "formal"
     assert summary["guarantee"]["verdict"].startswith(expected)
+
+
+# -- the Fashion-MNIST example: what to install first, and the error without it ------------
+
+def readme_fashion_mnist_example() -> tuple[str, list[str]]:
+    """(the README block's line just before the fashion-mnist example, the example's words
+    after `dpfl simulate`)."""
+    text = README.read_text()
+    block = text.split("## Running other configurations", 1)[1].split("```bash", 1)[1]
+    lines = block.split("```", 1)[0].strip().splitlines()
+    for before, line in zip([""] + lines, lines):
+        words = line.split("#", 1)[0].split()
+        if words[:2] == [".venv/bin/dpfl", "simulate"] and "dataset=fashion-mnist" in words:
+            return before, words[2:]
+    raise AssertionError("no dataset=fashion-mnist example in the README's block")
+
+
+def test_the_readme_says_what_the_fashion_mnist_example_needs_first():
+    """The line before the example installs Debian's package and names the folder dpfl
+    reads it from (the loader's own, so the README cannot drift from the code)."""
+    before, _ = readme_fashion_mnist_example()
+    assert "apt-get install dataset-fashion-mnist" in before, before
+    assert f"{loaders.FASHION_MNIST_DEBIAN_DIR}/" in before, before
+
+
+def test_the_fashion_mnist_example_without_the_package_names_it(tmp_path, capsys, monkeypatch):
+    """On a machine without Debian's dataset-fashion-mnist, the README's example as written
+    stops before any process starts: exit 2, one line naming the package to install."""
+    monkeypatch.setattr(loaders, "FASHION_MNIST_DEBIAN_DIR", tmp_path / "no-fashion-mnist")
+    _, args = readme_fashion_mnist_example()
+    line = fails(capsys, ["simulate", *args, "--output-dir", str(tmp_path / "runs")],
+                 "fashion-mnist: not installed", "apt-get install dataset-fashion-mnist")
+    assert not (tmp_path / "runs").exists(), line   # nothing written either
