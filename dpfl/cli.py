@@ -558,6 +558,11 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_USER_ERROR
+    except KeyboardInterrupt:   # Ctrl-C: the launcher has stopped what it started
+        again = (" (the same command resumes: finished runs are kept)"
+                 if args.command == "reproduce" else "")
+        print(f"interrupted{again}", file=sys.stderr)
+        return 128 + signal.SIGINT
 
 
 if __name__ == "__main__":

@@ -497,13 +497,17 @@ def _launch(app_dir: Path, cfg: RunConfig, num_clients: int, overrides: dict[str
                "--federation-config",
                federation_config(num_clients, num_cpus, parallel)]
         out = subprocess.DEVNULL if quiet else subprocess.PIPE
-        proc = subprocess.Popen(cmd, env=env, stdout=out, cwd=str(app_dir),
-                                preexec_fn=die_with_parent)
+        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.PIPE,
+                                cwd=str(app_dir), preexec_fn=die_with_parent)
         _active[proc.pid] = "flwr run"
-        relay = None
-        if not quiet:   # flwr run's stream, minus Flower's misleading lines
-            relay = threading.Thread(target=relay_stream, args=(proc.stdout,), daemon=True,
-                                     name="flwr-run-stream")
+        # flwr run's stream (stdout; not when quiet) and its own messages (stderr), minus
+        # Flower's misleading or useless lines
+        relays = [threading.Thread(target=relay_stream, args=(proc.stderr, _stderr_out()),
+                                   daemon=True, name="flwr-run-stderr")]
+        if not quiet:
+            relays.append(threading.Thread(target=relay_stream, args=(proc.stdout,),
+                                           daemon=True, name="flwr-run-stream"))
+        for relay in relays:
             relay.start()
         try:
             _check_terminated()
@@ -514,7 +518,7 @@ def _launch(app_dir: Path, cfg: RunConfig, num_clients: int, overrides: dict[str
             raise
         finally:
             _active.pop(proc.pid, None)
-            if relay is not None:   # the stream ends with flwr run (a grandchild holding
+            for relay in relays:   # the stream ends with flwr run (a grandchild holding
                 relay.join(timeout=5.0)   # the pipe open cannot hold the launcher up)
     _check_terminated()
     return _outcome(status_file, run_dir, returncode, flwr_home / "superlink.log")
@@ -543,8 +547,15 @@ DROPPED_FLOWER_LINES = (
     re.compile(r"INFO\s*:\s*"),
     re.compile(r"(\(ClientAppActor pid=\d+\)\s*)?WARNING\s*:\s*Manually terminating "
                r"ClientAppActor\s*"),
+    # the run id of a simulation whose SuperLink the launcher stops afterwards: nothing a
+    # user can do with it (the run directory is printed at the end)
+    re.compile(r"INFO\s*:\s*(Starting logstream for run_id `\d+`|Exiting logstream)\s*"),
 )
 _ANSI_COLOUR = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def _stderr_out() -> IO[bytes]:
+    return getattr(sys.stderr, "buffer", None) or sys.stderr  # type: ignore[return-value]
 
 
 def relay_stream(stream: IO[bytes], out: IO[bytes] | None = None) -> None:

@@ -363,3 +363,20 @@ def test_help_texts_are_plain_and_complete(capsys):
     assert "docs/run-config.md" in simulate
     for option in ("--output-dir", "--cpus-per-client"):
         assert option in simulate
+
+
+def test_ctrl_c_is_one_line_and_exit_130(monkeypatch, capsys, tmp_path):
+    """Ctrl-C (KeyboardInterrupt in the command) ends with one line, not a traceback; a
+    reproduction says the same command resumes it."""
+    import dpfl.cli as cli
+
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "cmd_summary", interrupted)
+    monkeypatch.setattr(cli, "cmd_reproduce", interrupted)
+    assert cli.main(["summary", str(tmp_path)]) == 130
+    assert capsys.readouterr().err == "interrupted\n"
+    assert cli.main(["reproduce", "pegasus", "--seeds", "0"]) == 130
+    assert capsys.readouterr().err == ("interrupted (the same command resumes: finished runs "
+                                       "are kept)\n")

@@ -118,8 +118,10 @@ def test_the_launcher_relays_flwr_runs_stream_without_flowers_misleading_line():
             noise.replace("to 2.", "to 2. (and more)"), "last line without newline"]
     actor = ("\x1b[36m(ClientAppActor pid=24784)\x1b[0m \x1b[93mWARNING \x1b[0m:   Manually "
              "terminating ClientAppActor\n")
-    stream = io.BytesIO("".join([kept[0], coloured, kept[1], noise, actor, kept[2], kept[3]]
-                                ).encode())
+    logstream = ["\x1b[92mINFO \x1b[0m:      Starting logstream for run_id `4270501234210878284`\n",
+                 "\x1b[92mINFO \x1b[0m:      Exiting logstream\n"]
+    stream = io.BytesIO("".join([logstream[0], kept[0], coloured, kept[1], noise, actor,
+                                 kept[2], logstream[1], kept[3]]).encode())
     out = io.BytesIO()
     relay_stream(stream, out)
     assert out.getvalue().decode() == "".join(kept)

@@ -124,9 +124,15 @@ def test_the_simulation_environment_names_the_cluster_or_a_private_ray(
 
     class FlwrRun:
         pid = 999999
+        stdout = stderr = None
 
         def __init__(self, cmd, env, **kwargs):
             seen["flwr run"] = dict(env)
+            import io
+
+            self.stdout = io.BytesIO() if kwargs.get("stdout") is launch.subprocess.PIPE \
+                else None
+            self.stderr = io.BytesIO()
 
         def wait(self, timeout=None):
             return 0

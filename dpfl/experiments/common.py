@@ -67,7 +67,10 @@ def set_aside_incomplete(work: Path, name: str) -> None:
     the same command can run it again instead of refusing an existing directory."""
     stale = work / name
     if stale.exists():
-        stale.rename(work / f"{name}.incomplete-{time.strftime('%Y%m%d-%H%M%S')}")
+        kept = work / f"{name}.incomplete-{time.strftime('%Y%m%d-%H%M%S')}"
+        stale.rename(kept)
+        print(f"    {name}: an interrupted attempt is kept as {kept.name}; running it again",
+              flush=True)
 
 
 class RoundProgress:
