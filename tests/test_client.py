@@ -233,6 +233,36 @@ def test_the_budget_check_counts_the_servers_releases():
     assert "dpfl.privacy" not in ctx.state
 
 
+def test_a_malformed_ledger_or_plan_record_is_a_refusal_not_a_crash():
+    """Issue 50's one record codec: an instruction whose ``ledger-*`` or ``plan-*`` keys do
+    not decode (a missing column, lists of different lengths) gets a refusal naming the
+    record; the client trains nothing and spends nothing (before: an IndexError/KeyError
+    inside the ClientApp)."""
+    from dpfl.privacy.ledger import Ledger, ledger_config
+    from dpfl.privacy.plan import plan_to_record
+
+    run_config = {**DIGITS, "accountant": "rdp", "trainer": "update-dp"}
+    torch.manual_seed(0)
+    arrays = ArrayRecord(build_model("mlp", (1, 8, 8), 10).state_dict())
+    ledger = Ledger(1e-5, "rdp")
+    ledger.clients["client-0"] = PrivacyHistory([PrivacyEvent.gaussian(
+        1, 1.0, relation="replace-one")])
+    broken_ledger = ledger_config(ledger)
+    broken_ledger["ledger-client"] = [0, 0]
+    broken_plan = plan_to_record(PrivacyEvent.gaussian(1, 1.0, relation="replace-one"))
+    del broken_plan["plan-sigma"]
+    for extra, says in ((broken_ledger, "unusable ledger record"),
+                        (broken_plan, "unusable plan record")):
+        ctx = context(run_config, 0, 2)
+        msg = message(RecordDict({"arrays": arrays, "config": ConfigRecord(
+            {"server-round": 1, **extra})}))
+        reply = train(msg, ctx)
+        assert reply.content["status"]["status"] == "refused", extra
+        assert says in reply.content["status"]["reason"]
+        assert "arrays" not in reply.content.array_records
+        assert "dpfl.privacy" not in ctx.state
+
+
 # -- DP-SGD extensions: per-round clip, noised-gradient transform, joint unclipped count ---
 
 def test_joint_gradient_noise_closed_form():

@@ -36,7 +36,12 @@ class ClientBudget:
         self.job, self.state = job, state
         cfg, pid = job.cfg, job.pid
         self.history = PrivacyHistory.load(state, adaptive=adaptive)
-        prior = prior_history(job.config, pid)
+        # a ledger record this client cannot read: it refuses the round (never guesses)
+        self.record_problem: str | None = None
+        try:
+            prior = prior_history(job.config, pid)
+        except (TypeError, ValueError) as exc:
+            prior, self.record_problem = None, f"unusable ledger record ({exc})"
         if prior is not None and self.history.merge(prior):
             log.warning("client %d adopted privacy events recorded by the server (node state "
                         "was lost, e.g. after a restart)", pid)
@@ -61,8 +66,11 @@ class ClientBudget:
     def refusal(self, planned: PrivacyEvent) -> str | None:
         """Why this client must not release ``planned`` (None: it may), logged."""
         job, cfg = self.job, self.job.cfg
-        server_plan = plan_from_record(job.config, job.server_round)
-        problem = plan_problem(planned, server_plan) if server_plan is not None else None
+        try:
+            server_plan = plan_from_record(job.config, job.server_round)
+            problem = plan_problem(planned, server_plan) if server_plan is not None else None
+        except (TypeError, ValueError) as exc:
+            problem = f"unusable plan record ({exc})"
         # the budget covers the server's own releases charged to this client too (e.g. the
         # noisy count of adaptive clipping); the epsilon it reports stays its own events'
         try:
@@ -76,6 +84,8 @@ class ClientBudget:
         reason = None
         if problem is not None:
             reason = f"plan: the server's plan differs from this client's ({problem})"
+        elif self.record_problem is not None:
+            reason = self.record_problem
         elif self.node_problem is not None:
             reason = self.node_problem
         elif refuse:

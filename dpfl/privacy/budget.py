@@ -19,6 +19,7 @@ from flwr.app import ConfigRecord, RecordDict
 
 from dpfl.privacy.events import PrivacyEvent, history_epsilon, history_unit
 from dpfl.privacy.filter import RenyiFilter
+from dpfl.privacy.record import decode_events, encode_events
 
 STATE_KEY = "dpfl.privacy"
 # Relative slack when comparing with the budget: calibration meets the target only to the
@@ -27,7 +28,6 @@ BUDGET_RTOL = 1e-6
 # the first word of a client's refusal reason when the round would pass its budget (a
 # refusal that will recur: the server may stop asking that client)
 BUDGET_REFUSAL = "budget"
-_FIELDS = ("round", "mechanism", "sigma", "rate", "steps", "epsilon", "relation")
 
 
 @dataclass
@@ -76,15 +76,11 @@ class PrivacyHistory:
 
     # -- persistence in context.state / messages -----------------------------------------
     def to_record(self) -> ConfigRecord:
-        rec = {name: [getattr(e, name) for e in self.events] for name in _FIELDS}
-        return ConfigRecord({**rec, "adaptive": self.adaptive})
+        return ConfigRecord({**encode_events(self.events), "adaptive": self.adaptive})
 
     @classmethod
     def from_record(cls, record: Mapping[str, Any]) -> "PrivacyHistory":
-        n = len(record.get("round", []))
-        if any(len(record[name]) != n for name in _FIELDS):
-            raise ValueError("privacy record lists have different lengths")
-        events = [PrivacyEvent(**{name: record[name][i] for name in _FIELDS}) for i in range(n)]
+        events = decode_events(record)
         return cls(events, bool(record.get("adaptive", False)))
 
     @classmethod

@@ -35,7 +35,7 @@ from typing import Any, Mapping, Sequence
 
 from dpfl.durable import atomic_write_text
 from dpfl.errors import UserError, one_line, read_json_file
-from dpfl.privacy.budget import _FIELDS, BUDGET_RTOL, PrivacyHistory
+from dpfl.privacy.budget import BUDGET_RTOL, PrivacyHistory
 from dpfl.privacy.events import (
     ACCOUNTANTS,
     PrivacyEvent,
@@ -44,9 +44,12 @@ from dpfl.privacy.events import (
     history_unit,
     rdp_to_epsilon,
 )
+from dpfl.privacy.record import decode_events, encode_events
 
 log = logging.getLogger("flwr.dpfl.ledger")
 MISMATCH_RTOL = 1e-6
+# the instruction keys of the ledger's record (dpfl.privacy.record's format)
+LEDGER_PREFIX = "ledger-"
 # A partition's key in the ledger, the run's records and every server message; a sender
 # whose partition is not known is charged as ``node-<node id>`` instead.
 CLIENT_PREFIX = "client-"
@@ -407,9 +410,8 @@ def client_order(name: str) -> tuple[int, str]:
 def ledger_config(ledger: Ledger, client: str | None = None) -> dict[str, list[Any]]:
     """Every client's recorded events (or only ``client``'s) as flat ConfigRecord lists
     (``ledger-*`` keys; empty when there are none)."""
-    out: dict[str, list[Any]] = {"ledger-client": []}
-    for name in _FIELDS:
-        out[f"ledger-{name}"] = []
+    pids: list[int] = []
+    events: list[PrivacyEvent] = []
     for key in (ledger.clients if client is None else [client]):
         # only partitions' histories (a node-<id> key is a sender whose partition is not
         # known: its number is a node id, not a partition id)
@@ -417,20 +419,23 @@ def ledger_config(ledger: Ledger, client: str | None = None) -> dict[str, list[A
             continue
         pid = client_order(key)[0]
         for e in ledger.clients[key].events:
-            out["ledger-client"].append(pid)
-            for name in _FIELDS:
-                out[f"ledger-{name}"].append(getattr(e, name))
-    return out if out["ledger-client"] else {}
+            pids.append(pid)
+            events.append(e)
+    if not pids:
+        return {}
+    return {"ledger-client": pids, **encode_events(events, LEDGER_PREFIX)}
 
 
 def prior_history(config: Mapping[str, Any], partition_id: int) -> PrivacyHistory | None:
-    """The events the server recorded for ``partition_id`` (None if it sent none)."""
+    """The events the server recorded for ``partition_id`` (None if it sent none); a
+    malformed record (a missing column, lists of different lengths) is a ValueError."""
     if "ledger-client" not in config:
         return None
-    idx = [i for i, pid in enumerate(config["ledger-client"]) if int(pid) == partition_id]
-    events = [PrivacyEvent(**{name: config[f"ledger-{name}"][i] for name in _FIELDS})
-              for i in idx]
-    return PrivacyHistory(events)
+    owners = list(config["ledger-client"])
+    if len(owners) != len(config.get(f"{LEDGER_PREFIX}round", [])):
+        raise ValueError("privacy record 'ledger-*': lists have different lengths")
+    idx = [i for i, pid in enumerate(owners) if int(pid) == partition_id]
+    return PrivacyHistory(decode_events(config, LEDGER_PREFIX, rows=idx))
 
 
 SERVER_EVENTS_PREFIX = "server-event-"
@@ -441,20 +446,12 @@ def server_events_config(ledger: Ledger, client: str) -> dict[str, list[Any]]:
     (``server-event-*`` keys; empty when there are none). Sent with every instruction so
     the client's budget check counts what the server spent on its behalf."""
     events = ledger.server.get(client, [])
-    if not events:
-        return {}
-    return {f"{SERVER_EVENTS_PREFIX}{name}": [getattr(e, name) for e in events]
-            for name in _FIELDS}
+    return encode_events(events, SERVER_EVENTS_PREFIX) if events else {}
 
 
 def server_events_from(config: Mapping[str, Any]) -> list[PrivacyEvent]:
     """The events :func:`server_events_config` put into an instruction (none if absent);
     a malformed record is a ValueError (the client then refuses to guess)."""
-    key = f"{SERVER_EVENTS_PREFIX}round"
-    if key not in config:
+    if f"{SERVER_EVENTS_PREFIX}round" not in config:
         return []
-    n = len(config[key])
-    columns = {name: list(config.get(f"{SERVER_EVENTS_PREFIX}{name}", [])) for name in _FIELDS}
-    if any(len(values) != n for values in columns.values()):
-        raise ValueError("server-event lists have different lengths")
-    return [PrivacyEvent(**{name: columns[name][i] for name in _FIELDS}) for i in range(n)]
+    return decode_events(config, SERVER_EVENTS_PREFIX)

@@ -23,6 +23,7 @@ from typing import Any, Mapping
 from dpfl.config import RunConfig
 from dpfl.privacy.accounting import calibrate_dpsgd_noise, calibrate_noise
 from dpfl.privacy.events import PrivacyEvent
+from dpfl.privacy.record import decode_event, encode_event
 
 UPDATE_DP_RELATION = "replace-one"
 # what a client-level (update-dp) client reports as ``num-examples``: its data set size is
@@ -130,16 +131,17 @@ def dpsgd_norm_bound(cfg: RunConfig, num_examples: int, noise_multiplier: float,
     return cfg.lr * steps * per_step / (1.0 - cfg.momentum)
 
 
-_PLAN_FIELDS = ("mechanism", "sigma", "rate", "steps", "epsilon", "relation")
+PLAN_PREFIX = "plan-"
 
 
 def plan_to_record(event: PrivacyEvent) -> dict[str, object]:
     """The plan as ``plan-*`` keys of a round's ConfigRecord (what the server asks for)."""
-    return {f"plan-{name}": getattr(event, name) for name in _PLAN_FIELDS}
+    return encode_event(event, PLAN_PREFIX)
 
 
 def plan_from_record(config: Mapping[str, Any], server_round: int) -> PrivacyEvent | None:
-    """The plan the server sent in a ConfigRecord (None when it sent none)."""
-    if "plan-mechanism" not in config:
+    """The plan the server sent in a ConfigRecord (None when it sent none; ValueError when
+    it is incomplete)."""
+    if f"{PLAN_PREFIX}mechanism" not in config:
         return None
-    return PrivacyEvent(server_round, **{name: config[f"plan-{name}"] for name in _PLAN_FIELDS})
+    return decode_event(config, PLAN_PREFIX, server_round)
