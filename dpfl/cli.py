@@ -228,7 +228,7 @@ def run_directory(text: str, writes: str = "") -> Path:
 
 def cmd_privacy_report(args: argparse.Namespace) -> int:
     run_dir = run_directory(args.run_dir)
-    from dpfl.privacy.report import privacy_report_command
+    from dpfl.privacy_report import privacy_report_command
     from dpfl.server.plots import plot_epsilon
 
     why = writable_dir_problem(run_dir)

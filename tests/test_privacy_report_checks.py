@@ -21,7 +21,7 @@ from dpfl.cli import main
 from dpfl.errors import UserError
 from dpfl.privacy.ledger import Ledger
 from dpfl.privacy.mechanisms import GaussianMechanism
-from dpfl.privacy.report import (
+from dpfl.privacy_report import (
     EXIT_INCONSISTENT,
     Difference,
     build_privacy_report,

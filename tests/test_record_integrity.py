@@ -39,7 +39,7 @@ from dpfl.privacy.budget import PrivacyHistory
 from dpfl.privacy.events import PrivacyEvent
 from dpfl.privacy.ledger import Ledger
 from dpfl.privacy.plan import dpsgd_norm_bound, planned_event
-from dpfl.privacy.report import EXIT_OVER_BUDGET, build_privacy_report
+from dpfl.privacy_report import EXIT_OVER_BUDGET, build_privacy_report
 from dpfl.runlock import WRITER_LOCK, RunLock, check_unlocked
 from dpfl.server.rundir import RunDir, run_dir_path
 from dpfl.server.runidentity import resume_difference, resume_overrides

@@ -25,7 +25,7 @@ from scipy.stats import norm
 from dpfl.privacy.events import PrivacyEvent
 from dpfl.privacy.ledger import Ledger, ledger_config, prior_history
 from dpfl.privacy.mechanisms import GaussianMechanism, QuantileClipTracker
-from dpfl.privacy.report import privacy_report
+from dpfl.privacy_report import privacy_report
 
 from rundir_helpers import lines_from_ledger, summary_of
 
