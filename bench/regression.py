@@ -30,6 +30,7 @@ RUNS = {  # name -> (experiment module or "demo", cell, method)
     **{f"aadp-mnist-mlp-{m}": ("aadp", "mnist-mlp", m)
        for m in ("fedavg", "dpfedavg", "dpscaffold", "aadp", "aadp-paper-noise")},
     "central": ("direct", "", ""),
+    "central-all": ("direct", "", ""),
     "distributed": ("direct", "", ""),
 }
 # the two trust-model runs (digits, small; the settings of tests/e2e/test_trust_federation.py)
@@ -38,6 +39,14 @@ DIRECT = {
                     "trust": "central", "fraction-train": 0.5, "num-rounds": 3,
                     "adaptive-clip": True, "clip-count-stddev": 2.0, "target-epsilon": 8,
                     "noise-multiplier": 1.0, "clip-norm": 0.1, "lr": 0.05}),
+    # every client every round (q = 1): no sampling, so bit-identical run to run. The sampled
+    # run above is not: Poisson sampling draws over node ids, which a simulation assigns at
+    # random, so the same seed samples other partitions in each run (its ledger, charged to
+    # every client, stays identical; its model does not)
+    "central-all": (6, {"dataset": "digits", "batch-size": 32, "trainer": "update-dp",
+                        "trust": "central", "fraction-train": 1.0, "num-rounds": 3,
+                        "adaptive-clip": True, "clip-count-stddev": 2.0, "target-epsilon": 8,
+                        "noise-multiplier": 1.0, "clip-norm": 0.1, "lr": 0.05}),
     "distributed": (4, {"dataset": "digits", "batch-size": 32, "trainer": "update-dp",
                         "trust": "distributed", "num-rounds": 2, "target-epsilon": 8,
                         "secagg-min-survivors": 3, "secure-noise": "skellam"}),
