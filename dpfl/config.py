@@ -13,7 +13,9 @@ import dataclasses
 import difflib
 import importlib.util
 import math
+from collections.abc import Collection
 from dataclasses import dataclass, fields
+from functools import lru_cache
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
@@ -506,13 +508,16 @@ def parse_global(raw: Mapping[str, Any], method_keys: frozenset[str] = frozenset
 def unknown_key_message(key: str, known: set[str]) -> str:
     """One short line for a key that is no run-config key: the closest known keys (a typo's
     likely meaning) and where every key is described, not the whole list (~140 keys)."""
-    return f"unknown run-config key '{key}'{did_you_mean(key, sorted(known))} (every key: {KEY_REFERENCE})"
+    return (f"unknown run-config key '{key}'{did_you_mean(key, known)} (every key: "
+            f"{KEY_REFERENCE})")
 
 
+@lru_cache(maxsize=1)
 def method_names() -> tuple[str, ...]:
     """The registered methods' names without importing them (the registry imports torch):
     one module ``dpfl/methods/<name>.py`` per method, named as its method
-    (tests/test_methods_registry.py keeps them equal to the registry's)."""
+    (tests/test_methods_registry.py keeps them equal to the registry's). Read once per
+    process (every validation asks)."""
     spec = importlib.util.find_spec("dpfl.methods")
     folders = spec.submodule_search_locations if spec is not None else None
     if not folders:
@@ -526,7 +531,7 @@ def need(cond: bool, key: str, message: str, value: Any) -> None:
         raise ConfigError(f"run-config key '{key}': {message}, got {value!r}")
 
 
-def did_you_mean(word: str, known: Sequence[str]) -> str:
+def did_you_mean(word: str, known: Collection[str]) -> str:
     """``": did you mean 'a' or 'b'?"`` for the known words closest to ``word`` ("" if none)."""
     quoted = [f"'{k}'" for k in difflib.get_close_matches(word, sorted(known), n=3, cutoff=0.6)]
     if len(quoted) > 1:

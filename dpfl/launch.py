@@ -502,7 +502,7 @@ def _launch(app_dir: Path, cfg: RunConfig, num_clients: int, overrides: dict[str
         _active[proc.pid] = "flwr run"
         # flwr run's stream (stdout; not when quiet) and its own messages (stderr), minus
         # Flower's misleading or useless lines
-        relays = [threading.Thread(target=relay_stream, args=(proc.stderr, _stderr_out()),
+        relays = [threading.Thread(target=relay_stream, args=(proc.stderr, _binary(sys.stderr)),
                                    daemon=True, name="flwr-run-stderr")]
         if not quiet:
             relays.append(threading.Thread(target=relay_stream, args=(proc.stdout,),
@@ -554,15 +554,16 @@ DROPPED_FLOWER_LINES = (
 _ANSI_COLOUR = re.compile(r"\x1b\[[0-9;]*m")
 
 
-def _stderr_out() -> IO[bytes]:
-    return getattr(sys.stderr, "buffer", None) or sys.stderr  # type: ignore[return-value]
+def _binary(stream: IO[str]) -> IO[bytes]:
+    """A text stream's underlying bytes (a stream without one, e.g. a test's, as is)."""
+    return getattr(stream, "buffer", None) or stream  # type: ignore[return-value]
 
 
 def relay_stream(stream: IO[bytes], out: IO[bytes] | None = None) -> None:
     """Copy ``stream`` line by line to ``out`` (default: this process's stdout), without
     the lines of :data:`DROPPED_FLOWER_LINES`."""
     if out is None:
-        out = getattr(sys.stdout, "buffer", None) or sys.stdout  # type: ignore[assignment]
+        out = _binary(sys.stdout)
     binary = not isinstance(out, io.TextIOBase)
     for raw in iter(stream.readline, b""):
         text = raw.decode(errors="replace")

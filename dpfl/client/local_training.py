@@ -22,6 +22,7 @@ from dpfl.privacy.events import PrivacyEvent
 from dpfl.privacy.mechanisms import DpsgdRelease
 from dpfl.privacy.plan import UNCLIPPED_FRACTION
 from dpfl.privacy.randomness import mechanism_generator
+from dpfl.tensors import flatten
 
 
 @dataclass
@@ -92,7 +93,7 @@ class DpSgdTrainer:
                    else {UNCLIPPED_FRACTION: result.unclipped_fraction})
         update = job.update()
         if job.post_process is not None:  # sees only the DP-SGD output: post-processing
-            update = job.as_state(job.post_process(job.flat_update()))
+            update = job.as_state(job.post_process(flatten(update)))
         return Trained(result, update, event, clip, metrics)
 
 

@@ -61,6 +61,17 @@ class ClientRelease(Protocol):
                 state_bytes: int) -> Released: ...
 
 
+def _update_release_inputs(job: ClientJob, trained: Trained
+                           ) -> tuple[torch.Tensor, float, torch.Generator]:
+    """What an update-level release works on: the flat update (an audit's canary client:
+    its canary), the round's clip C and this client's noise generator (on the CPU, where
+    the flat update lives; secret unless ``reproducible``)."""
+    cfg = job.cfg
+    return (canary_update(cfg, job.pid, flatten(trained.update)),
+            job.half.round_clip(cfg, job.config),
+            mechanism_generator(cfg.reproducible, cfg.seed, job.pid, job.server_round))
+
+
 class NoDpRelease:
     """``trainer=plain``: the trained update (an audit's canary client: its canary)."""
 
@@ -124,9 +135,7 @@ class LocalRelease:
                             float(trained.clip or 0.0), job.num_examples)
         assert planned is not None
         cfg, half = job.cfg, job.half
-        raw = canary_update(cfg, job.pid, flatten(trained.update))
-        clip = half.round_clip(cfg, job.config)
-        noise_rng = mechanism_generator(cfg.reproducible, cfg.seed, job.pid, job.server_round)
+        raw, clip, noise_rng = _update_release_inputs(job, trained)
         local = {TRAIN_LOSS: trained.result.train_loss,
                  **half.local_values(cfg, job.config, job.model, job.data)}
         noisy, event, metrics = half.release_update(cfg, job.config, raw, planned.sigma, clip,
@@ -148,12 +157,10 @@ class DistributedRelease:
                 state_bytes: int) -> Released:
         assert planned is not None
         cfg = job.cfg
-        raw = canary_update(cfg, job.pid, flatten(trained.update))
-        clip = job.half.round_clip(cfg, job.config)
         if job.pid == cfg.secagg_drop_partition:
             raise RuntimeError(f"secagg-drop-partition={job.pid}: dropping out of SecAgg+ "
                                "after sharing keys (fault injection)")
-        noise_rng = mechanism_generator(cfg.reproducible, cfg.seed, job.pid, job.server_round)
+        raw, clip, noise_rng = _update_release_inputs(job, trained)
         n_min = int(job.config["secagg-n-min"])
         sigma = distributed_noise_multiplier(cfg, job.dim, job.nparts)
         own = own_noise(cfg)

@@ -17,7 +17,6 @@ from dpfl.config import (
     ConfigError,
     RunConfig,
     need,
-    need_choice,
     parse_global,
 )
 from dpfl.method import Method
@@ -69,7 +68,6 @@ def parse_run_config(raw: Mapping[str, Any]) -> RunConfig:
     configured method's parameters. Every method's keys are type- and range-checked (the
     pyproject lists them all), so a bad value stops the run whichever method it belongs to."""
     cfg = _with_default_method(parse_global(raw, method_keys()))
-    need_choice(cfg.strategy, tuple(sorted(METHODS)), "strategy")   # as config.method_names()
     for method in METHODS.values():
         if method.params is not None and method.name != cfg.strategy:
             method.params.parse(raw)
