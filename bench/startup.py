@@ -68,7 +68,8 @@ POLL_SECONDS = 0.1
 
 # modules whose first import is timed in every process (begin, end; nested imports included)
 IMPORTS = (
-    "dpfl.cli", "dpfl.launch", "dpfl.apps.server", "dpfl.apps.client", "torch", "torch._dynamo",
+    "dpfl.cli", "dpfl.launch", "dpfl.apps.server", "dpfl.apps.client",
+    "dpfl.apps.client_handlers", "torch", "torch._dynamo",
     "numpy", "scipy", "opacus", "dp_accounting", "flwr", "flwr.simulation.app",
     "flwr.simulation.ray_transport.ray_actor", "flwr.superlink.cli", "flwr.supercore.cli",
     "flwr.cli.app", "ray", "grpc", "fastapi", "httpx", "sklearn", "matplotlib.pyplot", "zarr",
@@ -120,7 +121,8 @@ CALLS: dict[str, list[tuple]] = {
     "dpfl.apps.server": [("setup", "server.setup"), ("start_fresh", "server.start_fresh"),
                          ("first_round_affordable", "server.first_round_affordable"),
                          ("run_round", "server.round", 1)],
-    "dpfl.apps.client": [("_job", "client.job"), ("_model", "client.model")],
+    "dpfl.apps.client_handlers": [("_job", "client.job"), ("_model", "client.model"),
+                                  ("warm", "client.warm")],
     "dpfl.client.budget": [("ClientBudget.refusal", "client.budget_check"),
                            ("ClientBudget.charge", "client.charge")],
     "dpfl.client.release": [("LocalRelease.planned_event", "client.plan"),
@@ -820,9 +822,10 @@ def first_reply_rows(run: Run) -> list[tuple[float, float | None, str]]:
     for e in (e for e in own if e["ev"] == "import" and e["name"] == "ray"):
         span(e, "import ray")
     span(run.imported("flwr", pid=pid), "import flwr (the actor class)")
-    for name in ("torch", "dp_accounting", "dpfl.apps.client"):
+    for name in ("torch", "dp_accounting", "dpfl.apps.client", "dpfl.apps.client_handlers"):
         span(run.imported(name, pid=pid), f"import {name} (unpickling the message)")
     span(first, f"ClientApp call (partition {task_partition(run, first)})")
+    span(run.call("client.warm", pid=pid), "  warm-up (query.warm): imports, data, sigma")
     span(run.call("client.job", pid=pid), "  job: config, data, model, hooks")
     span(run.call("data.client_data", pid=pid), "    client data")
     span(run.call("data.load_dataset", pid=pid), "      load_dataset (MNIST archive)")

@@ -40,7 +40,8 @@ def test_divergence(initial, loss, reasons, expected):
 def test_the_server_logs_it_once(caplog):
     from dpfl.apps.server import _report_divergence
 
-    fed = SimpleNamespace(diverged=None, initial={"loss": 2.3}, cfg=SimpleNamespace(lr=2.0))
+    fed = SimpleNamespace(diverged=None, initial={"loss": 2.3}, initial_job=None,
+                          cfg=SimpleNamespace(lr=2.0))
     bad = SimpleNamespace(rejected=[Rejection(1, 0, "invalid", NON_FINITE)])
     with caplog.at_level(logging.WARNING, logger="flwr.dpfl.server"):
         _report_divergence(fed, 1, {"loss": 2.0}, SimpleNamespace(rejected=[]))

@@ -118,8 +118,10 @@ def test_the_simulation_environment_names_the_cluster_or_a_private_ray(
     seen: dict[str, dict] = {}
 
     @contextmanager
-    def superlink(flwr_home, env):
+    def superlink(flwr_home, env, while_starting=None):
         seen["superlink"] = dict(env)
+        if while_starting is not None:
+            while_starting()
         yield "127.0.0.1:1"
 
     class FlwrRun:

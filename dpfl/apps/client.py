@@ -1,159 +1,65 @@
-"""dpfl's ClientApp: local (DP) training and local evaluation over Flower's Message API.
+"""dpfl's ClientApp: the object Flower loads (``dpfl.apps.client:app``), light on purpose.
 
-The configured method's client half (``dpfl.method.ClientHalf``) sets the round's noise
-multiplier, local-training hooks and update clipping; this module names no method.
+Importing it imports Flower's app classes only; torch, Opacus, dp-accounting and dpfl's
+methods are imported by the handlers (:mod:`dpfl.apps.client_handlers`) on a node's first
+message. A simulation loads the ClientApp in its main thread before it starts Ray, while the
+ServerApp's thread imports torch: with a heavy module here Ray waited ~2.5 s for those
+imports (results/speed/startup-before.txt).
 
-A train reply carries ``arrays`` (the update = trained - received, same keys as the global
-model), ``metrics`` (num-examples, train-loss, epsilon, delta, ...) and ``privacy`` (the
-mechanism and its public parameters, so the server can recompute epsilon). A client whose
-next round would exceed its epsilon budget does not train: it replies with ``status`` =
-refused and the reason, and spends nothing.
+Messages: ``train`` (one round of local training), ``evaluate`` (local validation), and
+``query.warm`` (before round 1 in a simulation: imports, data and the first plan's noise
+multiplier, so that the first instruction does not wait on them).
 """
 
 from __future__ import annotations
 
-import os
+from typing import Callable
 
-import torch
-from flwr.app import (
-    ArrayRecord,
-    ConfigRecord,
-    Context,
-    Message,
-    MetricRecord,
-    RecordDict,
-)
+from flwr.app import Context, Message
 from flwr.clientapp import ClientApp
 
-from dpfl.client.budget import ClientBudget
-from dpfl.client.job import ClientJob
-from dpfl.client.local_training import Trained, trainer_for
-from dpfl.client.release import release_for
-from dpfl.client.secure import secure_aggregation_mod
-from dpfl.config import RunConfig
-from dpfl.data import ClientData, client_data
 from dpfl.logs import quiet_known_warnings, quiet_routine_flower_records
-from dpfl.method import ClientHalf
-from dpfl.methods import method_for, parse_run_config
-from dpfl.models.evaluation import device_for, evaluate_model
+
+WARM = "warm"   # query.warm
 
 # the known harmless third-party warnings and Flower's routine records logged as warnings,
 # filtered precisely wherever this app runs (a deployment's SuperNode or SuperExec too, and
 # the Ray actors of a simulation)
 quiet_known_warnings()
 quiet_routine_flower_records()
-# SecAgg+ messages (trust=distributed) go through Flower's own secaggplus_mod
+
+
+def secure_aggregation_mod(msg: Message, context: Context,
+                           call_next: Callable[[Message, Context], Message]) -> Message:
+    """SecAgg+ messages (trust=distributed) go through Flower's own secaggplus_mod
+    (:func:`dpfl.client.secure.secure_aggregation_mod`, imported on the first message)."""
+    from dpfl.client.secure import secure_aggregation_mod as mod
+
+    return mod(msg, context, call_next)
+
+
 app = ClientApp(mods=[secure_aggregation_mod])
-
-
-def _threads() -> None:
-    n = int(os.environ.get("DPFL_NUM_THREADS", "0") or 0)
-    if n > 0 and torch.get_num_threads() != n:
-        torch.set_num_threads(n)
-
-
-def _partition(context: Context) -> tuple[int, int]:
-    try:
-        return int(context.node_config["partition-id"]), int(context.node_config["num-partitions"])
-    except KeyError as exc:
-        raise ValueError("this SuperNode needs --node-config 'partition-id=<i> "
-                         "num-partitions=<n>'") from exc
-
-
-def _model(cfg: RunConfig, data: ClientData, arrays: ArrayRecord) -> torch.nn.Module:
-    model = method_for(cfg).build_model(cfg, tuple(data.x_train.shape[1:]), data.num_classes)
-    model.load_state_dict(arrays.to_torch_state_dict())
-    return model
-
-
-def _state_bytes(context: Context) -> int:
-    """Bytes this node keeps between rounds (its privacy history, SecAgg+ keys, ...)."""
-    return int(sum(record.count_bytes() for record in context.state.values()))
 
 
 @app.train()
 def train(msg: Message, context: Context) -> Message:
-    """One round of local training: the client's plan, its budget check, the trainer, the
-    trust model's release, the reply (``dpfl.client``: job, budget, local_training,
-    release)."""
-    _threads()
-    job = _job(msg, context)
-    release = release_for(job.cfg)
-    trainer = trainer_for(job.cfg)
-    if not release.charges:   # no DP, or a trusted server noises and charges (central)
-        trained = trainer.train(job)
-        out = release.release(job, trained, None, _state_bytes(context))
-        metrics = {**job.base_metrics(), **out.metrics}
-        return _reply(msg, trained, job, arrays=out.arrays, metrics=metrics,
-                      privacy=ConfigRecord(out.privacy or {}))
+    """One round of local training (:func:`dpfl.apps.client_handlers.train`)."""
+    from dpfl.apps.client_handlers import train as handler
 
-    budget = ClientBudget(job, context.state, context.node_config, context.run_id,
-                          adaptive=method_for(job.cfg).adaptive)
-    planned = release.planned_event(job)
-    reason = budget.refusal(planned)
-    if reason is not None:   # nothing trained, nothing spent
-        return Message(RecordDict({
-            "metrics": MetricRecord({**job.base_metrics(), "epsilon": budget.epsilon(),
-                                     "refused": 1}),
-            "status": ConfigRecord({"status": "refused", "reason": reason})}), reply_to=msg)
-    trained = trainer.train(job, planned.sigma)
-    out = release.release(job, trained, planned, _state_bytes(context))
-    assert out.event is not None
-    budget.charge(out.event)
-    metrics = {**job.base_metrics(), "num-examples": out.num_examples,
-               "epsilon": budget.epsilon(), "noise-multiplier": planned.sigma,
-               "node-state-bytes": _state_bytes(context), "sample-rate": out.event.rate,
-               "steps": out.event.steps, **out.metrics}
-    return _reply(msg, trained, job, arrays=out.arrays, metrics=metrics,
-                  privacy=budget.privacy_record(out.event, out.clip))
-
-
-def _job(msg: Message, context: Context) -> ClientJob:
-    """This instruction's client round: the run-config, the server's config, the client's
-    partition and data, the received model, the method's client half and hooks."""
-    cfg = parse_run_config(context.run_config)
-    config = msg.content["config"]
-    server_round = int(config.get("server-round", 0))
-    pid, nparts = _partition(context)
-    data = client_data(cfg, pid, nparts)
-    model = _model(cfg, data, msg.content["arrays"])
-    half = method_for(cfg).client
-    post_process = None
-    if type(half).post_process is not ClientHalf.post_process:
-        def post_process(flat: torch.Tensor) -> torch.Tensor:
-            return half.post_process(cfg, flat, server_round)
-    job = ClientJob(cfg, config, server_round, pid, nparts, data, model, device_for(), half,
-                    post_process)
-    job.hooks = half.hooks(cfg, msg, context, model)   # after the received copy
-    return job
-
-
-def _reply(msg: Message, trained: Trained, job: ClientJob, arrays: dict[str, torch.Tensor],
-           metrics: dict, privacy: ConfigRecord) -> Message:
-    """The train reply: the released arrays, the metrics (the private mean training loss
-    only when ``report-train-loss``), the privacy record and the method's extra records."""
-    if job.cfg.report_train_loss:
-        metrics["train-loss"] = trained.result.train_loss
-    extras = job.hooks.finish(job.model, trained.result)
-    return Message(RecordDict({"arrays": ArrayRecord(arrays), "metrics": MetricRecord(metrics),
-                               "privacy": privacy, **extras}), reply_to=msg)
+    return handler(msg, context)
 
 
 @app.evaluate()
 def evaluate(msg: Message, context: Context) -> Message:
-    """Loss and accuracy of the received model on the client's local validation split.
+    """Local validation (:func:`dpfl.apps.client_handlers.evaluate`)."""
+    from dpfl.apps.client_handlers import evaluate as handler
 
-    These metrics are computed from private data and released in the clear: they are not
-    covered by the DP guarantee (keep ``fraction-evaluate = 0`` for a strictly DP run).
-    """
-    _threads()
-    cfg = parse_run_config(context.run_config)
-    pid, nparts = _partition(context)
-    data = client_data(cfg, pid, nparts)
-    model = _model(cfg, data, msg.content["arrays"])
-    loss, preds = evaluate_model(model, data.x_val, data.y_val, device_for())
-    n = len(data.y_val)
-    acc = float((preds == data.y_val).float().mean()) if n else 0.0
-    return Message(RecordDict({"metrics": MetricRecord({
-        "partition-id": pid, "num-examples": max(n, 1), "val-loss": loss,
-        "val-accuracy": acc})}), reply_to=msg)
+    return handler(msg, context)
+
+
+@app.query(WARM)
+def warm(msg: Message, context: Context) -> Message:
+    """The warm-up before round 1 (:func:`dpfl.apps.client_handlers.warm`)."""
+    from dpfl.apps.client_handlers import warm as handler
+
+    return handler(msg, context)

@@ -10,15 +10,19 @@ strategy is talked to through ``start_round`` / ``finish_round`` and their retur
 
 from __future__ import annotations
 
+import copy
 import os
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+import numpy as np
 import torch
-from flwr.app import ArrayRecord, ConfigRecord, Context
+from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MessageType, RecordDict
 from flwr.serverapp import Grid, ServerApp
 
+from dpfl.apps.client import WARM
 from dpfl.apps.status import launcher_prints_summary, status_path, write_status
 from dpfl.config import ConfigError, RunConfig
 from dpfl.data import label_counts, load_dataset, splits_for, test_tensors
@@ -95,6 +99,13 @@ class Federation:
     initial: dict[str, float] = field(default_factory=dict)
     saved_config: dict[str, Any] | None = None   # config.json of the run a resume continues
     diverged: int | None = None   # the round the run was first seen diverging (logged once)
+    label_counts: np.ndarray | None = None   # (clients, classes), for labels.png at the end
+    initial_job: Future[dict[str, float]] | None = None   # round 0's evaluation, while it runs
+    warm_ids: list[str] = field(default_factory=list)   # the warm-up queries' message ids
+
+
+# one thread for the ServerApp's work beside the rounds (round 0's evaluation)
+_BACKGROUND = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dpfl-server")
 
 
 def _federated_evaluation(strategy: DPFLStrategy, grid: Grid, rnd: int, arrays: ArrayRecord,
@@ -160,6 +171,35 @@ def _speed_up_simulation_engine(grid: Grid) -> None:
         log.debug("Flower's simulation state indexes its instructions by node")  # internal
 
 
+def warm_nodes(grid: Grid, nodes: list[int]) -> list[str]:
+    """In a simulation, a ``query.warm`` message to every node as soon as it is connected
+    (:func:`dpfl.apps.client_handlers.warm`): each ClientApp actor imports torch, Opacus and
+    dpfl, loads its node's data and computes the first plan's noise multiplier while the
+    ServerApp sets up, not when round 1's instruction arrives. The replies carry nothing
+    but timings (collected at the end). None in a deployment: a SuperNode may start a fresh
+    process per message, where warming would only cost."""
+    if getattr(grid, "state", None) is None or os.environ.get("DPFL_WARM_NODES", "1") == "0":
+        return []
+    messages = [Message(content=RecordDict(), message_type=f"{MessageType.QUERY}.{WARM}",
+                        dst_node_id=node) for node in nodes]
+    return list(grid.push_messages(messages))
+
+
+def collect_warm_replies(fed: Federation) -> None:
+    """Pull the warm-up replies (they would otherwise stay in the link's state) and log
+    how long the warm-ups took (DEBUG)."""
+    if not fed.warm_ids:
+        return
+    ids, fed.warm_ids = fed.warm_ids, []
+    for reply in fed.grid.pull_messages(ids):
+        if reply.has_error():
+            log.debug("warm-up failed on node %s: %s", reply.metadata.src_node_id,
+                      reply.error.reason)
+        else:
+            log.debug("node %s warmed up in %.2f s", reply.metadata.src_node_id,
+                      reply.content["metrics"]["warm-seconds"])
+
+
 def setup(grid: Grid, cfg: RunConfig) -> Federation:
     """Check the run directory, build the strategy and model, wait for the nodes, bind the
     public partition sizes, check that a fresh run's first round fits the budget, create
@@ -187,7 +227,9 @@ def _set_up(grid: Grid, cfg: RunConfig, run_dir: RunDir, t_start: float) -> Fede
     model = method_for(cfg).build_model(cfg, ds.input_shape, ds.num_classes)
     strategy.bind_model(model)
     strategy.guard.dim = int(flatten(model.state_dict()).numel())
-    num_nodes = len(strategy.wait_for_nodes(grid, cfg.min_train_nodes))
+    nodes = strategy.wait_for_nodes(grid, cfg.min_train_nodes)
+    num_nodes = len(nodes)
+    warm_ids = warm_nodes(grid, nodes)
     if saved is not None:
         check_resume(saved, {NUM_CLIENTS: num_nodes}, str(run_dir.path))
     overflow = check_trust(strategy, cfg, num_nodes, strategy.guard.dim)
@@ -213,17 +255,17 @@ def _set_up(grid: Grid, cfg: RunConfig, run_dir: RunDir, t_start: float) -> Fede
     if not cfg.resume:
         first_round_affordable(strategy, cfg)
     run_dir.create()
-    if cfg.plots:
-        counts = label_counts(ds.y_train, splits, ds.num_classes)
-        plot_label_counts(counts, run_dir.file("labels.png"),
-                          f"{cfg.dataset}, {cfg.partitioning}, {num_nodes} clients")
+    # drawn when the run ends, with the other plots (matplotlib's import and the render took
+    # ~1.1 s on the way to round 1: results/speed/startup-before.txt)
+    counts = label_counts(ds.y_train, splits, ds.num_classes) if cfg.plots else None
     ledger = Ledger(cfg.delta, cfg.accountant,
                     budget=cfg.target_epsilon if cfg.is_private else None)
     strategy.bind_ledger(ledger)
     return Federation(grid, cfg, run_dir, claim, strategy, model, x_test, y_test,
                       device_for(), num_nodes, ArrayRecord(model.state_dict()), ledger,
                       ReplyExchange(grid, namer=strategy.client_name), t_start,
-                      UpdateObserver(cfg, run_dir.path), saved_config=saved)
+                      UpdateObserver(cfg, run_dir.path), saved_config=saved,
+                      label_counts=counts, warm_ids=warm_ids)
 
 
 def check_operator_map(strategy: DPFLStrategy, num_nodes: int, grid: Grid) -> None:
@@ -334,15 +376,29 @@ def start_fresh(fed: Federation) -> None:
     runregistry.start(fed.run_dir.path)   # one branch per run: a copy cannot also resume
     fed.run_dir.save_ledger(fed.ledger)
     fed.run_dir.file("rounds.jsonl").write_text("")
-    fed.initial = classification_metrics(_with_weights(fed.model, fed.arrays), fed.x_test,
-                                         fed.y_test, fed.device)
+    # the initial model is evaluated on a copy while round 1 trains (the server only waits
+    # for replies then): ~1.2 s off the way to round 1 (results/speed/startup-before.txt).
+    # Its metrics join the run's record at round 1's end (the round-0 checkpoint has none:
+    # a resume from it evaluates the initial model again)
+    model = _with_weights(copy.deepcopy(fed.model), fed.arrays)
+    fed.initial_job = _BACKGROUND.submit(classification_metrics, model, fed.x_test, fed.y_test,
+                                         fed.device)
     fed.run_dir.save_checkpoint(_checkpoint(fed, 0))
-    log.info("round 0 (initial model): accuracy %.4f", fed.initial["accuracy"])
+
+
+def initial_metrics(fed: Federation) -> dict[str, float]:
+    """The initial model's metrics, waiting for round 0's evaluation if it still runs."""
+    if fed.initial_job is not None:
+        job, fed.initial_job = fed.initial_job, None
+        fed.initial = job.result()
+        log.info("round 0 (initial model): accuracy %.4f", fed.initial["accuracy"])
+    return fed.initial
 
 
 def _checkpoint(fed: Federation, rnd: int) -> dict[str, Any]:
     return {"round": rnd, "model": fed.arrays.to_torch_state_dict(),
-            "strategy": fed.strategy.state_dict(), "initial": fed.initial,
+            "strategy": fed.strategy.state_dict(),
+            "initial": fed.initial if rnd == 0 else initial_metrics(fed),
             "ledger": fed.ledger.to_json()}
 
 
@@ -425,7 +481,7 @@ def _report_divergence(fed: Federation, rnd: int, central: dict[str, float] | No
     :func:`dpfl.server.evaluation.divergence`)."""
     if fed.diverged is not None:
         return
-    why = divergence(fed.initial.get("loss"), central.get("loss") if central else None,
+    why = divergence(initial_metrics(fed).get("loss"), central.get("loss") if central else None,
                      [r.reason for r in record.rejected], fed.cfg.lr)
     if why is not None:
         fed.diverged = rnd
@@ -502,6 +558,7 @@ def finish(fed: Federation) -> dict[str, Any]:
     if late_at_end:
         log.warning("%d late replies charged after the last round", len(late_at_end))
     fed.run_dir.save_ledger(ledger)
+    collect_warm_replies(fed)
     # the last round run is always evaluated (evaluate-every skips others; a run the
     # budget stopped early may have ended on a skipped one)
     final = (rounds[-1].get("central") or _central_metrics(fed)) if rounds else {}
@@ -510,7 +567,7 @@ def finish(fed: Federation) -> dict[str, Any]:
         "strategy": cfg.strategy, "trainer": cfg.trainer, "dataset": cfg.dataset,
         "num-clients": fed.num_nodes, "rounds": cfg.num_rounds,
         "rounds-run": rounds[-1]["round"] if rounds else 0,
-        "initial": fed.initial,
+        "initial": initial_metrics(fed),
         "final": final,
         "epsilon-budget": cfg.target_epsilon if cfg.is_private else None,
         "clients": {c: {"epsilon": e, "recomputed-epsilon": ledger.recomputed(c),
@@ -534,6 +591,9 @@ def finish(fed: Federation) -> dict[str, Any]:
     }
     fed.run_dir.write_json("summary.json", summary)
     if cfg.plots:
+        if fed.label_counts is not None:
+            plot_label_counts(fed.label_counts, fed.run_dir.file("labels.png"),
+                              f"{cfg.dataset}, {cfg.partitioning}, {fed.num_nodes} clients")
         plot_accuracy(rounds, fed.run_dir.file("accuracy.png"),
                       f"{cfg.strategy} on {cfg.dataset}")
         if cfg.is_private:

@@ -41,6 +41,10 @@ class Trained:
 class Trainer(Protocol):
     def train(self, job: ClientJob, sigma: float | None = None) -> Trained: ...
 
+    def warm(self) -> None:
+        """Before round 1: import what the first training would (so that it does not)."""
+        ...
+
 
 class PlainTrainer:
     """SGD with the method's local-step hooks; no noise (``trainer=plain``)."""
@@ -50,6 +54,9 @@ class PlainTrainer:
         result = train_plain(job.model, job.data, job.cfg, job.shuffle_seed, job.device,
                              hooks.post_step, hooks.pre_step, hooks.step)
         return Trained(result, job.update())
+
+    def warm(self) -> None:
+        pass
 
 
 class UpdateDpTrainer(PlainTrainer):
@@ -68,6 +75,11 @@ class DpSgdTrainer:
     """``trainer=dpsgd``: Opacus DP-SGD at noise multiplier ``sigma`` (Poisson sampling,
     per-sample clipping to the method's C); the trained update is the release, and the
     method's post-processing of it is free."""
+
+    def warm(self) -> None:
+        """Opacus (~0.9 s) and torch._dynamo (its optimizers' first use, ~0.5 s)."""
+        import opacus  # noqa: F401
+        import torch._dynamo  # noqa: F401
 
     def train(self, job: ClientJob, sigma: float | None = None) -> Trained:
         cfg, hooks, half = job.cfg, job.hooks, job.half

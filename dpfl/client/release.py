@@ -27,7 +27,7 @@ from dpfl.client.local_training import Trained
 from dpfl.client.secure import UNCLIPPED_KEY, central_release, distributed_share
 from dpfl.config import RunConfig
 from dpfl.privacy.events import PrivacyEvent
-from dpfl.privacy.plan import EQUAL_WEIGHTS_CLAIM, planned_event
+from dpfl.privacy.plan import EQUAL_WEIGHTS_CLAIM, noise_multiplier_for, planned_event
 from dpfl.privacy.randomness import mechanism_generator
 from dpfl.privacy.trust import (
     distributed_noise_multiplier,
@@ -57,6 +57,12 @@ class ClientRelease(Protocol):
 
     def planned_event(self, job: ClientJob) -> PrivacyEvent: ...
 
+    def warm(self, cfg: RunConfig, num_examples: int, shared_plan: bool) -> None:
+        """Before round 1: compute what this release's first plan will ask for (a
+        calibration, a memo check) so that the first instruction does not wait on it.
+        ``shared_plan``: the method keeps the shared plan (no plan or sigma of its own)."""
+        ...
+
     def release(self, job: ClientJob, trained: Trained, planned: PrivacyEvent | None,
                 state_bytes: int) -> Released: ...
 
@@ -80,6 +86,9 @@ class NoDpRelease:
     def planned_event(self, job: ClientJob) -> PrivacyEvent:
         raise TypeError("a release without DP plans no event")
 
+    def warm(self, cfg: RunConfig, num_examples: int, shared_plan: bool) -> None:
+        pass
+
     def release(self, job: ClientJob, trained: Trained, planned: PrivacyEvent | None,
                 state_bytes: int) -> Released:
         update = trained.update
@@ -99,6 +108,9 @@ class CentralRelease:
 
     def planned_event(self, job: ClientJob) -> PrivacyEvent:
         raise TypeError("under trust=central the server plans and charges")
+
+    def warm(self, cfg: RunConfig, num_examples: int, shared_plan: bool) -> None:
+        pass
 
     def release(self, job: ClientJob, trained: Trained, planned: PrivacyEvent | None,
                 state_bytes: int) -> Released:
@@ -128,6 +140,12 @@ class LocalRelease:
             planned = planned_event(cfg, job.num_examples, job.server_round, sigma)
         return planned
 
+    def warm(self, cfg: RunConfig, num_examples: int, shared_plan: bool) -> None:
+        """The shared plan's noise multiplier (calibrated once per process, its memo entry
+        checked), when the method keeps the shared plan."""
+        if shared_plan:
+            noise_multiplier_for(cfg, num_examples)
+
     def release(self, job: ClientJob, trained: Trained, planned: PrivacyEvent | None,
                 state_bytes: int) -> Released:
         if trained.event is not None:   # DP-SGD
@@ -152,6 +170,9 @@ class DistributedRelease:
 
     def planned_event(self, job: ClientJob) -> PrivacyEvent:
         return distributed_planned_event(job.cfg, job.server_round, job.dim, job.nparts)
+
+    def warm(self, cfg: RunConfig, num_examples: int, shared_plan: bool) -> None:
+        pass   # its noise depends on the model's size, known with the first instruction
 
     def release(self, job: ClientJob, trained: Trained, planned: PrivacyEvent | None,
                 state_bytes: int) -> Released:

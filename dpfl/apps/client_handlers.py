@@ -1,0 +1,169 @@
+"""dpfl's ClientApp handlers: local (DP) training and local evaluation over Flower's Message
+API (registered by the light :mod:`dpfl.apps.client`, which imports this module on a node's
+first message).
+
+The configured method's client half (``dpfl.method.ClientHalf``) sets the round's noise
+multiplier, local-training hooks and update clipping; this module names no method.
+
+A train reply carries ``arrays`` (the update = trained - received, same keys as the global
+model), ``metrics`` (num-examples, train-loss, epsilon, delta, ...) and ``privacy`` (the
+mechanism and its public parameters, so the server can recompute epsilon). A client whose
+next round would exceed its epsilon budget does not train: it replies with ``status`` =
+refused and the reason, and spends nothing.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+from flwr.app import (
+    ArrayRecord,
+    ConfigRecord,
+    Context,
+    Message,
+    MetricRecord,
+    RecordDict,
+)
+
+from dpfl.client.budget import ClientBudget
+from dpfl.client.job import ClientJob
+from dpfl.client.local_training import Trained, trainer_for
+from dpfl.client.release import release_for
+from dpfl.config import RunConfig
+from dpfl.data import ClientData, client_data
+from dpfl.method import ClientHalf
+from dpfl.methods import method_for, parse_run_config
+from dpfl.models.evaluation import device_for, evaluate_model
+
+
+def _threads() -> None:
+    n = int(os.environ.get("DPFL_NUM_THREADS", "0") or 0)
+    if n > 0 and torch.get_num_threads() != n:
+        torch.set_num_threads(n)
+
+
+def _partition(context: Context) -> tuple[int, int]:
+    try:
+        return int(context.node_config["partition-id"]), int(context.node_config["num-partitions"])
+    except KeyError as exc:
+        raise ValueError("this SuperNode needs --node-config 'partition-id=<i> "
+                         "num-partitions=<n>'") from exc
+
+
+def _model(cfg: RunConfig, data: ClientData, arrays: ArrayRecord) -> torch.nn.Module:
+    model = method_for(cfg).build_model(cfg, tuple(data.x_train.shape[1:]), data.num_classes)
+    model.load_state_dict(arrays.to_torch_state_dict())
+    return model
+
+
+def _state_bytes(context: Context) -> int:
+    """Bytes this node keeps between rounds (its privacy history, SecAgg+ keys, ...)."""
+    return int(sum(record.count_bytes() for record in context.state.values()))
+
+
+def train(msg: Message, context: Context) -> Message:
+    """One round of local training: the client's plan, its budget check, the trainer, the
+    trust model's release, the reply (``dpfl.client``: job, budget, local_training,
+    release)."""
+    _threads()
+    job = _job(msg, context)
+    release = release_for(job.cfg)
+    trainer = trainer_for(job.cfg)
+    if not release.charges:   # no DP, or a trusted server noises and charges (central)
+        trained = trainer.train(job)
+        out = release.release(job, trained, None, _state_bytes(context))
+        metrics = {**job.base_metrics(), **out.metrics}
+        return _reply(msg, trained, job, arrays=out.arrays, metrics=metrics,
+                      privacy=ConfigRecord(out.privacy or {}))
+
+    budget = ClientBudget(job, context.state, context.node_config, context.run_id,
+                          adaptive=method_for(job.cfg).adaptive)
+    planned = release.planned_event(job)
+    reason = budget.refusal(planned)
+    if reason is not None:   # nothing trained, nothing spent
+        return Message(RecordDict({
+            "metrics": MetricRecord({**job.base_metrics(), "epsilon": budget.epsilon(),
+                                     "refused": 1}),
+            "status": ConfigRecord({"status": "refused", "reason": reason})}), reply_to=msg)
+    trained = trainer.train(job, planned.sigma)
+    out = release.release(job, trained, planned, _state_bytes(context))
+    assert out.event is not None
+    budget.charge(out.event)
+    metrics = {**job.base_metrics(), "num-examples": out.num_examples,
+               "epsilon": budget.epsilon(), "noise-multiplier": planned.sigma,
+               "node-state-bytes": _state_bytes(context), "sample-rate": out.event.rate,
+               "steps": out.event.steps, **out.metrics}
+    return _reply(msg, trained, job, arrays=out.arrays, metrics=metrics,
+                  privacy=budget.privacy_record(out.event, out.clip))
+
+
+def _job(msg: Message, context: Context) -> ClientJob:
+    """This instruction's client round: the run-config, the server's config, the client's
+    partition and data, the received model, the method's client half and hooks."""
+    cfg = parse_run_config(context.run_config)
+    config = msg.content["config"]
+    server_round = int(config.get("server-round", 0))
+    pid, nparts = _partition(context)
+    data = client_data(cfg, pid, nparts)
+    model = _model(cfg, data, msg.content["arrays"])
+    half = method_for(cfg).client
+    post_process = None
+    if type(half).post_process is not ClientHalf.post_process:
+        def post_process(flat: torch.Tensor) -> torch.Tensor:
+            return half.post_process(cfg, flat, server_round)
+    job = ClientJob(cfg, config, server_round, pid, nparts, data, model, device_for(), half,
+                    post_process)
+    job.hooks = half.hooks(cfg, msg, context, model)   # after the received copy
+    return job
+
+
+def _reply(msg: Message, trained: Trained, job: ClientJob, arrays: dict[str, torch.Tensor],
+           metrics: dict, privacy: ConfigRecord) -> Message:
+    """The train reply: the released arrays, the metrics (the private mean training loss
+    only when ``report-train-loss``), the privacy record and the method's extra records."""
+    if job.cfg.report_train_loss:
+        metrics["train-loss"] = trained.result.train_loss
+    extras = job.hooks.finish(job.model, trained.result)
+    return Message(RecordDict({"arrays": ArrayRecord(arrays), "metrics": MetricRecord(metrics),
+                               "privacy": privacy, **extras}), reply_to=msg)
+
+
+def evaluate(msg: Message, context: Context) -> Message:
+    """Loss and accuracy of the received model on the client's local validation split.
+
+    These metrics are computed from private data and released in the clear: they are not
+    covered by the DP guarantee (keep ``fraction-evaluate = 0`` for a strictly DP run).
+    """
+    _threads()
+    cfg = parse_run_config(context.run_config)
+    pid, nparts = _partition(context)
+    data = client_data(cfg, pid, nparts)
+    model = _model(cfg, data, msg.content["arrays"])
+    loss, preds = evaluate_model(model, data.x_val, data.y_val, device_for())
+    n = len(data.y_val)
+    acc = float((preds == data.y_val).float().mean()) if n else 0.0
+    return Message(RecordDict({"metrics": MetricRecord({
+        "partition-id": pid, "num-examples": max(n, 1), "val-loss": loss,
+        "val-accuracy": acc})}), reply_to=msg)
+
+
+def warm(msg: Message, context: Context) -> Message:
+    """Before round 1 (``query.warm``, sent by a simulation's ServerApp while it sets up):
+    what this node's first instruction would otherwise wait on — the imports (torch, the
+    method registry, Opacus under DP-SGD), its data, and the shared plan's noise multiplier
+    (calibrated or its memo entry checked, cached in this process). Releases nothing from
+    the data: the reply holds the partition id and how long the warm-up took."""
+    start = time.perf_counter()
+    _threads()
+    cfg = parse_run_config(context.run_config)
+    pid, nparts = _partition(context)
+    data = client_data(cfg, pid, nparts)
+    trainer_for(cfg).warm()
+    half = method_for(cfg).client
+    shared_plan = (type(half).planned_event is ClientHalf.planned_event
+                   and type(half).round_sigma is ClientHalf.round_sigma)
+    release_for(cfg).warm(cfg, len(data.y_train), shared_plan)
+    return Message(RecordDict({"metrics": MetricRecord({
+        "partition-id": pid, "warm-seconds": time.perf_counter() - start})}), reply_to=msg)
