@@ -323,9 +323,9 @@ def _patch_launch(launch, probe) -> None:
     superlink = launch.simulation_superlink
 
     @contextlib.contextmanager
-    def simulation_superlink(flwr_home, env):
+    def simulation_superlink(flwr_home, env, **kwargs):
         t0 = time.time()
-        with superlink(flwr_home, env) as address:
+        with superlink(flwr_home, env, **kwargs) as address:
             probe.emit(ev="call", name="launcher.superlink_up", t0=t0, t1=time.time())
             try:
                 yield address
