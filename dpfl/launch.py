@@ -125,6 +125,24 @@ def flower_env(flwr_home: Path, output_root: Path | None = None) -> dict[str, st
     return env
 
 
+def warm_simulation_bin(flwr_home: Path) -> Path | None:
+    """A folder holding a ``flower-superexec`` that runs Flower's SuperExec with its
+    simulation task forked from a zygote which imported Flower's simulation engine, torch and
+    dp-accounting while ``flwr run`` built and sent the app (:mod:`dpfl.warm_clientapps`,
+    ``--warm simulation``); first on the SuperLink's PATH, it is the SuperExec the SuperLink
+    starts (Flower 1.39 runs ``flower-superexec`` by name). None with
+    ``DPFL_WARM_SIMULATION=0`` (Flower's own, cold: the bench's A/B)."""
+    if os.environ.get("DPFL_WARM_SIMULATION", "1") == "0":
+        return None
+    folder = flwr_home / "bin"
+    folder.mkdir(parents=True, exist_ok=True)
+    script = folder / "flower-superexec"
+    script.write_text(f'#!/bin/sh\nexec "{sys.executable}" -m dpfl.warm_clientapps --warm '
+                      'simulation "$@"\n')
+    script.chmod(0o755)
+    return folder
+
+
 def flower_bin(name: str) -> str:
     """The path of a Flower command (`flwr`, `flower-superlink`, ...) of this venv, else PATH's."""
     local = Path(sys.executable).parent / name
@@ -493,6 +511,9 @@ def _launch(app_dir: Path, cfg: RunConfig, num_clients: int, overrides: dict[str
     env = flower_env(flwr_home, output_root)
     # read by ray.init() in flwr-simulation: the cluster, else never one found on this machine
     env["RAY_ADDRESS"] = ray_address.strip() if ray_address else "local"
+    warm = warm_simulation_bin(flwr_home)
+    if warm is not None:
+        env["PATH"] = str(warm) + os.pathsep + env["PATH"]
     status_file = flwr_home / f"status-{secrets.token_hex(8)}.json"
     env[STATUS_ENV] = str(status_file)
     env.pop(SUMMARY_ENV, None)

@@ -43,7 +43,8 @@ from dpfl.durable import split_lines
 from dpfl.errors import UserError, one_line, read_json_file, read_text_file
 from dpfl.logs import get_logger
 from dpfl.numbers import is_number
-from dpfl.privacy.events import PURE, PrivacyEvent, history_terms
+from dpfl.privacy.event_types import event_type
+from dpfl.privacy.events import PrivacyEvent, history_terms
 from dpfl.privacy.ledger import Ledger
 
 log = get_logger("flwr.dpfl.report")
@@ -72,7 +73,7 @@ def server_releases(charges: list[dict[str, Any]]
 
 def _describe(event: EventItems) -> str:
     e = dict(event)
-    if e["mechanism"] in PURE:
+    if event_type(e["mechanism"]).pure:   # its epsilon is its cost
         return f"{e['mechanism']} eps={e['epsilon']:g}"
     rate = f" q={e['rate']:g}" if e["rate"] < 1 else ""
     return f"{e['mechanism']} sigma={e['sigma']:g}{rate} x{e['steps']} ({e['relation']})"

@@ -1,6 +1,8 @@
-"""Warm ClientApps: a SuperNode's ClientApp processes start from libraries already imported.
+"""Warm ClientApps (and simulations): Flower's task processes start from libraries already
+imported.
 
     python -m dpfl.supernode --warm-clientapps [flower-supernode options...]
+    python -m dpfl.warm_clientapps --warm simulation [flower-superexec options...]
 
 Flower 1.39's SuperNode hands every instruction to a new ``flwr-clientapp`` process, started
 by its SuperExec (``flower-superexec``, Flower's ``SubprocessExecutor``). That process
@@ -17,6 +19,13 @@ pulls its message, installs the FAB, loads the app from the FAB, runs one task a
 as before. dpfl's own modules are never taken from the zygote: the FAB's code runs
 (:func:`forget_dpfl_modules`). Every other task type, and any task when the zygote is gone,
 starts the cold way.
+
+The same executor serves the SuperExec that a simulation's SuperLink starts (``--warm
+simulation``, the launcher's ``flower-superexec`` on the SuperLink's PATH,
+:func:`dpfl.launch.warm_simulation_bin`): its ``flwr-simulation`` task is forked from a
+zygote that imported Flower's simulation engine, torch, dp-accounting and SciPy
+(:data:`SIMULATION_PRELOAD`) while ``flwr run`` built and sent the app: ~2.5 s less on the
+way to round 1 (``results/speed/``).
 
 What a fork shares and what it must not:
 - the zygote only imports: it computes no tensor (torch's OpenMP pool starts in each child)
@@ -60,7 +69,21 @@ PRELOAD = (
     "flwr.supernode.runtime.run_clientapp",
 )
 
+# a simulation's ServerApp: Flower's simulation engine and what dpfl.apps.server imports
+# (not Ray: the simulation starts it; not Opacus: the ServerApp never trains)
+SIMULATION_PRELOAD = (
+    "numpy", "torch", "torch.nn", "dp_accounting", "dp_accounting.pld", "dp_accounting.rdp",
+    "scipy.optimize", "scipy.signal", "scipy.stats", "flwr.app", "flwr.serverapp",
+    "flwr.clientapp", "flwr.simulation.app",
+)
+
 ZYGOTE_FLAG = "--zygote"
+WARM_FLAG = "--warm"
+# kind -> (its task type's name, the modules its zygote imports, its entry point)
+KINDS: dict[str, tuple[str, tuple[str, ...], tuple[str, str]]] = {
+    "clientapp": ("CLIENT_APP", PRELOAD, ("flwr.supernode.cli", "flwr_clientapp")),
+    "simulation": ("SIMULATION", SIMULATION_PRELOAD, ("flwr.simulation.app", "flwr_simulation")),
+}
 
 
 def clientapp_args(spec: Any) -> list[str]:
@@ -112,9 +135,10 @@ def _reseed_global_generators() -> None:
         torch.manual_seed(int.from_bytes(os.urandom(8), "little") >> 1)
 
 
-def _run_clientapp_in_child(request: dict[str, Any]) -> None:
-    """In a forked child: become ``flwr-clientapp`` with the request's arguments, run one
-    task, and exit with its code (never returns)."""
+def _run_task_in_child(request: dict[str, Any], kind: str = "clientapp") -> None:
+    """In a forked child: become the kind's Flower entry point (``flwr-clientapp``,
+    ``flwr-simulation``) with the request's arguments, run one task, and exit with its
+    code (never returns)."""
     code = 1
     try:
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
@@ -127,11 +151,13 @@ def _run_clientapp_in_child(request: dict[str, Any]) -> None:
             os.dup2(null, 2)
         forget_dpfl_modules()
         _reseed_global_generators()
-        from flwr.supernode.cli import flwr_clientapp
+        import importlib
 
+        module, function = KINDS[kind][2]
+        entry = getattr(importlib.import_module(module), function)
         sys.argv = [request.get("program", "flwr-clientapp"), *request["args"]]
         try:
-            flwr_clientapp()
+            entry()
             code = 0
         except SystemExit as exc:
             code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
@@ -148,13 +174,14 @@ def _run_clientapp_in_child(request: dict[str, Any]) -> None:
             os._exit(code)
 
 
-def serve(requests: IO[str]) -> int:
-    """The zygote: import :data:`PRELOAD`, then fork one ClientApp per JSON line read from
-    ``requests`` (``{"args": [...], "suppress-output": bool}``) until end of file (the
-    SuperExec closed the pipe or died). Returns the number of children forked."""
+def serve(requests: IO[str], kind: str = "clientapp") -> int:
+    """The zygote: import the kind's modules (:data:`PRELOAD` for ClientApps), then fork
+    one task per JSON line read from ``requests`` (``{"args": [...], "suppress-output":
+    bool}``) until end of file (the SuperExec closed the pipe or died). Returns the number
+    of children forked."""
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # the kernel reaps the children
     signal.signal(signal.SIGINT, signal.SIG_IGN)   # a Ctrl-C is for the SuperNode's tree
-    preload()
+    preload(KINDS[kind][1])
     forked = 0
     for line in requests:
         try:
@@ -169,15 +196,16 @@ def serve(requests: IO[str]) -> int:
         sys.stderr.flush()
         pid = os.fork()
         if pid == 0:
-            _run_clientapp_in_child(request)
+            _run_task_in_child(request, kind)
         forked += 1
-        print(f"dpfl.warm_clientapps: ClientApp {forked} forked (pid {pid})", file=sys.stderr,
-              flush=True)
+        print(f"dpfl.warm_clientapps: {kind} task {forked} forked (pid {pid})",
+              file=sys.stderr, flush=True)
     return forked
 
 
 class WarmClientAppExecutor:
-    """Flower's ``SubprocessExecutor`` whose ClientApp launches are forks of a zygote.
+    """Flower's ``SubprocessExecutor`` whose ClientApp launches (``kind="simulation"``: its
+    simulation launches) are forks of a zygote.
 
     Implements Flower 1.39's SuperExec ``Executor`` protocol by delegation.
     :func:`use_warm_executor` starts the zygote with the executor, so it imports while the
@@ -185,9 +213,12 @@ class WarmClientAppExecutor:
     ClientApp task. It ends when this executor closes or its process dies (end of file on
     its stdin)."""
 
-    def __init__(self) -> None:
+    def __init__(self, kind: str = "clientapp") -> None:
+        from flwr.supercore.constant import TaskType
         from flwr.supercore.superexec.executor.subprocess_executor import SubprocessExecutor
 
+        self.kind = kind
+        self.task_type = getattr(TaskType, KINDS[kind][0])
         self._cold = SubprocessExecutor()
         self._zygote: subprocess.Popen[str] | None = None
         self.warm_launches = 0
@@ -196,7 +227,7 @@ class WarmClientAppExecutor:
         """Start the zygote now (it imports while the node waits for its first task)."""
         if self._zygote is None or self._zygote.poll() is not None:
             self._zygote = subprocess.Popen(  # noqa: S603 - this interpreter, this module
-                [sys.executable, "-m", "dpfl.warm_clientapps", ZYGOTE_FLAG],
+                [sys.executable, "-m", "dpfl.warm_clientapps", ZYGOTE_FLAG, self.kind],
                 stdin=subprocess.PIPE, text=True)
 
     def get_eligible_capacity(self, supported_task_types, **kwargs):  # noqa: ANN001, ANN201
@@ -206,11 +237,11 @@ class WarmClientAppExecutor:
         self._cold.wait_for_capacity(task_type, **kwargs)
 
     def launch(self, spec: Any) -> Any:
-        """Fork a ClientApp task from the zygote; any other task, or a dead zygote: Flower's
-        cold launch."""
-        from flwr.supercore.constant import TASK_TYPE_TO_COMMAND, TaskType
+        """Fork a task of this executor's kind from the zygote; any other task, or a dead
+        zygote: Flower's cold launch."""
+        from flwr.supercore.constant import TASK_TYPE_TO_COMMAND
 
-        if spec.task_type != TaskType.CLIENT_APP:
+        if spec.task_type != self.task_type:
             return self._cold.launch(spec)
         request = {"program": TASK_TYPE_TO_COMMAND[spec.task_type],
                    "args": clientapp_args(spec), "suppress-output": bool(spec.suppress_output)}
@@ -220,7 +251,7 @@ class WarmClientAppExecutor:
             self._zygote.stdin.write(json.dumps(request) + "\n")
             self._zygote.stdin.flush()
         except OSError as exc:
-            _log.warning("warm ClientApp launch failed (%s): starting task %d cold", exc,
+            _log.warning("warm %s launch failed (%s): starting task %d cold", self.kind, exc,
                          spec.task_id)
             return self._cold.launch(spec)
         self.warm_launches += 1
@@ -245,8 +276,8 @@ class WarmClientAppExecutor:
         self._cold.close()
 
 
-def use_warm_executor() -> None:
-    """Make this process's Flower SuperExec launch ClientApps with
+def use_warm_executor(kind: str = "clientapp") -> None:
+    """Make this process's Flower SuperExec launch the kind's tasks with
     :class:`WarmClientAppExecutor` (local subprocess executor only)."""
     from flwr.supercore.constant import ExecutorType
     from flwr.supercore.superexec import run_superexec as module
@@ -255,7 +286,7 @@ def use_warm_executor() -> None:
 
     def get_executor(executor_type, executor_config=None, **kwargs):  # noqa: ANN001, ANN202
         if executor_type == ExecutorType.SUBPROCESS:
-            executor = WarmClientAppExecutor()
+            executor = WarmClientAppExecutor(kind)
             executor.start_zygote()
             return executor
         return flower_get_executor(executor_type, executor_config, **kwargs)
@@ -264,13 +295,19 @@ def use_warm_executor() -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    """``--zygote``: serve fork requests on stdin. Otherwise: Flower's ``flower-superexec``
-    with the arguments given, its ClientApps forked from a zygote."""
+    """``--zygote [KIND]``: serve fork requests on stdin. Otherwise: Flower's
+    ``flower-superexec`` with the arguments given, its ClientApps (after ``--warm KIND``:
+    that kind's tasks) forked from a zygote."""
     args = list(sys.argv[1:] if argv is None else argv)
-    if args == [ZYGOTE_FLAG]:
-        serve(sys.stdin)
+    if args[:1] == [ZYGOTE_FLAG] and len(args) <= 2:
+        serve(sys.stdin, args[1] if len(args) == 2 else "clientapp")
         return
-    use_warm_executor()
+    kind = "clientapp"
+    if args[:1] == [WARM_FLAG] and len(args) >= 2:
+        kind, args = args[1], args[2:]
+    if kind not in KINDS:
+        raise SystemExit(f"dpfl.warm_clientapps: unknown kind {kind!r} (one of {sorted(KINDS)})")
+    use_warm_executor(kind)
     from flwr.supercore.cli import flower_superexec
 
     sys.argv = ["flower-superexec", *args]

@@ -215,3 +215,68 @@ def _lines_within(stream, count: int, seconds: float) -> list[str]:
         assert chunk, f"end of output after {got} of {count} lines"
         data += chunk
     return data.decode().splitlines()[:count]
+
+
+def test_a_simulation_executor_forks_simulations_and_launches_clientapps_cold(monkeypatch):
+    """The SuperLink's SuperExec (``--warm simulation``): a simulation task becomes a JSON
+    line for the simulation zygote, with Flower's own flwr-simulation arguments; a ClientApp
+    task is not its business (cold)."""
+    from flwr.supercore.superexec.executor import subprocess_executor
+
+    launched = []
+
+    class Popen:
+        def __init__(self, args, **kwargs):
+            launched.append(list(args))
+
+    monkeypatch.setattr(subprocess_executor.subprocess, "Popen", Popen)
+    sim = _spec(task_type=TaskType.SIMULATION, parent_pid=77)
+    subprocess_executor.SubprocessExecutor().launch(sim)
+    assert launched == [["flwr-simulation", *warm_clientapps.clientapp_args(sim)]]
+
+    executor = warm_clientapps.WarmClientAppExecutor("simulation")
+    cold = []
+    monkeypatch.setattr(executor._cold, "launch", lambda spec: cold.append(spec) or "cold")
+    lines = []
+
+    class Zygote:
+        class stdin:
+            write = staticmethod(lines.append)
+            flush = close = staticmethod(lambda: None)
+
+        def poll(self):
+            return None
+
+        def wait(self, timeout=None):
+            return 0
+
+    executor._zygote = Zygote()
+    assert executor.launch(sim).status == "accepted"
+    assert json.loads(lines[0]) == {"program": "flwr-simulation",
+                                    "args": warm_clientapps.clientapp_args(sim),
+                                    "suppress-output": False}
+    clientapp = _spec()
+    assert executor.launch(clientapp) == "cold" and cold == [clientapp]
+    executor.close()
+
+
+def test_the_launcher_puts_a_warm_superexec_first_on_the_superlinks_path(tmp_path, monkeypatch):
+    """`dpfl simulate`: Flower 1.39's SuperLink starts `flower-superexec` by name; the
+    launcher's comes first on its PATH and runs dpfl.warm_clientapps --warm simulation with
+    the SuperLink's arguments; DPFL_WARM_SIMULATION=0 leaves Flower's own."""
+    from dpfl import launch
+
+    folder = launch.warm_simulation_bin(tmp_path)
+    script = folder / "flower-superexec"
+    assert os.access(script, os.X_OK)
+    out = subprocess.run(["sh", "-n", str(script)], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    text = script.read_text()
+    assert f'"{sys.executable}" -m dpfl.warm_clientapps --warm simulation "$@"' in text
+    monkeypatch.setenv("DPFL_WARM_SIMULATION", "0")
+    assert launch.warm_simulation_bin(tmp_path / "cold") is None
+
+
+def test_an_unknown_kind_is_refused():
+    with pytest.raises(SystemExit, match="unknown kind 'gpu'"):
+        warm_clientapps.main(["--warm", "gpu", "--insecure"])

@@ -185,19 +185,28 @@ def warm_nodes(grid: Grid, nodes: list[int]) -> list[str]:
     return list(grid.push_messages(messages))
 
 
-def collect_warm_replies(fed: Federation) -> None:
-    """Pull the warm-up replies (they would otherwise stay in the link's state) and log
-    how long the warm-ups took (DEBUG)."""
-    if not fed.warm_ids:
-        return
-    ids, fed.warm_ids = fed.warm_ids, []
-    for reply in fed.grid.pull_messages(ids):
-        if reply.has_error():
-            log.debug("warm-up failed on node %s: %s", reply.metadata.src_node_id,
-                      reply.error.reason)
-        else:
-            log.debug("node %s warmed up in %.2f s", reply.metadata.src_node_id,
-                      reply.content["metrics"]["warm-seconds"])
+def await_warm_nodes(fed: Federation) -> None:
+    """Before round 1: wait (at most ``round-timeout``) for the warm-up replies, so that
+    round 1's instructions find idle, warm nodes and not a queue of warm-ups (a SecAgg+
+    stage, which has deadlines, must not wait behind another node's warm-up); log how long
+    each took (DEBUG). A node that does not answer in time is not waited for again."""
+    pending = set(fed.warm_ids)
+    fed.warm_ids = []
+    deadline = time.monotonic() + fed.cfg.round_timeout
+    while pending:
+        for reply in fed.grid.pull_messages(list(pending)):
+            pending.discard(reply.metadata.reply_to_message_id)
+            if reply.has_error():
+                log.debug("warm-up failed on node %s: %s", reply.metadata.src_node_id,
+                          reply.error.reason)
+            else:
+                log.debug("node %s warmed up in %.2f s", reply.metadata.src_node_id,
+                          reply.content["metrics"]["warm-seconds"])
+        if pending and time.monotonic() > deadline:
+            log.debug("%d node(s) did not answer the warm-up in round-timeout", len(pending))
+            return
+        if pending:
+            time.sleep(0.05)
 
 
 def setup(grid: Grid, cfg: RunConfig) -> Federation:
@@ -558,7 +567,6 @@ def finish(fed: Federation) -> dict[str, Any]:
     if late_at_end:
         log.warning("%d late replies charged after the last round", len(late_at_end))
     fed.run_dir.save_ledger(ledger)
-    collect_warm_replies(fed)
     # the last round run is always evaluated (evaluate-every skips others; a run the
     # budget stopped early may have ended on a skipped one)
     final = (rounds[-1].get("central") or _central_metrics(fed)) if rounds else {}
@@ -660,6 +668,7 @@ def _run_rounds(fed: Federation) -> dict[str, Any]:
     cfg, grid = fed.cfg, fed.grid
     if not resume(fed):
         start_fresh(fed)
+    await_warm_nodes(fed)
     try:
         for rnd in range(fed.start, cfg.num_rounds + 1):
             if central_budget_spent(fed, rnd):

@@ -47,7 +47,7 @@ import torch
 from dpfl import memo
 from dpfl.config import RunConfig, need
 from dpfl.method import Method, MethodParams
-from dpfl.privacy import accounting, binomial, calibration_cache, events
+from dpfl.privacy import accounting, binomial, calibration_cache, event_types, events
 from dpfl.privacy.mechanisms import l2_clip
 from dpfl.privacy.plan import UPDATE_DP_RELATION
 from dpfl.privacy.skellam import randomized_round
@@ -271,10 +271,11 @@ def bracket_and_bisect(eps: Callable[[float], float], target: float, guess: floa
 
 def _memo_key(params: CpsgdParams, cfg: RunConfig, dim: int) -> str:
     """The calibration's memo key: the code that answers (dp-accounting's version, the
-    sources of this module, of the binomial accounting and of the events' RDP) and the
-    question."""
+    sources of this module, of the binomial accounting, of the events' RDP and of the
+    binomial event's curve) and the question."""
     version = memo.code_version("dp-accounting", Path(__file__), Path(binomial.__file__),
-                                Path(accounting.__file__), Path(events.__file__))
+                                Path(accounting.__file__), Path(events.__file__),
+                                Path(event_types.__file__))
     return version + "\ncpsgd " + repr((params.cpsgd_levels, params.cpsgd_range,
                                         params.cpsgd_rotate, cfg.clip_norm, cfg.num_rounds,
                                         cfg.delta, cfg.target_epsilon, dim,

@@ -53,7 +53,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Iterable, Sequence, TypeAlias
 
 import dp_accounting
-import numpy as np
 from dp_accounting import dp_event
 from dp_accounting.pld import pld_privacy_accountant
 from dp_accounting.pld import privacy_loss_distribution as pld_lib
@@ -61,27 +60,19 @@ from dp_accounting.rdp import rdp_privacy_accountant
 
 from dpfl import memo
 from dpfl.privacy import calibration_cache
+from dpfl.privacy.event_types import RELATIONS, EventKey, event_type, mechanisms
 
 if TYPE_CHECKING:
     from opacus.accountants import IAccountant
 
 log = logging.getLogger("flwr.dpfl.accounting")
 
-# dpfl's mechanisms (the ``mechanism`` of :class:`dpfl.privacy.events.PrivacyEvent`)
-SAMPLE_LEVEL = ("dpsgd",)
-GAUSSIAN = ("gaussian", "quantile-count")
-PURE = ("laplace", "sparse-vector")
-# integer noise under secure aggregation (dpfl.privacy.skellam, dpfl.privacy.ddgauss):
-# sigma is the Gaussian-equivalent multiplier, epsilon the discreteness surcharge of its
-# RDP (skellam: at integer orders only; ddgauss: the additive slack tau d, every order)
-# binomial (dpfl.privacy.binomial, cpSGD): epsilon is the slack over the Gaussian-
-# equivalent curve at BINOMIAL_ORDERS (its curve is infinite at other orders)
-DISCRETE = ("skellam", "ddgauss", "binomial")
-BINOMIAL_ORDERS = (2, 3, 4, 5, 6, 8, 10, 12, 14, 16, 20, 24, 28, 32, 40, 48, 56, 63)
-MECHANISMS = SAMPLE_LEVEL + GAUSSIAN + PURE + DISCRETE
+# dpfl's mechanisms (the ``mechanism`` of :class:`dpfl.privacy.events.PrivacyEvent`): one
+# class each in dpfl.privacy.event_types' registry, which says what each takes and how it
+# is accounted. MECHANISMS: the built-in names (the registry's at import).
+MECHANISMS = mechanisms()
 PRV_CLIENT_LEVEL = ("accountant 'prv' is Opacus' DP-SGD accountant; use 'pld' or 'rdp' for "
                     "client-level events")
-RELATIONS = ("add-remove", "replace-one")
 SAMPLINGS = ("none", "poisson", "fixed")
 DPSGD_ACCOUNTANTS = ("rdp", "prv", "pld")
 EVENT_ACCOUNTANTS = ("rdp", "pld")
@@ -115,8 +106,6 @@ DpsgdHistory = Sequence[tuple[float, float, int]]
 EventCounts = Iterable[tuple[dp_event.DpEvent, int]]
 # A composition as a tuple of (event, count) pairs (hashable: the caches' keys)
 Composition = tuple[tuple[dp_event.DpEvent, int], ...]
-# A dpfl event's key, PrivacyEvent.key: (mechanism, sigma, rate, epsilon, relation)
-EventKey = tuple[str, float, float, float, str]
 
 
 def _check_delta(delta: float) -> None:
@@ -146,46 +135,22 @@ def _interval_label(interval: float) -> str:
 
 
 def check_event_key(key: EventKey) -> None:
-    """ValueError when a dpfl event's parameters would be ignored by its accounting: a
+    """ValueError when a dpfl event's parameters would be ignored by its accounting, as its
+    registered type says (:meth:`dpfl.privacy.event_types.EventType.check`): e.g. a
     ``rate`` below 1 on a pure event (Laplace, sparse vector: no subsampled analysis here),
     a ``sigma`` on a pure event or an ``epsilon`` on a Gaussian one, a DP-SGD event under
     ``replace-one`` (Opacus' model is add-remove) and a Poisson rate below 1 under
-    ``replace-one`` (Poisson subsampling is analysed under add-remove)."""
-    mechanism, sigma, rate, epsilon, relation = key
-    if mechanism in PURE:
-        if float(rate) < 1.0:
-            raise ValueError(f"rate={rate} < 1 on a pure {mechanism!r} event: the sampling "
-                             "would be ignored (no subsampled analysis of pure events); pass "
-                             "rate=1.0")
-        if float(sigma) != 0.0:
-            raise ValueError(f"sigma={sigma} on a pure {mechanism!r} event would be ignored "
-                             "(its cost is epsilon); pass sigma=0.0")
-        return
-    if mechanism in DISCRETE:
-        if float(rate) < 1.0:
-            raise ValueError(f"rate={rate} < 1 on a {mechanism!r} event: no subsampled "
-                             "analysis of the Skellam mechanism here; pass rate=1.0")
-        if float(epsilon) < 0.0:
-            raise ValueError(f"epsilon={epsilon} < 0 on a {mechanism!r} event (its "
-                             "discreteness surcharge)")
-        return
-    if float(epsilon) != 0.0:
-        raise ValueError(f"epsilon={epsilon} on a Gaussian {mechanism!r} event would be "
-                         "ignored (its cost follows from sigma); pass epsilon=0.0")
-    if mechanism in SAMPLE_LEVEL and relation != "add-remove":
-        raise ValueError(f"relation={relation!r} on a {mechanism!r} event would be ignored "
-                         "(DP-SGD is accounted under add-remove, the Opacus model); pass "
-                         "relation='add-remove'")
-    if float(rate) < 1.0 and relation != "add-remove":
-        raise ValueError(f"rate={rate} < 1 with relation={relation!r}: Poisson-sampled "
-                         "Gaussian events are accounted under add-remove")
+    ``replace-one`` (Poisson subsampling is analysed under add-remove); an unknown
+    mechanism."""
+    event_type(key[0]).check(key)
 
 
 def dp_event_of(key: EventKey) -> dp_event.DpEvent:
     """THE translation of a dpfl event (its key, :attr:`dpfl.privacy.events.PrivacyEvent.key`)
     into ONE step of a dp-accounting ``DpEvent``; every non-Opacus accountant path (RDP
     curves, PLD, :func:`gaussian_event`, :func:`dpsgd_event`, sigma calibration) goes
-    through here.
+    through here, to the event's registered type
+    (:meth:`dpfl.privacy.event_types.EventType.dp_event`):
 
     - ``laplace``: ``LaplaceDpEvent(1 / epsilon)`` (sensitivity 1, scale 1 / epsilon).
     - ``dpsgd``: ``GaussianDpEvent(sigma)`` on a Poisson(rate) sample, add-remove (the
@@ -193,64 +158,16 @@ def dp_event_of(key: EventKey) -> dp_event.DpEvent:
     - ``gaussian`` / ``quantile-count``: ``GaussianDpEvent(sigma)`` under add-remove;
       replace-one doubles the sensitivity of the released sum, i.e. ``sigma / 2``; a rate
       below 1 wraps it in ``PoissonSampledDpEvent(rate, .)`` (add-remove only).
-    - ``sparse-vector``, ``skellam`` and ``ddgauss`` have no dp-accounting event
-      (ValueError): their RDP enters through :func:`dpfl.privacy.events.rdp_curve` (the
-      pure-DP bound, :func:`skellam_curve`, :func:`ddgauss_curve`).
+    - ``sparse-vector``, ``skellam``, ``ddgauss`` and ``binomial`` have no dp-accounting
+      event (ValueError): their RDP enters through their type's curve
+      (:func:`dpfl.privacy.events.rdp_curve`).
     """
-    mechanism, sigma, rate, epsilon, relation = key
-    if mechanism not in MECHANISMS:
-        raise ValueError(f"unknown mechanism {mechanism!r}; known: {MECHANISMS}")
-    check_event_key(key)
-    if mechanism == "laplace":
-        return dp_event.LaplaceDpEvent(1.0 / float(epsilon))
-    if mechanism not in SAMPLE_LEVEL + GAUSSIAN:
-        raise ValueError(f"no dp-accounting event for mechanism {mechanism!r}")
-    sigma, rate = float(sigma), float(rate)
-    # replace-one doubles the sensitivity of the released sum: sigma_eff = sigma / 2
-    base = dp_event.GaussianDpEvent(sigma / 2.0 if relation == "replace-one" else sigma)
-    if rate >= 1.0:
-        return base
-    return dp_event.PoissonSampledDpEvent(rate, base)
-
-
-def skellam_curve(orders: np.ndarray, sigma: float, surcharge: float,
-                  relation: str) -> np.ndarray:
-    """RDP of one ``skellam`` event (``dpfl.privacy.skellam``; Agarwal, Kairouz & Liu 2021,
-    Thm 3.5): alpha / (2 sigma_eff^2) + surcharge at integer orders > 1 (sigma_eff =
-    sigma / 2 under replace-one, as for Gaussian events); inf at the other orders, which
-    the theorem does not cover."""
-    sigma_eff = sigma / 2.0 if relation == "replace-one" else sigma
-    integer = (orders == np.round(orders)) & (orders > 1)
-    return np.where(integer, orders / (2.0 * sigma_eff ** 2) + surcharge, np.inf)
-
-
-def ddgauss_curve(orders: np.ndarray, sigma: float, slack: float,
-                  relation: str) -> np.ndarray:
-    """RDP of one ``ddgauss`` event (``dpfl.privacy.ddgauss``; Kairouz, Liu & Steinke 2021,
-    Proposition 14): alpha / (2 sigma_eff^2) + tau d at every order alpha >= 1 (sigma_eff =
-    sigma / 2 under replace-one, as for Gaussian events)."""
-    sigma_eff = sigma / 2.0 if relation == "replace-one" else sigma
-    return np.where(orders >= 1, orders / (2.0 * sigma_eff ** 2) + slack, np.inf)
-
-
-def binomial_event_curve(orders: np.ndarray, sigma: float, slack: float,
-                         relation: str) -> np.ndarray:
-    """RDP of one ``binomial`` event (``dpfl.privacy.binomial``, cpSGD): alpha /
-    (2 sigma_eff^2) + slack at the orders of ``BINOMIAL_ORDERS``, inf at the others (sigma_eff
-    = sigma / 2 under replace-one, as for Gaussian events)."""
-    sigma_eff = sigma / 2.0 if relation == "replace-one" else sigma
-    known = np.isin(orders, np.asarray(BINOMIAL_ORDERS, dtype=float))
-    return np.where(known, orders / (2.0 * sigma_eff ** 2) + slack, np.inf)
-
-
-def discrete_curve(orders: np.ndarray, key: EventKey) -> np.ndarray:
-    """The RDP curve of a ``DISCRETE`` event (one step) at ``orders``."""
-    mechanism, sigma, _, epsilon, relation = key
-    if mechanism == "binomial":
-        return binomial_event_curve(orders, sigma, epsilon, relation)
-    if mechanism == "ddgauss":
-        return ddgauss_curve(orders, sigma, epsilon, relation)
-    return skellam_curve(orders, sigma, epsilon, relation)
+    kind = event_type(key[0])
+    kind.check(key)
+    event = kind.dp_event(key)
+    if event is None:
+        raise ValueError(f"no dp-accounting event for mechanism {key[0]!r}")
+    return event
 
 
 # ---------------------------------------------------------------------------------------

@@ -16,9 +16,13 @@ sparse-vector technique). Epsilon always comes from the field's libraries:
   ``pld`` a history with sparse-vector events takes the smaller of that RDP bound and
   basic composition (dp-accounting has no event for a generic pure eps-DP release).
 
-Every non-Opacus path (RDP curves, PLD) turns an event into a dp-accounting ``DpEvent``
-through ONE function, :func:`dpfl.privacy.accounting.dp_event_of`
-(:meth:`PrivacyEvent.to_dp_event`).
+What an event's mechanism means for its accounting (unit, parameters taken, one-step RDP
+curve, dp-accounting event, whether ``epsilon`` is a pure cost or a surcharge) is said by
+ONE class per mechanism, registered in :mod:`dpfl.privacy.event_types`
+(:attr:`PrivacyEvent.kind`); this module composes histories and never branches on a
+mechanism's name. Every non-Opacus path (RDP curves, PLD) turns an event into a
+dp-accounting ``DpEvent`` through ONE function, :func:`dpfl.privacy.accounting.dp_event_of`
+(:meth:`PrivacyEvent.to_dp_event`), which asks the event's type.
 
 ``pld`` is the tightest valid choice for both units. Its epsilon, like every epsilon here,
 is computed from the history's canonical signature (:func:`history_signature`: distinct
@@ -44,25 +48,19 @@ from dp_accounting import dp_event
 
 from dpfl.numbers import is_finite_number
 from dpfl.privacy.accounting import (
-    DISCRETE,
     DPSGD_ACCOUNTANTS,
-    GAUSSIAN,
     MECHANISMS,
     PRV_CLIENT_LEVEL,
-    PURE,
-    SAMPLE_LEVEL,
-    EventKey,
-    check_event_key,
-    discrete_curve,
     dp_event_of,
     dpsgd_history_epsilon_detail,
     events_epsilon_detail,
 )
+from dpfl.privacy.event_types import RELATIONS, EventKey, EventType, event_type, mechanisms
 
-__all__ = ["ACCOUNTANTS", "GAUSSIAN", "MECHANISMS", "PRV_CLIENT_LEVEL", "PURE", "SAMPLE_LEVEL",
-           "PrivacyEvent", "dp_event_of", "histories_epsilon", "history_epsilon",
-           "history_epsilon_detail", "history_rdp", "history_signature", "history_terms",
-           "history_unit", "orders_for", "rdp_curve", "rdp_to_epsilon"]
+__all__ = ["ACCOUNTANTS", "MECHANISMS", "PRV_CLIENT_LEVEL", "PrivacyEvent", "dp_event_of",
+           "histories_epsilon", "history_epsilon", "history_epsilon_detail", "history_rdp",
+           "history_signature", "history_terms", "history_unit", "orders_for", "rdp_curve",
+           "rdp_to_epsilon"]
 
 ACCOUNTANTS = DPSGD_ACCOUNTANTS  # rdp and pld for both units, prv for DP-SGD only
 # A history's canonical signature: ((event key, total steps), ...), see history_signature
@@ -72,10 +70,14 @@ Signature = tuple[tuple[EventKey, int], ...]
 @dataclass(frozen=True)
 class PrivacyEvent:
     """One charge. ``sigma`` is noise std / sensitivity; ``rate`` a Poisson sampling rate;
-    ``steps`` how many times the release is repeated; ``epsilon`` for pure events.
+    ``steps`` how many times the release is repeated; ``epsilon`` the cost of a pure event
+    or the surcharge of an integer-noise one (what it means is the mechanism's, see
+    :attr:`kind`).
 
-    A parameter the event's accounting would ignore is refused (ValueError, see
-    :func:`dpfl.privacy.accounting.check_event_key`): ``rate`` below 1 or ``sigma`` on a
+    ``mechanism`` names a type registered in :mod:`dpfl.privacy.event_types`
+    (:attr:`kind`), which knows the event's unit, RDP curve and dp-accounting event. A
+    parameter the event's accounting would ignore is refused (ValueError, see
+    :meth:`dpfl.privacy.event_types.EventType.check`): ``rate`` below 1 or ``sigma`` on a
     pure event, ``epsilon`` on a Gaussian one, a DP-SGD event not under add-remove, and a
     rate below 1 under replace-one."""
 
@@ -93,17 +95,16 @@ class PrivacyEvent:
             raise ValueError("event parameters must be finite numbers")
         if int(self.steps) != self.steps or int(self.round) != self.round:
             raise ValueError("round and steps must be integers")
-        if self.mechanism not in MECHANISMS:
-            raise ValueError(f"unknown mechanism {self.mechanism!r}; known: {MECHANISMS}")
-        if self.relation not in ("add-remove", "replace-one"):
+        kind = event_type(self.mechanism)
+        if self.relation not in RELATIONS:
             raise ValueError(f"unknown relation {self.relation!r}")
-        if self.mechanism in PURE and self.epsilon <= 0:
+        if kind.pure and self.epsilon <= 0:
             raise ValueError("a pure event needs epsilon > 0")
-        if self.mechanism not in PURE and self.sigma <= 0:
+        if not kind.pure and self.sigma <= 0:
             raise ValueError("a Gaussian event needs sigma > 0")
         if not 0.0 < self.rate <= 1.0 or self.steps < 0:
             raise ValueError("rate must be in (0, 1] and steps >= 0")
-        check_event_key(self.key)  # nothing its accounting would ignore
+        kind.check(self.key)  # nothing its accounting would ignore
 
     @classmethod
     def dpsgd(cls, round_: int, sigma: float, rate: float, steps: int) -> "PrivacyEvent":
@@ -122,8 +123,13 @@ class PrivacyEvent:
         return cls(round_, mechanism, epsilon=epsilon, steps=steps, relation=relation)
 
     @property
+    def kind(self) -> EventType:
+        """The registered type of this event's mechanism."""
+        return event_type(self.mechanism)
+
+    @property
     def unit(self) -> str:
-        return "sample" if self.mechanism in SAMPLE_LEVEL else "client"
+        return self.kind.unit
 
     @property
     def key(self) -> EventKey:
@@ -162,24 +168,11 @@ def orders_for(unit: str) -> np.ndarray:
 
 @lru_cache(maxsize=4096)
 def rdp_curve(key: EventKey) -> np.ndarray:
-    """RDP of ONE step of the event with this key, at :func:`orders_for` its unit."""
-    mechanism, sigma, rate, epsilon, relation = key
-    check_event_key(key)
-    if mechanism == "dpsgd":
-        from opacus.accountants.analysis.rdp import compute_rdp
-
-        return np.asarray(compute_rdp(q=rate, noise_multiplier=sigma, steps=1,
-                                      orders=list(_opacus_orders())), dtype=float)
-    orders = _dp_accounting_orders()
-    if mechanism == "sparse-vector":
-        return np.minimum(epsilon, orders * epsilon ** 2 / 2.0)
-    if mechanism in DISCRETE:
-        return discrete_curve(orders, key)
-    from dp_accounting.rdp.rdp_privacy_accountant import RdpAccountant
-
-    acc = RdpAccountant(orders=list(orders))
-    acc.compose(dp_event_of(key), 1)
-    return np.asarray(acc.rdp, dtype=float)
+    """RDP of ONE step of the event with this key, at :func:`orders_for` its unit: its
+    registered type's curve (:meth:`dpfl.privacy.event_types.EventType.curve`)."""
+    kind = event_type(key[0])
+    kind.check(key)
+    return kind.curve(orders_for(kind.unit), key)
 
 
 def rdp_to_epsilon(unit: str, rdp: np.ndarray, delta: float) -> float:
@@ -231,10 +224,10 @@ def _pure_bound(unit: str, events: Sequence[PrivacyEvent], eps_rdp: float,
     """For histories with pure-epsilon events also use basic composition on them:
     eps <= eps(Gaussian part, delta) + sum of pure eps. Both bounds hold; take the smaller
     (the RDP route adds log(1/delta)/(alpha - 1) and can lose to the plain sum)."""
-    pure = [e for e in events if e.mechanism in PURE]
+    pure = [e for e in events if e.kind.pure]
     if not pure:
         return eps_rdp
-    rest = [e for e in events if e.mechanism not in PURE and e.steps > 0]
+    rest = [e for e in events if not e.kind.pure and e.steps > 0]
     eps_rest = rdp_to_epsilon(unit, history_rdp(rest), delta) if rest else 0.0
     return min(eps_rdp, eps_rest + sum(e.epsilon * e.steps for e in pure))
 
@@ -268,29 +261,38 @@ def _signature_epsilon(signature: Signature, delta: float,
                                             delta, accountant)
     if accountant == "prv":
         raise ValueError(PRV_CLIENT_LEVEL)
-    if any(e.mechanism in DISCRETE for e in events):  # no pld event: the RDP bound
-        # (with _pure_bound's basic composition of any pure events, sparse vector included)
+    no_event = {e.mechanism for e in events if e.kind.dp_event(e.key) is None}
+    if not no_event:
+        return events_epsilon_detail([(e.to_dp_event(), e.steps) for e in events], delta,
+                                     "pld")
+    rdp_only = _names({m for m in no_event if not event_type(m).pure})
+    if rdp_only:  # no pld event: the RDP bound (with _pure_bound's basic composition of
+        # any pure events, sparse vector included)
         return (_pure_bound(unit, events, rdp_to_epsilon(unit, history_rdp(events), delta),
-                            delta), "rdp (skellam/ddgauss/binomial events have no pld event)")
-    if any(e.mechanism == "sparse-vector" for e in events):
-        return _sparse_vector_pld(unit, events, delta)
-    return events_epsilon_detail([(e.to_dp_event(), e.steps) for e in events], delta, "pld")
+                            delta), f"rdp ({rdp_only} events have no pld event)")
+    return _pure_pld(unit, events, no_event, delta)
 
 
-def _sparse_vector_pld(unit: str, events: Sequence[PrivacyEvent],
-                       delta: float) -> tuple[float, str]:
-    """``pld`` for a history with generic pure eps-DP events (``sparse-vector``: no
-    dp-accounting event has their worst-case privacy loss): the smaller of two valid upper
-    bounds, the RDP route (with :func:`_pure_bound`) and basic composition of the pure
-    events with the PLD epsilon of the rest; the method names which one was used."""
+def _names(mechanisms_: set[str]) -> str:
+    """Mechanism names, "/"-joined in registration order (method descriptions)."""
+    return "/".join(m for m in mechanisms() if m in mechanisms_)
+
+
+def _pure_pld(unit: str, events: Sequence[PrivacyEvent], no_event: set[str],
+              delta: float) -> tuple[float, str]:
+    """``pld`` for a history with generic pure eps-DP events without a dp-accounting event
+    (``no_event``, e.g. ``sparse-vector``: no dp-accounting event has their worst-case
+    privacy loss): the smaller of two valid upper bounds, the RDP route (with
+    :func:`_pure_bound`) and basic composition of those pure events with the PLD epsilon of
+    the rest; the method names which one was used."""
     rdp = _pure_bound(unit, events, rdp_to_epsilon(unit, history_rdp(events), delta), delta)
-    pure = math.fsum(e.epsilon * e.steps for e in events if e.mechanism == "sparse-vector")
+    pure = math.fsum(e.epsilon * e.steps for e in events if e.mechanism in no_event)
     rest = [(e.to_dp_event(), e.steps) for e in events
-            if e.mechanism != "sparse-vector" and e.steps > 0]
+            if e.mechanism not in no_event and e.steps > 0]
     basic = pure + (events_epsilon_detail(rest, delta, "pld")[0] if rest else 0.0)
     if basic < rdp:
-        return basic, "pld + basic composition of sparse-vector events"
-    return rdp, "rdp or basic composition (sparse-vector events have no pld event)"
+        return basic, f"pld + basic composition of {_names(no_event)} events"
+    return rdp, f"rdp or basic composition ({_names(no_event)} events have no pld event)"
 
 
 def history_epsilon_detail(events: Sequence[PrivacyEvent], delta: float,
@@ -355,7 +357,7 @@ def histories_epsilon(histories: Mapping[str, Sequence[PrivacyEvent]], delta: fl
             if b not in cache:
                 cache[b] = rdp_to_epsilon(unit, row, delta)
             out[name] = cache[b]
-            if any(e.mechanism in PURE for e in histories[name]):
+            if any(e.kind.pure for e in histories[name]):
                 out[name] = _pure_bound(unit, histories[name], out[name], delta)
     for name, h in histories.items():
         out.setdefault(name, 0.0)
