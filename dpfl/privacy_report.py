@@ -27,7 +27,6 @@ non-ledger ``ledger.json`` (likewise ``rounds.jsonl`` and ``summary.json``) is a
 from __future__ import annotations
 
 import io
-import json
 import math
 import sys
 from collections import Counter
@@ -39,13 +38,13 @@ from typing import Any, TextIO
 from rich.console import Console
 from rich.table import Table
 
-from dpfl.durable import split_lines
 from dpfl.errors import UserError, one_line, read_json_file, read_text_file
 from dpfl.logs import get_logger
 from dpfl.numbers import is_number
 from dpfl.privacy.event_types import event_type
 from dpfl.privacy.events import PrivacyEvent, history_terms
 from dpfl.privacy.ledger import Ledger
+from dpfl.server.rundir import RunDir
 
 log = get_logger("flwr.dpfl.report")
 # Exit code of ``dpfl privacy-report`` when the records disagree (1 is a bug with its
@@ -116,48 +115,14 @@ def load_summary(path: Path) -> dict[str, Any] | None:
 
 
 def load_rounds(path: Path) -> list[dict[str, Any]]:
-    """The complete lines of ``rounds.jsonl``, or a :class:`UserError` naming the file (and
-    line) when it is missing or a complete line is damaged or not a round record. A
-    partial last line (a kill mid-append, no newline yet) is dropped with a warning, by
-    the same rule as a resume (:meth:`dpfl.server.rundir.RunDir.read_rounds`): a killed run
-    that ``resume=true`` accepts is one the report reads."""
-    lines, partial = split_lines(read_text_file(path, "round log"))
-    if partial is not None:
-        log.warning("%s: dropping a partial last line left by an interruption", path)
-    out = []
-    for number, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise UserError(f"{path}: line {number} is damaged (invalid JSON at column "
-                            f"{exc.colno})") from exc
-        problem = _round_problem(record)
-        if problem is not None:
-            raise UserError(f"{path}: line {number} is not a round record ({problem})")
-        out.append(record)
-    return out
+    """The complete lines of ``rounds.jsonl``, read as a resume reads them
+    (:meth:`dpfl.server.rundir.RunDir.read_rounds`: a partial last line, a kill mid-append,
+    is dropped with a warning; a damaged line is a :class:`UserError` naming the file and
+    line), or a :class:`UserError` when the file is missing: a killed run that
+    ``resume=true`` accepts is one the report reads."""
+    read_text_file(path, "round log")   # missing or unreadable: one line naming it
+    return RunDir(path.parent).read_rounds()
 
-
-def _round_problem(record: Any) -> str | None:
-    if not isinstance(record, dict) or not isinstance(record.get("round"), int):
-        return "no integer 'round'"
-    if not isinstance(record.get("epsilon", {}), dict):
-        return "'epsilon' is not an object"
-    charges = record.get("charges", [])
-    if not isinstance(charges, list):
-        return "'charges' is not a list"
-    for c in charges:
-        if not (isinstance(c, dict) and isinstance(c.get("client"), str)
-                and isinstance(c.get("events"), list)):
-            return "a charge without 'client' and 'events'"
-        try:
-            for e in c["events"]:
-                PrivacyEvent(**e)  # validates it
-        except (TypeError, ValueError) as exc:
-            return f"charge of {c['client']}: {one_line(exc)}"
-    return None
 
 
 # ---------------------------------------------------------------------------------------

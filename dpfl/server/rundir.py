@@ -218,8 +218,9 @@ class RunDir:
 
     def read_rounds(self, warn: bool = True) -> list[dict[str, Any]]:
         """The complete round lines; a partial last line (a kill mid-append) is dropped
-        (with a warning unless ``warn`` is false), a damaged line elsewhere, or a file that
-        is not UTF-8, is a :class:`UserError`."""
+        (with a warning unless ``warn`` is false), a damaged line elsewhere (not JSON, not a
+        round record), or a file that is not UTF-8, is a :class:`UserError`. The one reader
+        of ``rounds.jsonl``: a resume and ``dpfl privacy-report`` read it alike."""
         path = self.file("rounds.jsonl")
         lines, partial = _read_lines(path, "round log")
         if partial is not None and warn:
@@ -227,9 +228,14 @@ class RunDir:
         out = []
         for number, line in enumerate(lines, 1):
             try:
-                out.append(json.loads(line))
+                record = json.loads(line)
             except json.JSONDecodeError as exc:
-                raise UserError(f"{path}: line {number} is damaged ({exc.msg})") from exc
+                raise UserError(f"{path}: line {number} is damaged (invalid JSON at column "
+                                f"{exc.colno})") from exc
+            if not isinstance(record, dict) or not isinstance(record.get("round"), int):
+                raise UserError(f"{path}: line {number} is not a round record (no integer "
+                                "'round')")
+            out.append(record)
         return out
 
     def check_resumable(self) -> None:
