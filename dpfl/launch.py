@@ -112,6 +112,9 @@ def flower_env(flwr_home: Path, output_root: Path | None = None) -> dict[str, st
         "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
         "RAY_DEDUP_LOGS": "0",
         "RAY_USAGE_STATS_ENABLED": "0",
+        # the raylet prestarts workers for the first driver that Flower's actors never use
+        # (their runtime_env differs): 0.7 CPU s on a start that is CPU-bound on 2 cores
+        "RAY_prestart_worker_first_driver": "0",
         # the known harmless third-party warnings, each by message, category and module
         # (dpfl.logs.KNOWN_WARNINGS); every other warning is still printed
         "PYTHONWARNINGS": known_warnings_option(os.environ.get("PYTHONWARNINGS", "")),
