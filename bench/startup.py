@@ -448,9 +448,14 @@ class ProcessWatch:
                 proc.titles.append((now, title))
 
 
-def role_of(proc: Proc, launcher: int) -> str:
+ZYGOTE = "dpfl.warm_clientapps --zygote"
+
+
+def role_of(proc: Proc, launcher: int, procs: dict[int, Proc] | None = None) -> str:
     """What a process is, from its titles (a forked child's first title may still be its
-    parent's command line: Ray's processes are matched on any title, first)."""
+    parent's command line: Ray's processes are matched on any title, first). The warm
+    simulation path (dpfl.warm_clientapps): its SuperExec, its zygote, and flwr-simulation
+    as the zygote's forked child (same title as its parent)."""
     if proc.pid == launcher:
         return "launcher"
     every = " ".join(title for _, title in proc.titles)
@@ -469,7 +474,12 @@ def role_of(proc: Proc, launcher: int) -> str:
     for needle, role in ray_rules:
         if needle in every:
             return role
+    if ZYGOTE in last:
+        parent = (procs or {}).get(proc.ppid)
+        parent_last = parent.titles[-1][1] if parent is not None and parent.titles else ""
+        return "flwr-simulation" if ZYGOTE in parent_last else "simulation zygote"
     rules = (("dpfl.watchdog", "watchdog"), ("flower-superlink", "flower-superlink"),
+             ("dpfl.warm_clientapps --warm", "flower-superexec"),
              ("flower-superexec", "flower-superexec"), ("flwr-simulation", "flwr-simulation"),
              ("/flwr run ", "flwr run"))
     for needle, role in rules:
@@ -600,7 +610,7 @@ def measure(index: int, work: Path, simulate_args: list[str], extra_env: dict[st
     run.load_after = Path("/proc/loadavg").read_text().strip()
     run.procs = watch.procs
     for proc in run.procs.values():
-        proc.role = role_of(proc, child.pid)
+        proc.role = role_of(proc, child.pid, run.procs)
     run.t0 = run.procs[child.pid].start if child.pid in run.procs else started
     ours = sum(p.cpu[-1][1] for p in run.procs.values() if p.cpu)
     ours += time.process_time() - own   # this process's polling
