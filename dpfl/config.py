@@ -35,6 +35,9 @@ OPACUS_MODES = ("ghost", "hooks", "functorch", "ew", "bk")
 TRUSTS = ("local", "central", "distributed")
 # central: dpfl's own mechanism, or Flower's server-side DP wrapper for a side-by-side
 CENTRAL_IMPLS = ("dpfl", "flower")
+# trust=central: independent noise per round, or correlated noise across rounds without a
+# sampling assumption (dpfl.privacy.correlated_charging)
+CENTRAL_NOISES = ("gaussian", "tree", "banded-mf")
 # trust=distributed: the integer noise of the shares (dpfl.privacy.skellam,
 # dpfl.privacy.ddgauss)
 SECURE_NOISES = ("skellam", "ddgauss")
@@ -233,6 +236,18 @@ class RunConfig:
     # central: dpfl's mechanism, or Flower's DifferentialPrivacyServerSide*Clipping wrapper
     # around FedAvg on the same round (fixed-size sampling; a side-by-side reference)
     central_impl: str = "dpfl"
+    # central: gaussian = fresh N(0, sigma^2 C^2) per round with Poisson sampling (above);
+    # tree / banded-mf = correlated noise over the rounds (DP-FTRL tree aggregation, banded
+    # matrix factorization), fixed-size cohorts under a participation schema: each client
+    # at most max-participations times, any two at least min-separation rounds apart
+    central_noise: str = "gaussian"
+    max_participations: int = 1
+    min_separation: int = 1
+    # banded-mf: the band b of C (0 = the largest the exact accounting allows: the
+    # separation, or num-rounds when a client takes part once)
+    central_band: int = 0
+    # tree: restart the tree every R rounds (0 = never)
+    tree_restart: int = 0
     # distributed: the guaranteed minimum of surviving clients per round (0 = every
     # sampled client must survive); each adds 1/n_min of the noise variance
     secagg_min_survivors: int = 0
@@ -289,6 +304,7 @@ KEY_CHOICES: dict[str, tuple[str, ...]] = {
     "opacus-mode": OPACUS_MODES,
     "trust": TRUSTS,
     "central-impl": CENTRAL_IMPLS,
+    "central-noise": CENTRAL_NOISES,
     "secure-noise": SECURE_NOISES,
 }
 
@@ -427,6 +443,23 @@ KEY_HELP: dict[str, str] = {
                     "(fixed-size sampling, missing replies as zero updates; its ε charged "
                     "without amplification, under replace-one) for a side-by-side; not with "
                     "`adaptive-clip`",
+    "central-noise": "`trust=central`: `gaussian` (fresh noise each round, Poisson sampling "
+                     "at `fraction-train`, amplification accounted), or correlated noise "
+                     "over the rounds with no sampling assumed: `tree` (DP-FTRL tree "
+                     "aggregation, Honaker's estimator) or `banded-mf` (banded Toeplitz "
+                     "matrix factorization); these draw a fixed cohort of round(fraction-train"
+                     " × clients) among the clients the schema (`max-participations`, "
+                     "`min-separation`) still allows, charge only the clients that took part, "
+                     "and need `central-impl=dpfl`, `adaptive-clip=false`",
+    "max-participations": "`central-noise=tree|banded-mf`: k, the most rounds one client "
+                          "takes part in (the server enforces it); at most what "
+                          "`min-separation` lets fit into `num-rounds`",
+    "min-separation": "`central-noise=tree|banded-mf`: b, the fewest rounds between two "
+                      "participations of one client (the server enforces it)",
+    "central-band": "`central-noise=banded-mf`: the band of C (0 = `min-separation`, or "
+                    "`num-rounds` when `max-participations=1`); at most `min-separation` "
+                    "when a client takes part more than once (exact accounting)",
+    "tree-restart": "`central-noise=tree`: restart the tree every R rounds (0 = never)",
     "secagg-min-survivors": "`trust=distributed`: n_min, the guaranteed minimum of "
                             "surviving clients per round (0 = every sampled client); each "
                             "adds 1/n_min of the noise variance, fewer survivors discard "
@@ -631,6 +664,7 @@ def validate(cfg: RunConfig) -> RunConfig:
              "just moved by that round's noisy count, a data-dependent noise no fixed "
              "composition bounds: use central-impl=dpfl or adaptive-clip=false",
              cfg.adaptive_clip)
+    _validate_central_noise(cfg)
     need(cfg.secagg_min_survivors >= 0, "secagg-min-survivors", "must be >= 0",
          cfg.secagg_min_survivors)
     need(cfg.secagg_noiseless >= 0, "secagg-noiseless", "must be >= 0", cfg.secagg_noiseless)
@@ -661,3 +695,47 @@ def validate(cfg: RunConfig) -> RunConfig:
         why = run_name_problem(cfg.run_name)
         need(why is None, "run-name", str(why), cfg.run_name)
     return cfg
+
+
+def _validate_central_noise(cfg: RunConfig) -> None:
+    """``central-noise`` and its schema keys (each key's range, then the combinations)."""
+    need_choice(cfg.central_noise, CENTRAL_NOISES, "central-noise")
+    need(cfg.max_participations >= 1, "max-participations", "must be >= 1",
+         cfg.max_participations)
+    need(cfg.min_separation >= 1, "min-separation", "must be >= 1", cfg.min_separation)
+    need(cfg.central_band >= 0, "central-band", "must be >= 0 (0 = the separation)",
+         cfg.central_band)
+    need(cfg.tree_restart >= 0, "tree-restart", "must be >= 0 (0 = never)", cfg.tree_restart)
+    if cfg.central_noise == "gaussian":
+        for key, value, default in (("max-participations", cfg.max_participations, 1),
+                                    ("min-separation", cfg.min_separation, 1),
+                                    ("central-band", cfg.central_band, 0),
+                                    ("tree-restart", cfg.tree_restart, 0)):
+            need(value == default, key, "needs central-noise=tree or banded-mf "
+                 "(central-noise=gaussian samples by Poisson and has no schema)", value)
+        return
+    noise = f"central-noise={cfg.central_noise}"
+    need(cfg.trust == "central", "central-noise", f"{noise} needs trust=central",
+         cfg.central_noise)
+    need(cfg.central_impl == "dpfl", "central-noise",
+         f"{noise} needs central-impl=dpfl (Flower's wrapper adds independent noise)",
+         cfg.central_noise)
+    need(not cfg.adaptive_clip, "adaptive-clip",
+         f"{noise} accounts a fixed C (the clipped count is not part of the schema's "
+         "accounting): set adaptive-clip=false", cfg.adaptive_clip)
+    need(not cfg.resume_without_checkpoint, "resume-without-checkpoint",
+         f"{noise} continues its noise stream from the checkpoint: a resume without one "
+         "would restart it, which the accounting does not cover", cfg.resume_without_checkpoint)
+    k, b, n = cfg.max_participations, cfg.min_separation, cfg.num_rounds
+    need((k - 1) * b + 1 <= n, "max-participations",
+         f"{k} participations at least min-separation={b} rounds apart need "
+         f"(k - 1) b + 1 = {(k - 1) * b + 1} rounds, num-rounds is {n}", k)
+    need(cfg.central_noise == "banded-mf" or cfg.central_band == 0, "central-band",
+         "needs central-noise=banded-mf", cfg.central_band)
+    need(cfg.central_noise == "tree" or cfg.tree_restart == 0, "tree-restart",
+         "needs central-noise=tree", cfg.tree_restart)
+    if cfg.central_noise == "banded-mf" and k > 1:
+        need(cfg.central_band <= b, "central-band",
+             f"a band above min-separation={b} makes columns of C that one client's "
+             "participations share non-orthogonal (no exact accounting): at most the "
+             "separation", cfg.central_band)

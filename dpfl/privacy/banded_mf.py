@@ -44,7 +44,7 @@ from collections import deque
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
-from typing import Literal, Sequence
+from typing import Any, Literal, Sequence
 
 import numpy as np
 import torch
@@ -352,6 +352,20 @@ class BandedNoise:
         self.round = 0
         self._past: deque[torch.Tensor] = deque(maxlen=max(c.size - 1, 1))
         self._prefix = torch.zeros(self.shape, dtype=dtype, device=device)
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a resume needs to continue the same noise stream: the generator's state,
+        the round, the last b - 1 increments and the running prefix."""
+        return {"round": self.round, "generator": self.generator.get_state(),
+                "past": [y.clone() for y in self._past], "prefix": self._prefix.clone()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue the stream :meth:`state_dict` saved (same coefficients and shape)."""
+        self.round = int(state["round"])
+        self.generator.set_state(state["generator"])
+        self._past.clear()
+        self._past.extend(y.to(self.dtype) for y in state["past"])
+        self._prefix = state["prefix"].to(self.dtype)
 
     def next(self) -> NoiseStep:
         """The noise of the next round (0-based ``self.round`` before the call)."""

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Literal, NamedTuple, Sequence
+from typing import Any, Literal, NamedTuple, Sequence
 
 import numpy as np
 import torch
@@ -213,6 +213,23 @@ class TreeNoise:
         z = torch.randn(self.shape, generator=self.generator, dtype=self.dtype,
                         device=self.device)
         return z * self.noise_std
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a resume needs to continue the same noise stream: the generator's state,
+        the round, the pending blocks' estimates, the carried total, the last prefix."""
+        return {"round": self.round, "generator": self.generator.get_state(),
+                "levels": [h for h, _ in self._stack],
+                "stack": [est.clone() for _, est in self._stack],
+                "carried": self._carried.clone(), "previous": self._previous.clone()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue the stream :meth:`state_dict` saved (same shape and settings)."""
+        self.round = int(state["round"])
+        self.generator.set_state(state["generator"])
+        self._stack = [(int(h), t.to(self.dtype)) for h, t in zip(state["levels"],
+                                                                   state["stack"])]
+        self._carried = state["carried"].to(self.dtype)
+        self._previous = state["previous"].to(self.dtype)
 
     def next(self) -> NoiseStep:
         """The noise of the next round (0-based ``self.round`` before the call)."""

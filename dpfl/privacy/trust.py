@@ -282,6 +282,8 @@ def trust_scope(cfg: RunConfig) -> str:
                 "is sigma C whatever arrives); accounted as one Gaussian per round under "
                 "replace-one with no amplification by sampling (an upper bound), every "
                 "client charged every round")
+    if cfg.trust == "central" and cfg.central_noise != "gaussian":
+        return correlated_scope(cfg)
     if cfg.trust == "central":
         clip = ("C adapted each round towards the "
                 f"{cfg.clip_target_quantile:g}-quantile of the update norms from a noisy "
@@ -316,6 +318,31 @@ def trust_scope(cfg: RunConfig) -> str:
                 "from Flower 1.39's numpy generator seeded with 32 bits folded from the "
                 "shared keys, so the hiding is only as strong as a 2^32 search")
     return ""
+
+
+def correlated_scope(cfg: RunConfig) -> str:
+    """trust=central with ``central-noise=tree|banded-mf``: the schema in place of Poisson
+    sampling, the factorization, and how each participation is charged."""
+    from dpfl.privacy.correlated_charging import correlated_charge, schema_of
+
+    mechanism = ("tree aggregation (DP-FTRL, Kairouz et al. 2021; Honaker's estimator"
+                 + (f", restarted every {cfg.tree_restart} rounds" if cfg.tree_restart else "")
+                 + ")" if cfg.central_noise == "tree" else
+                 "a banded Toeplitz matrix factorization (Choquette-Choo et al. 2023)")
+    charge = correlated_charge(cfg)
+    return ("trust=central with correlated noise (central-noise="
+            f"{cfg.central_noise}): the server must be trusted — it sees every clipped update "
+            f"(C = {cfg.clip_norm:g}) and who sent it; " + schema_of(cfg).statement() + "; "
+            "each round a cohort of fixed size round(fraction-train x clients) is drawn "
+            "among the clients the schema allows (availability: no sampling is claimed and "
+            "no amplification accounted); the server releases the noisy prefix sums of the "
+            f"clipped sums with noise of {mechanism}, divided by the cohort size; everyone "
+            "else sees only the models; add-remove of a client's whole data; the whole run "
+            "is one Gaussian mechanism at sigma / sensitivity, " + charge.statement()
+            + "; only the clients that took part are charged; the noise stream's state "
+            "(generator, pending tree nodes or the last band - 1 increments) is kept in the "
+            "server's checkpoint so that a resume continues it: that file is as secret as "
+            "the clipped updates")
 
 
 def overflow_note(added: float, delta: float) -> str:

@@ -71,6 +71,10 @@ def guarantee_for(cfg: RunConfig, method: MethodPrivacy = MethodPrivacy()) -> Gu
         # Flower's fixed-size sample is accounted without amplification, under replace-one
         unit, relation, sampling = "client", FLOWER_RELATION, "none"
         scope = trust_scope(cfg)
+    elif cfg.trust == "central" and cfg.central_noise != "gaussian":
+        # correlated noise: a participation schema, no sampling claimed (trust_scope)
+        unit, relation, sampling = "client", CENTRAL_RELATION, "none"
+        scope = trust_scope(cfg)
     elif cfg.trust == "central":
         unit, relation, sampling = "client", CENTRAL_RELATION, "poisson"
         scope = trust_scope(cfg)
@@ -93,13 +97,17 @@ def guarantee_for(cfg: RunConfig, method: MethodPrivacy = MethodPrivacy()) -> Gu
     if method.scope:
         scope += "; " + method.scope
     clear.extend(method.clear)
-    charging = ("every client is charged every round's release, sampled or not"
+    correlated = cfg.trust == "central" and cfg.central_noise != "gaussian"
+    charging = ("each client is charged each round it takes part in, and only then"
+                if correlated else
+                "every client is charged every round's release, sampled or not"
                 if cfg.trust == "central" else
                 "the server charges every update it receives (accepted, rejected or late) "
                 "at no less than the planned cost")
     # what the mechanism draws: update-level DP samples nothing (every client's whole
     # update, every round), so its guarantee must not speak of Poisson sampling
-    draws = {"central": "the server's noise and Poisson client sampling come",
+    draws = {"central": "the server's noise and cohort draws come" if correlated else
+             "the server's noise and Poisson client sampling come",
              "distributed": "the clients' noise shares come"}.get(
                  cfg.trust, "noise and Poisson sampling come" if cfg.trainer == "dpsgd"
                  else "noise comes")

@@ -49,6 +49,7 @@ from dpfl.privacy.trust import (
 )
 from dpfl.server.aggregation import server_sgd_step, weighted_mean
 from dpfl.server.central import CentralAggregator, FlowerCentralAggregator
+from dpfl.server.correlated import CorrelatedAggregator
 from dpfl.server.guard import DPGuard
 from dpfl.server.nodes import NodeRegistry
 from dpfl.server.secagg import SecureSum, masked_reply
@@ -139,7 +140,8 @@ class DPFLStrategy(FedAvg):
         self._pending: RoundRecord | None = None   # for the Flower adapters only
         self.num_nodes = 0
         # trust=central (bound with the partition sizes)
-        self.central: CentralAggregator | FlowerCentralAggregator | None = None
+        self.central: (CentralAggregator | FlowerCentralAggregator | CorrelatedAggregator
+                       | None) = None
 
     # -- what the run loop binds -------------------------------------------------------
     def bind_partition_sizes(self, sizes: Mapping[int, int]) -> None:
@@ -147,8 +149,13 @@ class DPFLStrategy(FedAvg):
         the server can compute each client's planned privacy release."""
         self.nodes.bind_sizes(sizes)
         if self.cfg.trust == "central" and self.central is None:
-            impl = FlowerCentralAggregator if self.cfg.central_impl == "flower" \
-                else CentralAggregator
+            impl: type[CentralAggregator | FlowerCentralAggregator | CorrelatedAggregator]
+            if self.cfg.central_noise != "gaussian":
+                impl = CorrelatedAggregator
+            elif self.cfg.central_impl == "flower":
+                impl = FlowerCentralAggregator
+            else:
+                impl = CentralAggregator
             self.central = impl(self.cfg, len(sizes))
 
     @property
@@ -261,6 +268,8 @@ class DPFLStrategy(FedAvg):
     def select_nodes(self, server_round: int, grid: Grid) -> list[int]:
         """Seeded uniform sample of ``fraction-train`` of the connected nodes."""
         nodes = self.wait_for_nodes(grid, self.min_available_nodes)
+        if isinstance(self.central, CorrelatedAggregator):   # a cohort the schema allows
+            return self.central.select(server_round, nodes, self.nodes)
         if self.central is not None:  # Poisson sampling: amplification is accounted
             return self.central.sample(nodes)
         k = max(int(len(nodes) * self.fraction_train), min(self.min_train_nodes, len(nodes)))
@@ -454,6 +463,8 @@ class DPFLStrategy(FedAvg):
         """trust=central: the noisy clipped mean over q N (noise alone when nobody was
         sampled or accepted), then every client is charged the round."""
         record.accepted.sort(key=lambda u: u.partition_id)
+        if isinstance(self.central, CorrelatedAggregator):
+            return self._correlated_outcome(server_round, record, dim)
         updates = (torch.stack([u.flat for u in record.accepted]) if record.accepted
                    else torch.zeros((0, dim)))
         within = [float(u.metrics.get(UNCLIPPED_KEY, 0.0)) for u in record.accepted]
@@ -463,6 +474,31 @@ class DPFLStrategy(FedAvg):
         else:
             aggregated = self.central.aggregate(updates, within)
         self.guard.charge_population(server_round, self.central.events(server_round))
+        return self._stepped(aggregated, record)
+
+    def _correlated_outcome(self, server_round: int, record: RoundRecord, dim: int
+                            ) -> RoundOutcome:
+        """trust=central with correlated noise: an update of a client outside the schema
+        is refused (never aggregated, never charged); the others enter the noisy sum over
+        the fixed cohort size, and only they are charged their participation."""
+        assert isinstance(self.central, CorrelatedAggregator)
+        taken, refused = self.central.admit([u.partition_id for u in record.accepted],
+                                            server_round)
+        for i, why in sorted(refused.items()):
+            u = record.accepted[i]
+            record.rejected.append(Rejection(u.node_id, u.partition_id, "refused", why,
+                                             u.metrics))
+            log.warning("round %d: update from %s refused: %s", server_round,
+                        self.client_name(u.node_id, u.partition_id), why)
+        record.accepted = [record.accepted[i] for i in taken]
+        updates = (torch.stack([u.flat for u in record.accepted]) if record.accepted
+                   else torch.zeros((0, dim)))
+        aggregated = self.central.release(server_round, updates)
+        for events, pids in self.central.participation_charges(
+                server_round, [u.partition_id for u in record.accepted]):
+            self.guard.charge_server_release(
+                server_round, events, pids,
+                f"correlated central release ({self.cfg.central_noise}): a participation")
         return self._stepped(aggregated, record)
 
     def finish_secure_round(self, server_round: int, record: RoundRecord,
