@@ -79,6 +79,8 @@ SIMULATION_PRELOAD = (
 
 ZYGOTE_FLAG = "--zygote"
 WARM_FLAG = "--warm"
+# how the zygote's log names a forked task ("dpfl.warm_clientapps: ClientApp 3 forked ...")
+LABELS = {"clientapp": "ClientApp", "simulation": "simulation"}
 # kind -> (its task type's name, the modules its zygote imports, its entry point)
 KINDS: dict[str, tuple[str, tuple[str, ...], tuple[str, str]]] = {
     "clientapp": ("CLIENT_APP", PRELOAD, ("flwr.supernode.cli", "flwr_clientapp")),
@@ -198,7 +200,7 @@ def serve(requests: IO[str], kind: str = "clientapp") -> int:
         if pid == 0:
             _run_task_in_child(request, kind)
         forked += 1
-        print(f"dpfl.warm_clientapps: {kind} task {forked} forked (pid {pid})",
+        print(f"dpfl.warm_clientapps: {LABELS[kind]} {forked} forked (pid {pid})",
               file=sys.stderr, flush=True)
     return forked
 

@@ -200,11 +200,12 @@ def test_simulation_spreads_clients_over_two_ray_nodes(tmp_path):
             assert 0 < info["epsilon"] <= 8.0, (name, info["epsilon"])
             assert [e["round"] for e in info["events"]] == [1], name
         assert ledger["mismatches"] == []
-        # Ray's record: one ClientApp run per client, on both nodes
-        seen = _probe(cluster, CLIENTS)
+        # Ray's record: two ClientApp runs per client (its node's query.warm before round 1,
+        # then its train message), on both nodes
+        seen = _probe(cluster, 2 * CLIENTS)
         phases["timeline probe"] = time.monotonic() - start - sum(phases.values())
         assert seen["nodes"] == [HEAD_IP, WORKER_IP], seen
-        assert sum(seen["runs"].values()) == CLIENTS, seen
+        assert sum(seen["runs"].values()) == 2 * CLIENTS, seen
         assert set(seen["runs"]) == {HEAD_IP, WORKER_IP}, seen
     finally:
         left = cluster.stop()
