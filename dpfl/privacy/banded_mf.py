@@ -52,7 +52,7 @@ from numpy.typing import ArrayLike, NDArray
 from scipy import optimize, signal
 
 from dpfl.privacy.participation import ParticipationSchema
-from dpfl.privacy.tree_aggregation import NoiseStep
+from dpfl.privacy.tree_aggregation import NoiseStep, stream_generator
 
 Objective = Literal["total", "max"]
 OBJECTIVES: tuple[Objective, ...] = ("total", "max")
@@ -335,14 +335,7 @@ class BandedNoise:
                  seed: int | None = None, dtype: torch.dtype = torch.float32,
                  device: torch.device | str | None = None) -> None:
         c = _coefficients(coefficients)
-        if not noise_std >= 0:
-            raise ValueError(f"noise_std must be >= 0, got {noise_std}")
-        if generator is None:
-            generator = torch.Generator(device=device or "cpu")
-            if seed is not None:
-                generator.manual_seed(seed)
-            else:
-                generator.seed()
+        generator = stream_generator(noise_std, generator, seed, device)
         self.coefficients = c
         self.shape = torch.Size(shape)
         self.noise_std = float(noise_std)

@@ -55,6 +55,22 @@ class NoiseStep(NamedTuple):
     prefix: torch.Tensor
 
 
+def stream_generator(noise_std: float, generator: torch.Generator | None, seed: int | None,
+                     device: torch.device | str | None) -> torch.Generator:
+    """The generator a streaming noise draws its z from (:class:`TreeNoise`,
+    :class:`dpfl.privacy.banded_mf.BandedNoise`): ``generator``, else a fresh one seeded
+    with ``seed`` (or from the OS when None). ValueError for a ``noise_std`` below 0 or NaN."""
+    if not noise_std >= 0:
+        raise ValueError(f"noise_std must be >= 0, got {noise_std}")
+    if generator is None:
+        generator = torch.Generator(device=device or "cpu")
+        if seed is not None:
+            generator.manual_seed(seed)
+        else:
+            generator.seed()
+    return generator
+
+
 def _check_estimator(estimator: str) -> None:
     if estimator not in ESTIMATORS:
         raise ValueError(f"estimator must be one of {ESTIMATORS}, got {estimator!r}")
@@ -186,14 +202,7 @@ class TreeNoise:
                  device: torch.device | str | None = None) -> None:
         _check_estimator(estimator)
         _check_restart(None, restart_every)
-        if not noise_std >= 0:
-            raise ValueError(f"noise_std must be >= 0, got {noise_std}")
-        if generator is None:
-            generator = torch.Generator(device=device or "cpu")
-            if seed is not None:
-                generator.manual_seed(seed)
-            else:
-                generator.seed()
+        generator = stream_generator(noise_std, generator, seed, device)
         self.shape = torch.Size(shape)
         self.noise_std = float(noise_std)
         self.estimator: Estimator = estimator

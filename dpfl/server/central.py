@@ -55,6 +55,15 @@ def noisy_clipped_mean(updates: torch.Tensor, clip: float, sigma: float, denomin
     return (total / denominator).to(updates.dtype)
 
 
+def central_randomness(cfg: RunConfig) -> tuple[random.Random, torch.Generator]:
+    """The trusted server's sampling rng and noise generator: public seeds in
+    ``reproducible`` mode (bit-identical reruns, verdict none), else the OS's entropy."""
+    if cfg.reproducible:
+        return (random.Random(public_seed(cfg.seed, -1, 0)),
+                torch.Generator().manual_seed(public_seed(cfg.seed, -2, 0)))
+    return random.SystemRandom(), secret_generator()
+
+
 class CentralAggregator:
     """The central mechanism's state: sigma, C (adaptive or fixed), its randomness."""
 
@@ -68,12 +77,7 @@ class CentralAggregator:
         self.tracker = (QuantileClipTracker(cfg.clip_norm, cfg.clip_target_quantile,
                                             cfg.clip_lr, self.count_std, CENTRAL_RELATION)
                         if cfg.adaptive_clip else None)
-        if cfg.reproducible:  # public seeds: bit-identical reruns, verdict none
-            self.rng: random.Random = random.Random(public_seed(cfg.seed, -1, 0))
-            self.noise = torch.Generator().manual_seed(public_seed(cfg.seed, -2, 0))
-        else:
-            self.rng = random.SystemRandom()
-            self.noise = secret_generator()
+        self.rng, self.noise = central_randomness(cfg)
 
     @property
     def clip(self) -> float:

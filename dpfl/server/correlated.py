@@ -40,9 +40,8 @@ from dpfl.privacy.correlated_charging import TREE_ESTIMATOR, correlated_charge
 from dpfl.privacy.events import PrivacyEvent
 from dpfl.privacy.ledger import client_key
 from dpfl.privacy.mechanisms import l2_clip
-from dpfl.privacy.randomness import public_seed, secret_generator
 from dpfl.privacy.tree_aggregation import TreeNoise
-from dpfl.server.central import CLIP_KEY
+from dpfl.server.central import CLIP_KEY, central_randomness
 from dpfl.server.nodes import NodeRegistry
 
 log = get_logger("flwr.dpfl.correlated")
@@ -67,12 +66,7 @@ class CorrelatedAggregator:
         self.count_std = None
         self.tracker = None
         self.participations: dict[str, list[int]] = {}
-        if cfg.reproducible:  # public seeds: bit-identical reruns, verdict none
-            self.rng: random.Random = random.Random(public_seed(cfg.seed, -1, 0))
-            self.generator = torch.Generator().manual_seed(public_seed(cfg.seed, -2, 0))
-        else:
-            self.rng = random.SystemRandom()
-            self.generator = secret_generator()
+        self.rng, self.generator = central_randomness(cfg)
         self.noise: TreeNoise | BandedNoise | None = None    # built on the first release
         self._pending_state: dict[str, Any] | None = None
         m, b, k, n = int(self.denominator), cfg.min_separation, cfg.max_participations, \
