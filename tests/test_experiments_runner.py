@@ -210,7 +210,7 @@ def test_reproduce_help_lists_every_cell_and_method_of_every_paper(capsys, paper
 
 def test_reproduce_help_gives_every_option_and_its_default(capsys):
     text = _reproduce_help(capsys)
-    assert "{gcfl,pegasus,aadp,fedcompdp,fedasgp,audit,trust,frontier}" in text and "seeds to run (default: 0 1 2)" in text
+    assert "{" + ",".join(common.PAPERS) + "}" in text and "seeds to run (default: 0 1 2)" in text
     for option in ("--cells", "--methods", "--skip-existing", "--results", "--work-dir"):
         line = text[text.index(f"  {option}"):].split("\n  -")[0]
         assert len(line.split(None, 2)) == 3, f"{option} has no help text"

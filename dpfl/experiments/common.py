@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-PAPERS = ("gcfl", "pegasus", "aadp", "fedcompdp", "fedasgp", "audit", "trust", "frontier")  # modules dpfl.experiments.<name>, each a REPRODUCTION
+PAPERS = ("gcfl", "pegasus", "aadp", "fedcompdp", "fedasgp", "audit", "trust", "frontier",
+          "ftrl")  # modules dpfl.experiments.<name>, each a REPRODUCTION
 
 
 def simulate_record(root: Path, clients: int, overrides: dict[str, Any],

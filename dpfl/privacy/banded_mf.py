@@ -5,9 +5,9 @@ Workload: A, the n x n lower-triangular matrix of ones (prefix sums of the per-r
 sums). Factorization A = B C with C lower-triangular Toeplitz and *banded*: coefficients
 c_0..c_(b-1) (C[i, j] = c_(i-j) for 0 <= i - j < b), so B = A C^-1 (Choquette-Choo,
 McMahan, Rush & Thakurta, "Multi-Epoch Matrix Factorization Mechanisms for Private Machine
-Learning", ICML 2023 [MMRT23]; banded: Choquette-Choo, Dvijotham, Pillutla, Ganesh, Steinke
-& Thakurta, "(Amplified) Banded Matrix Factorization", NeurIPS 2023 [CDPGST23]; Toeplitz
-coefficients optimised directly as in McMahan, Xu & Zhang 2024 and Dvijotham, McMahan,
+Learning", ICML 2023 [MMRT23]; banded: Choquette-Choo, Ganesh, McKenna, McMahan, Rush,
+Thakurta & Xu, "(Amplified) Banded Matrix Factorization", NeurIPS 2023 [CGMMRTX23];
+Toeplitz coefficients optimised directly as in McMahan, Xu & Zhang 2024 and Dvijotham, McMahan,
 Pillutla, Steinke & Thakurta 2024, "Efficient and Near-Optimal Noise Generation for
 Streaming Differential Privacy").
 
@@ -16,7 +16,7 @@ Streaming Differential Privacy").
   B's first column is beta = cumsum(r). Errors (MMRT23, Sec. 2, per unit noise):
   ``total`` ||B||_F^2 = sum_t (n - t) beta_t^2, ``max`` max_t ||B[t]||^2 = sum_t beta_t^2
   (the last row: B's rows are nested prefixes of beta).
-- Sensitivity (CDPGST23, banded theorem; :mod:`dpfl.privacy.correlated_accounting`): with
+- Sensitivity (CGMMRTX23, banded theorem; :mod:`dpfl.privacy.correlated_accounting`): with
   band b <= the schema's separation, columns >= b apart are orthogonal and
   sens^2 = max_pi sum_(i in pi) ||C[:, i]||^2. The column norms of a banded Toeplitz C are
   non-increasing in i (the last b - 1 columns are cut off), so rounds 0, sep, 2 sep, ... are
@@ -29,7 +29,7 @@ Streaming Differential Privacy").
   ||c|| = 1 (max column norm 1). For the optimisation the separation is taken as b (the
   worst schema the band allows); the run's own schema is accounted with
   :func:`toeplitz_sensitivity`.
-- Streaming (MMRT23, Sec. 4; CDPGST23, Alg. 9-style): the noise added to round t's sum is
+- Streaming (MMRT23, Sec. 4; CGMMRTX23, Alg. 9-style): the noise added to round t's sum is
   y_t = (C^-1 z)_t, y_t = (z_t - sum_(j=1)^(b-1) c_j y_(t-j)) / c_0: b - 1 past noises,
   memory O(b x model size); the released prefix sum's noise is (B z)_t = sum_(s<=t) y_s.
 """
@@ -140,7 +140,7 @@ def sensitivity_weights(band: int, rounds: int, participations: int,
 def toeplitz_sensitivity(coefficients: ArrayLike, schema: ParticipationSchema) -> float:
     """Exact sensitivity of the Toeplitz C with these coefficients under ``schema`` (units
     of the clipping bound). Closed form when band <= separation or a single participation
-    (any signs; CDPGST23's banded theorem and the non-increasing column norms), or when the
+    (any signs; CGMMRTX23's banded theorem and the non-increasing column norms), or when the
     coefficients are >= 0 and non-increasing (any band: then C^T C >= 0 and rounds 0, sep,
     2 sep, ... are worst; attributed to Kalinin & Lampert 2024, arXiv:2405.13763, Thm. 2,
     not checked against the paper's text; checked by brute force in the tests). ValueError

@@ -21,7 +21,7 @@ units of the clipping bound), is
 - If X_ij = 0 whenever |i - j| >= b (e.g. C lower triangular with at most b nonzero
   diagonals, "b-banded") and the schema has b-min-separation, the cross terms vanish for
   every pattern and sens(C)^2 = max_pi sum_{i in pi} ||C[:, i]||^2 exactly, whatever the
-  signs (Choquette-Choo, Dvijotham, Pillutla, Ganesh, Steinke & Thakurta, "(Amplified)
+  signs (Choquette-Choo, Ganesh, McKenna, McMahan, Rush, Thakurta & Xu, "(Amplified)
   Banded Matrix Factorization", NeurIPS 2023, the banded sensitivity theorem; a dynamic
   program over the diagonal, their Alg. 3): :func:`banded_sensitivity`.
 

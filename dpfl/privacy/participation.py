@@ -3,7 +3,7 @@ least b rounds apart (b-min-separation), over n rounds.
 
 This is the participation model of Choquette-Choo, McMahan, Rush & Thakurta, "Multi-Epoch
 Matrix Factorization Mechanisms for Private Machine Learning" (ICML 2023), Sec. 2, in the
-b-min-separation form of Choquette-Choo, Dvijotham, Pillutla, Ganesh, Steinke & Thakurta,
+b-min-separation form of Choquette-Choo, Ganesh, McKenna, McMahan, Rush, Thakurta & Xu,
 "(Amplified) Banded Matrix Factorization: A unified approach to private training" (NeurIPS
 2023), Def. 2: a client that takes part in rounds i < j has j - i >= b. ``b = 1`` allows
 consecutive rounds (k alone bounds the client); with ``k = 1`` the separation is moot (the

@@ -43,15 +43,25 @@ ONE_ACTOR = ("--parallel-clients", "1")
 PRIVATE_RAY_ENV = "DPFL_TEST_PRIVATE_RAY"
 
 
+def free_ports(count: int) -> list[int]:
+    """``count`` distinct loopback ports free now (held together while they are chosen)."""
+    sockets = [socket.socket() for _ in range(count)]
+    try:
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
+
+
 class SharedRayHead:
     """``ray start --head --block`` on loopback with one CPU, its sockets and logs in a
     short temporary folder; :meth:`stop` stops it by process group and PID."""
 
     def __init__(self) -> None:
         ray = Path(sys.executable).parent / "ray"
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+        port, client_port, agent_port = free_ports(3)
         self.address = f"127.0.0.1:{port}"
         self.tmp = Path(tempfile.mkdtemp(prefix="dpfl-ray-", dir="/tmp"))  # AF_UNIX: short
         env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
@@ -62,7 +72,16 @@ class SharedRayHead:
                 [str(ray), "start", "--head", "--block", "--node-ip-address", "127.0.0.1",
                  "--port", str(port), "--num-cpus", "1", "--temp-dir", str(self.tmp / "r"),
                  "--include-dashboard", "false", "--disable-usage-stats",
-                 "--object-store-memory", str(150 * 1024 * 1024)],
+                 "--object-store-memory", str(150 * 1024 * 1024),
+                 # each test process has its own head, all on one host: `ray start` hands
+                 # every head's workers and drivers ports from the same 10002-19999 range,
+                 # and two heads gave their first drivers port 10003 at once (the loser's
+                 # core worker aborts: flwr-simulation died at "Address already in use" and
+                 # its run ended 60 s later on the missing heartbeat). The OS picks them
+                 # here, as it picks every other port of the head
+                 "--min-worker-port", "0", "--max-worker-port", "0",
+                 "--ray-client-server-port", str(client_port),
+                 "--dashboard-agent-listen-port", str(agent_port)],
                 env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
         deadline = time.monotonic() + 120
         while "Ray runtime started" not in self.log.read_text():
