@@ -697,6 +697,17 @@ def validate(cfg: RunConfig) -> RunConfig:
     return cfg
 
 
+# why correlated noise cannot be released without a trusted server (issue 49, item 3)
+CORRELATED_NOISE_NEEDS_A_SERVER = {
+    "distributed": (": its round-t noise is a combination of the noise of earlier rounds "
+                    "(C z), which other cohorts added; clients hold no common noise state "
+                    "across cohorts (a shared seed would let any of them subtract it) and "
+                    "SecAgg+'s integer shares cannot carry C's real coefficients"),
+    "local": (": each client noises its own update before it leaves, and a client in "
+              "one round in k holds none of the noise the others' rounds need"),
+}
+
+
 def _validate_central_noise(cfg: RunConfig) -> None:
     """``central-noise`` and its schema keys (each key's range, then the combinations)."""
     need_choice(cfg.central_noise, CENTRAL_NOISES, "central-noise")
@@ -715,8 +726,8 @@ def _validate_central_noise(cfg: RunConfig) -> None:
                  "(central-noise=gaussian samples by Poisson and has no schema)", value)
         return
     noise = f"central-noise={cfg.central_noise}"
-    need(cfg.trust == "central", "central-noise", f"{noise} needs trust=central",
-         cfg.central_noise)
+    need(cfg.trust == "central", "central-noise", f"{noise} needs trust=central"
+         + CORRELATED_NOISE_NEEDS_A_SERVER.get(cfg.trust, ""), cfg.central_noise)
     need(cfg.central_impl == "dpfl", "central-noise",
          f"{noise} needs central-impl=dpfl (Flower's wrapper adds independent noise)",
          cfg.central_noise)

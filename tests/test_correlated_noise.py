@@ -81,6 +81,8 @@ def test_bad_combinations_stop_the_run_naming_the_key(changes, key):
 @pytest.mark.parametrize("argv,named", [
     (["trainer=update-dp", "central-noise=tree"],
      ["run-config key 'central-noise'", "needs trust=central"]),
+    (["trainer=update-dp", "trust=distributed", "central-noise=banded-mf"],
+     ["run-config key 'central-noise'", "needs trust=central", "other cohorts added"]),
     (["trainer=update-dp", "trust=central", "central-noise=banded-mf", "num-rounds=4",
       "max-participations=3", "min-separation=2"],
      ["run-config key 'max-participations'", "num-rounds is 4"]),
@@ -320,3 +322,54 @@ def test_correlated_central_strategy_round_refuses_and_charges_participants_only
     assert record.rejected[0].kind == "refused"
     charged = {c: ledger.rounds(c) for c in ledger.clients if ledger.history(c).events}
     assert charged == {"client-0": [1], "client-1": [1], "client-2": [2]}
+
+
+# -- which methods run over it (issue 49, item 4) -----------------------------------------
+
+LINEAR_SERVER_STEPS = {"dpfedavg", "dpfedavgm", "dpfedprox", "dpfedsam", "fedacg"}
+
+
+@pytest.mark.parametrize("noise", ["tree", "banded-mf"])
+def test_every_method_with_a_central_server_runs_over_correlated_noise(noise):
+    """Correlated noise is DP for any server step (post-processing), and DP-FTRL's accuracy
+    argument needs a server step linear in the released sums: SGD at server-lr (dpfedavg,
+    dpfedprox, dpfedsam), heavy-ball momentum (dpfedavgm), FedACG's momentum and lookahead.
+    Those are exactly the methods that run under trust=central; every other method's server
+    logic reads individual updates (trust=local or distributed only) and is refused by its
+    trust, naming the key."""
+    from dpfl.methods import METHODS, configured
+
+    central = {name for name, m in METHODS.items() if "central" in m.trusts}
+    assert central == LINEAR_SERVER_STEPS
+    for name in sorted(METHODS):
+        cfg = configured(_cfg(strategy=name, central_noise=noise, max_participations=2,
+                              min_separation=2))
+        if name in central:
+            METHODS[name].check(cfg)   # the method's own rules (parse_run_config's)
+        else:
+            with pytest.raises(ConfigError) as err:
+                METHODS[name].check(cfg)
+            # by its trust (or, before it, the trainer it needs, which central cannot run)
+            assert str(err.value).startswith(("run-config key 'trust'",
+                                              "run-config key 'trainer'")), name
+
+
+# -- a resume continues the same stream (its num-rounds fixed) ------------------------------
+
+def test_a_resume_may_not_change_the_rounds_correlated_noise_was_built_for():
+    """C, the schema's sensitivity and sigma are computed for the run's num-rounds; a
+    resume continues the same noise stream, so it keeps them (a Poisson central run may
+    still go on for more rounds: its budget check bounds what it spends)."""
+    from dpfl.server.runidentity import check_resume, resume_overrides
+
+    saved = {**RunConfig(trainer="update-dp", trust="central", central_noise="banded-mf",
+                         num_rounds=4, max_participations=2, min_separation=2).to_dict(),
+             "num-clients": 4}
+    with pytest.raises(ConfigError) as err:
+        resume_overrides(saved, {"num-rounds": 6, "resume": True}, "runs/x")
+    message = str(err.value)
+    assert message.startswith("run-config key 'num-rounds'") and "\n" not in message
+    assert "central-noise=banded-mf was built for 4 rounds" in message
+    check_resume(saved, {"num-rounds": 4, "round-timeout": 99}, "runs/x")   # the rest may
+    poisson = {**saved, "central-noise": "gaussian"}
+    check_resume(poisson, {"num-rounds": 6}, "runs/x")

@@ -26,6 +26,17 @@ RESUME_MAY_CHANGE = frozenset({
     "node-partitions",
 })
 NUM_CLIENTS = "num-clients"
+# correlated noise (central-noise=tree|banded-mf) is built for the run's num-rounds: the
+# factorization C, the schema's sensitivity and sigma all depend on it, and the rounds
+# already released used that C; a resume continues the same stream, so it keeps them
+FIXED_BY_CORRELATED_NOISE = frozenset({"num-rounds"})
+
+
+def may_change(saved: Mapping[str, Any]) -> frozenset[str]:
+    """The keys a resume of the run whose config is ``saved`` may change."""
+    if saved.get("central-noise", "gaussian") not in (None, "gaussian"):
+        return RESUME_MAY_CHANGE - FIXED_BY_CORRELATED_NOISE
+    return RESUME_MAY_CHANGE
 
 
 def _same(a: Any, b: Any) -> bool:
@@ -42,8 +53,9 @@ def resume_difference(saved: Mapping[str, Any], current: Mapping[str, Any]
     """The first key whose ``current`` value differs from the run's ``saved`` one and may
     not change on resume: ``(key, saved value, current value)``; None when there is none.
     A key absent from ``saved`` (a key newer than the run) is compared with ``None``."""
+    changeable = may_change(saved)
     for key in sorted(set(saved) | set(current)):
-        if key in RESUME_MAY_CHANGE or key not in current:
+        if key in changeable or key not in current:
             continue
         if not _same(saved.get(key), current[key]):
             return key, saved.get(key), current[key]
@@ -56,6 +68,11 @@ def check_resume(saved: Mapping[str, Any], current: Mapping[str, Any], where: st
     if diff is None:
         return
     key, was, now = diff
+    if key in FIXED_BY_CORRELATED_NOISE and key not in may_change(saved):
+        raise ConfigError(f"run-config key '{key}': {now!r} differs from {was!r} of the run in "
+                          f"{where}: its central-noise={saved['central-noise']} was built for "
+                          f"{was} rounds (C, the schema's sensitivity and sigma depend on "
+                          "them) and a resume continues that noise stream")
     if key == NUM_CLIENTS:
         raise ConfigError(f"resume of {where}: the run has {was} clients, this federation "
                           f"{now}: a resume keeps the run's clients and data split")
