@@ -98,6 +98,10 @@ MIN_NODE_ID = -(2**63)
 MAX_NODE_ID = 2**64 - 1
 
 
+# evaluate-every=0: at least this many (and fewer than twice as many) central evaluations (RunConfig.evaluation_period)
+AUTO_EVALUATIONS = 20
+
+
 class ConfigError(UserError, ValueError):
     """An invalid run-config value; the message names the key."""
 
@@ -183,7 +187,7 @@ class RunConfig:
     min_train_nodes: int = 2
     fraction_evaluate: float = 0.0
     # central evaluation on the server's test set after every k-th round and the last one
-    evaluate_every: int = 1
+    evaluate_every: int = 0   # 0: every evaluation_period rounds (20 to 40 in a run)
     server_lr: float = 1.0
     max_update_norm: float = 0.0
     round_timeout: float = 900.0
@@ -277,6 +281,14 @@ class RunConfig:
     node_partitions: str = ""
     # the active method's own parameters (a dpfl.method.MethodParams, or None)
     params: Any = None
+
+    @property
+    def evaluation_period(self) -> int:
+        """Central evaluation every this many rounds (and after the last):
+        ``evaluate-every``, or with 0 (the default) num-rounds // :data:`AUTO_EVALUATIONS`,
+        at least 1 — 20 to 40 evaluations whatever the run's length (each costs a pass over
+        the test set: 0.7 s of a 3.5 s round on MNIST at 1,000 clients)."""
+        return self.evaluate_every or max(1, self.num_rounds // AUTO_EVALUATIONS)
 
     @property
     def is_private(self) -> bool:
@@ -378,7 +390,8 @@ KEY_HELP: dict[str, str] = {
     "min-train-nodes": "the fewest clients a round trains on",
     "fraction-evaluate": "client-side evaluation (releases validation metrics in the clear)",
     "evaluate-every": "central evaluation (the server's test set) after every k-th round and "
-                      "the run's last; other rounds' lines in `rounds.jsonl` have no "
+                      "the run's last (0 = every (num-rounds // 20)-th, at least every one: "
+                      "20 to 40 in a run); other rounds' lines in `rounds.jsonl` have no "
                       "`central`",
     "server-lr": "server step size η on the averaged update, in (0, 1000]",
     "max-update-norm": "extra L2 bound on accepted updates (0 = off, else 10^-6 to 10^6)",
@@ -637,7 +650,8 @@ def validate(cfg: RunConfig) -> RunConfig:
     need(cfg.round_timeout >= MIN_ROUND_TIMEOUT, "round-timeout",
          f"must be >= {MIN_ROUND_TIMEOUT:g} (seconds)", cfg.round_timeout)
     need(cfg.node_wait > 0, "node-wait", "must be > 0", cfg.node_wait)
-    need(cfg.evaluate_every >= 1, "evaluate-every", "must be >= 1", cfg.evaluate_every)
+    need(cfg.evaluate_every >= 0, "evaluate-every", "must be >= 0 (0 = 20 to 40 in a run)",
+         cfg.evaluate_every)
     need(0 <= cfg.seed <= MAX_SEED, "seed", f"must be in [0, {MAX_SEED}]", cfg.seed)
     need(cfg.audit_canaries >= 0, "audit-canaries", "must be >= 0 (0 = no canaries)",
          cfg.audit_canaries)

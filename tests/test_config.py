@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from dpfl.config import ConfigError
+from dpfl.config import ConfigError, RunConfig, validate
 from dpfl.methods import parse_run_config
 
 DEFAULTS = tomllib.loads((Path(__file__).parent.parent / "pyproject.toml").read_text()
@@ -40,7 +40,7 @@ def test_the_fedcompdp_presets_leave_strategy_to_the_reproduction():
     ("dataset", "imagenet", "'dataset'"),
     ("strategy", "nope", "'strategy'"),
     ("num-rounds", 0, "'num-rounds'"),
-    ("evaluate-every", 0, "'evaluate-every'"),
+    ("evaluate-every", -1, "'evaluate-every'"),
     ("num-rounds", 2.5, "'num-rounds'"),
     ("batch-size", "big", "'batch-size'"),
     ("lr", -0.1, "'lr'"),
@@ -161,3 +161,19 @@ def test_guarantee_verdict_of_the_plain_reference():
     for changes in ({}, {"report_train_loss": True}, {"fraction_evaluate": 0.5}):
         g = guarantee_for(_parse(strategy="fedavg", trainer="plain", **changes))
         assert g.verdict.startswith("none") and not g.formal, g.verdict
+
+
+@pytest.mark.parametrize("rounds,every,period", [
+    (3, 0, 1), (19, 0, 1), (20, 0, 1), (50, 0, 2), (200, 0, 10), (1000, 0, 50),
+    (200, 1, 1), (200, 7, 7),
+])
+def test_central_evaluation_period_scales_with_the_run_unless_set(rounds, every, period):
+    """evaluate-every=0 (the default): every (num-rounds // 20)-th round and the last, so
+    20 to 40 central evaluations in a run of 40 rounds or more, every round below; a set
+    value is kept."""
+    cfg = validate(RunConfig(num_rounds=rounds, evaluate_every=every))
+    assert cfg.evaluation_period == period
+    evaluated = [r for r in range(1, rounds + 1)
+                 if r % cfg.evaluation_period == 0 or r == rounds]   # apps/server.py's rule
+    if every == 0:
+        assert len(evaluated) == rounds if rounds < 40 else 20 <= len(evaluated) < 40

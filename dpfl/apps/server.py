@@ -449,7 +449,7 @@ def run_round(fed: Federation, rnd: int) -> RoundRecord:
     fed.run_dir.save_ledger(ledger)
     clock.lap("ledger")
     fed_eval = _federated_evaluation(strategy, fed.grid, rnd, fed.arrays, cfg)
-    central = (_central_metrics(fed) if rnd % cfg.evaluate_every == 0 or rnd == cfg.num_rounds
+    central = (_central_metrics(fed) if rnd % cfg.evaluation_period == 0 or rnd == cfg.num_rounds
                else None)
     clock.lap("evaluate")
     _report_divergence(fed, rnd, central, record)
