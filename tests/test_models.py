@@ -60,3 +60,24 @@ def test_resnet_per_sample_gradient_norms_match_a_per_example_loop():
     norms = torch.sqrt(sum((p.grad_sample.reshape(3, -1) ** 2).sum(1)
                            for p in model.parameters()))
     assert torch.allclose(norms, torch.stack(expected), rtol=1e-4)
+
+
+def test_feature_size_is_computed_once_per_architecture_and_shape_and_draws_nothing():
+    """The flat-size probe (a forward pass of zeros) runs once per architecture and input
+    shape in a process; a model built with the memo equals one built without it, from the
+    same seed (the probe draws no random number)."""
+    import torch
+
+    from dpfl.models import nets
+
+    nets._FLAT_SIZES.clear()
+    torch.manual_seed(3)
+    fresh = nets.MnistCNN((1, 28, 28), 10)
+    assert len(nets._FLAT_SIZES) == 1
+    torch.manual_seed(3)
+    memo = nets.MnistCNN((1, 28, 28), 10)
+    digits = nets.MnistCNN((1, 8, 8), 10)   # padded convs: another architecture and shape
+    assert len(nets._FLAT_SIZES) == 2 and digits.fc1.in_features == 32 * 2 * 2
+    assert fresh.fc1.in_features == 32 * 4 * 4
+    for a, b in zip(fresh.state_dict().values(), memo.state_dict().values()):
+        assert torch.equal(a, b)
