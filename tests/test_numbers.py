@@ -25,7 +25,7 @@ def test_finite_excludes_nan_and_infinities(value, finite):
 
 
 def test_a_true_partition_id_or_infinite_one_claims_nothing():
-    from dpfl.server.validation import _partition_id
+    from dpfl.server.reply import _partition_id
 
     assert _partition_id({"partition-id": True}) is None
     assert _partition_id({"partition-id": math.inf}) is None   # int(inf) used to raise

@@ -19,6 +19,7 @@ from dpfl.methods import build_strategy
 from dpfl.privacy.budget import PrivacyHistory
 from dpfl.privacy.events import PrivacyEvent
 from dpfl.privacy.ledger import Ledger
+from dpfl.server.reply import parse_reply
 from dpfl.server.strategy import RoundRecord
 from dpfl.server.validation import array_template, validate_train_reply
 
@@ -61,16 +62,18 @@ def _gaussian_ref(sigma, k):
 
 def test_validation_refuses_a_reply_naming_another_round():
     template = array_template(GLOBAL)
-    ok = validate_train_reply(_reply(0, 10, 2, 2, 0.1), template, server_round=2)
+    ok = validate_train_reply(parse_reply(_reply(0, 10, 2, 2, 0.1)), template, server_round=2)
     assert not hasattr(ok, "reason"), ok
     for answers in (1, 3, 2.5, [2]):
-        bad = validate_train_reply(_reply(0, 10, 2, answers, 0.1), template, server_round=2)
+        bad = validate_train_reply(parse_reply(_reply(0, 10, 2, answers, 0.1)), template,
+                                   server_round=2)
         assert bad.kind == "invalid" and f"answers round {answers!r}" in bad.reason, bad
         assert "instruction it replies to is of round 2" in bad.reason
     # no round given (e.g. a caller outside a round), or none claimed: left to other checks
-    assert not hasattr(validate_train_reply(_reply(0, 10, 2, 1, 0.1), template), "reason")
-    assert not hasattr(validate_train_reply(_reply(0, 10, 2, None, 0.1), template,
-                                            server_round=2), "reason")
+    unstated = parse_reply(_reply(0, 10, 2, None, 0.1))
+    assert not hasattr(validate_train_reply(parse_reply(_reply(0, 10, 2, 1, 0.1)), template),
+                       "reason")
+    assert not hasattr(validate_train_reply(unstated, template, server_round=2), "reason")
 
 
 def test_old_round_content_in_a_later_round_is_refused_and_charged_the_plan():

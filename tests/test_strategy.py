@@ -9,6 +9,7 @@ from flwr.app.error import Error
 from dpfl.config import RunConfig
 from dpfl.methods import build_strategy
 from dpfl.server.aggregation import weighted_mean
+from dpfl.server.reply import parse_reply
 from dpfl.server.validation import array_template, validate_train_reply
 
 from flower_helpers import message
@@ -30,7 +31,7 @@ def _ok():
 
 
 def test_valid_reply_is_flattened_in_key_order():
-    u = validate_train_reply(_reply(_ok()), TEMPLATE)
+    u = validate_train_reply(parse_reply(_reply(_ok())), TEMPLATE)
     assert u.partition_id == 3 and u.num_examples == 10
     assert u.flat.tolist() == [1, 1, 1, 1, 2, 2, 2]
 
@@ -47,19 +48,20 @@ def test_valid_reply_is_flattened_in_key_order():
     ({"w": torch.ones(2, 2), "b": torch.zeros(3)}, 2.5, "num-examples"),
 ])
 def test_malformed_replies_are_rejected_with_reason(arrays, n, fragment):
-    r = validate_train_reply(_reply(arrays, n=n), TEMPLATE)
+    r = validate_train_reply(parse_reply(_reply(arrays, n=n)), TEMPLATE)
     assert r.kind == "invalid" and fragment in r.reason
 
 
 def test_norm_bound_and_refusal_and_error():
-    r = validate_train_reply(_reply(_ok()), TEMPLATE, norm_bound=1.0)
+    r = validate_train_reply(parse_reply(_reply(_ok())), TEMPLATE, norm_bound=1.0)
     assert r.kind == "invalid" and "norm" in r.reason
-    assert not hasattr(validate_train_reply(_reply(_ok()), TEMPLATE, norm_bound=4.0), "kind")
+    ok = validate_train_reply(parse_reply(_reply(_ok())), TEMPLATE, norm_bound=4.0)
+    assert not hasattr(ok, "kind")
     refused = message(RecordDict({"metrics": MetricRecord({"partition-id": 1, "epsilon": 3.9}),
                                   "status": ConfigRecord({"status": "refused", "reason": "budget"})}))
-    assert validate_train_reply(refused, TEMPLATE).kind == "refused"
+    assert validate_train_reply(parse_reply(refused), TEMPLATE).kind == "refused"
     err_msg = Message(Error(code=0, reason="boom"), reply_to=message(RecordDict({})))
-    assert validate_train_reply(err_msg, TEMPLATE).kind == "error"
+    assert validate_train_reply(parse_reply(err_msg), TEMPLATE).kind == "error"
 
 
 def test_weighted_mean_by_hand():

@@ -70,10 +70,13 @@ def costlier(history: PrivacyHistory, a: list[PrivacyEvent], b: list[PrivacyEven
 
 def charge_for(client: str, server_round: int, privacy: Mapping[str, Any] | None,
                plan: PrivacyEvent, planned_clip: float, history: PrivacyHistory,
-               delta: float, accountant: str, reported_epsilon: float | None = None
+               delta: float, accountant: str, reported_epsilon: float | None = None,
+               reported: tuple[list[PrivacyEvent] | None, str | None] | None = None
                ) -> Charge:
-    """The charge for one received update of ``client`` (see module docstring)."""
-    events, problem = reported_events(privacy)
+    """The charge for one received update of ``client`` (see module docstring).
+    ``reported``: :func:`reported_events` of ``privacy`` when the caller parsed it already
+    (a reply is read once: :mod:`dpfl.server.reply`)."""
+    events, problem = reported if reported is not None else reported_events(privacy)
     if events is not None:
         if len(events) != 1:
             problem = f"privacy record has {len(events)} events, the plan has 1"

@@ -29,7 +29,8 @@ from flwr.serverapp import Grid
 
 from dpfl.logs import get_logger
 from dpfl.privacy.ledger import CLIENT_PREFIX
-from dpfl.server.validation import claimed_partition, client_label
+from dpfl.server.reply import claimed_partition
+from dpfl.server.validation import client_label
 
 log = get_logger("flwr.dpfl.exchange")
 REASON_CHARS = 100  # a progress line shows this much of an error's reason

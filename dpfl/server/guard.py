@@ -31,7 +31,6 @@ from flwr.app import Message
 
 from dpfl.config import RunConfig
 from dpfl.logs import get_logger
-from dpfl.numbers import is_number
 from dpfl.privacy.budget import PrivacyHistory
 from dpfl.privacy.charging import Charge, charge_for
 from dpfl.privacy.events import PrivacyEvent
@@ -45,8 +44,8 @@ from dpfl.privacy.plan import (
 )
 from dpfl.privacy.trust import distributed_planned_event
 from dpfl.server.nodes import NodeRegistry
-from dpfl.server.secagg import carries_masked_vector
-from dpfl.server.validation import ClientUpdate, Rejection, claimed_partition, client_label
+from dpfl.server.reply import ParsedReply, claimed_partition
+from dpfl.server.validation import ClientUpdate, Rejection, client_label
 
 log = get_logger("flwr.dpfl.guard")
 # A method's per-round noise multiplier for a partition (None: the run's calibrated one).
@@ -228,15 +227,15 @@ class DPGuard:
     def bind_ledger(self, ledger) -> None:
         self.ledger = ledger
 
-    def charge_reply(self, msg: Message, checked: ClientUpdate | Rejection,
+    def charge_reply(self, reply: ParsedReply, checked: ClientUpdate | Rejection,
                      sent_round: int, late: bool = False) -> Charge | None:
         """Charge the ledger for a reply that carries an update (accepted or not, on time
         or late); None when nothing was released (error, refusal without arrays) or the
         run is not private. A node's partition id is pinned on its first update: a reply
         claiming another one is charged to the pinned client and rejected."""
-        if (not self.cfg.is_private or self.ledger is None or msg.has_error()
+        if (not self.cfg.is_private or self.ledger is None or reply.error is not None
                 or self.cfg.trust == "central"   # to the trusted server: charged centrally
-                or not ("arrays" in msg.content.array_records or carries_masked_vector(msg))):
+                or not reply.released):
             return None
         node = checked.node_id
         claimed = checked.partition_id if checked.partition_id is not None else -1
@@ -246,15 +245,11 @@ class DPGuard:
         else:  # unknown sender: charge the node at the costliest plan of any partition
             client = f"node-{node}"
             plan = self._costliest_plan(client, sent_round)
-        content = msg.content
-        privacy = dict(content["privacy"]) if "privacy" in content.config_records else None
-        metrics = dict(content["metrics"]) if "metrics" in content.metric_records else {}
-        reported = metrics.get("epsilon")
-        reported = float(reported) if is_number(reported) else None
         history = self.ledger.clients.get(client, PrivacyHistory())
-        charge = charge_for(client, sent_round, privacy, plan, self.planned_clip(sent_round),
-                            history,
-                            self.ledger.delta, self.ledger.accountant, reported)
+        charge = charge_for(client, sent_round, reply.privacy, plan,
+                            self.planned_clip(sent_round), history, self.ledger.delta,
+                            self.ledger.accountant, reply.reported_epsilon,
+                            reported=reply.reported)
         if identity_problem is not None:
             charge.problem = identity_problem if charge.problem is None else (
                 f"{identity_problem}; {charge.problem}")

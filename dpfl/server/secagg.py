@@ -53,24 +53,18 @@ from flwr.supercore.primitives.asymmetric import (
 )
 
 from dpfl.logs import get_logger
-from dpfl.server.validation import ClientUpdate, claimed_partition
+from dpfl.server.reply import ParsedReply
+from dpfl.server.validation import ClientUpdate
 
 log = get_logger("flwr.dpfl.secagg")
 MODULUS = 1 << 32
 
 
-def carries_masked_vector(msg: Message) -> bool:
-    """A SecAgg+ stage-2 reply: the client's masked share (a release, once unmasked)."""
-    return (not msg.has_error() and RECORD_KEY_CONFIGS in msg.content.config_records
-            and Key.MASKED_PARAMETERS in msg.content.config_records[RECORD_KEY_CONFIGS])
-
-
-def masked_reply(msg: Message) -> ClientUpdate:
+def masked_reply(reply: ParsedReply) -> ClientUpdate:
     """A stage-2 reply as the guard's charging sees it: who sent it (no update visible)."""
-    metrics = dict(msg.content["metrics"]) if "metrics" in msg.content.metric_records else {}
-    pid = claimed_partition(msg)
-    return ClientUpdate(int(msg.metadata.src_node_id), pid if pid is not None else -1,
-                        torch.empty(0), 1, metrics)
+    pid = reply.partition_id
+    return ClientUpdate(reply.node_id, pid if pid is not None else -1, torch.empty(0), 1,
+                        reply.metrics)
 
 
 @dataclass

@@ -52,6 +52,7 @@ from dpfl.server.central import CentralAggregator, FlowerCentralAggregator
 from dpfl.server.correlated import CorrelatedAggregator
 from dpfl.server.guard import DPGuard
 from dpfl.server.nodes import NodeRegistry
+from dpfl.server.reply import parse_reply
 from dpfl.server.secagg import SecureSum, masked_reply
 from dpfl.server.validation import (
     MAX_REPORTED_LOSS,
@@ -352,8 +353,9 @@ class DPFLStrategy(FedAvg):
             bound = self.guard.norm_bound(dim, server_round)
         extra = self.extra_reply_arrays()
         for msg in replies:
-            checked = validate_train_reply(msg, self._template, bound, extra, server_round)
-            charge = self.guard.charge_reply(msg, checked, server_round)
+            reply = parse_reply(msg)   # read once: validation and the charge share it
+            checked = validate_train_reply(reply, self._template, bound, extra, server_round)
+            charge = self.guard.charge_reply(reply, checked, server_round)
             if charge is not None:
                 record.charges.append(charge)
                 held = self.nodes.pinned(checked.node_id)
@@ -508,7 +510,8 @@ class DPFLStrategy(FedAvg):
         if self._global is None:
             raise RuntimeError("finish_secure_round called before start_round")
         for msg in secure.replies:
-            charge = self.guard.charge_reply(msg, masked_reply(msg), server_round)
+            reply = parse_reply(msg)
+            charge = self.guard.charge_reply(reply, masked_reply(reply), server_round)
             if charge is not None:
                 record.charges.append(charge)
         if secure.total is None:
@@ -553,9 +556,10 @@ class DPFLStrategy(FedAvg):
 
     def charge_late_reply(self, msg: Message, sent_round: int) -> Charge | None:
         """A reply to an earlier round's instruction: charged now, never aggregated."""
-        checked = validate_train_reply(msg, self._template, None, self.extra_reply_arrays(),
+        reply = parse_reply(msg)
+        checked = validate_train_reply(reply, self._template, None, self.extra_reply_arrays(),
                                        sent_round)
-        return self.guard.charge_reply(msg, checked, sent_round, late=True)
+        return self.guard.charge_reply(reply, checked, sent_round, late=True)
 
     def planned_event(self, partition_id: int, server_round: int) -> PrivacyEvent:
         """The release the server asks of ``partition_id`` in ``server_round``."""

@@ -21,11 +21,11 @@ from typing import Any
 
 import numpy as np
 import torch
-from flwr.app import ArrayRecord, Message
+from flwr.app import ArrayRecord
 
 from dpfl.numbers import is_finite_number, is_number
-from dpfl.privacy.charging import reported_events
 from dpfl.privacy.ledger import client_key
+from dpfl.server.reply import ParsedReply
 
 
 @dataclass
@@ -80,18 +80,6 @@ def array_template(arrays: ArrayRecord) -> Template:
     return [(k, tuple(a.shape), np.dtype(a.dtype)) for k, a in arrays.items()]
 
 
-def _partition_id(metrics: dict[str, Any]) -> int | None:
-    value = metrics.get("partition-id")
-    return int(value) if is_finite_number(value) else None
-
-
-def claimed_partition(msg: Message) -> int | None:
-    """The partition id a reply claims in its metrics (None: an error or no claim)."""
-    if msg.has_error() or "metrics" not in msg.content.metric_records:
-        return None
-    return _partition_id(dict(msg.content["metrics"]))
-
-
 def client_label(node_id: int, partition_id: int | None) -> str:
     """How server messages name a node: ``client-<partition-id>`` (the privacy ledger's
     key) when the partition is known, else ``node <id> (partition unknown)``."""
@@ -100,22 +88,22 @@ def client_label(node_id: int, partition_id: int | None) -> str:
     return client_key(partition_id)
 
 
-def validate_train_reply(msg: Message, template: Template, norm_bound: float | None = None,
+def validate_train_reply(reply: ParsedReply, template: Template,
+                         norm_bound: float | None = None,
                          extra_arrays: dict[str, Template] | None = None,
                          server_round: int | None = None) -> ClientUpdate | Rejection:
-    """Turn one train reply into a :class:`ClientUpdate`, or a :class:`Rejection`.
+    """Turn one train reply (read once: :func:`dpfl.server.reply.parse_reply`) into a
+    :class:`ClientUpdate`, or a :class:`Rejection`.
 
     ``server_round``: the round of the instruction the reply answers; a reply whose
     ``server-round`` metric names another round is rejected (a reply without one is left
     to the other checks)."""
-    node = int(msg.metadata.src_node_id)
-    if msg.has_error():
-        return Rejection(node, None, "error", f"client error: {msg.error.reason}")
-    content = msg.content
-    metrics = dict(content["metrics"]) if "metrics" in content.metric_records else {}
-    pid = _partition_id(metrics)
-    if "status" in content.config_records and content["status"].get("status") == "refused":
-        return Rejection(node, pid, "refused", str(content["status"].get("reason", "")), metrics)
+    node, metrics, pid = reply.node_id, reply.metrics, reply.partition_id
+    if reply.error is not None or reply.content is None:
+        return Rejection(node, None, "error", f"client error: {reply.error}")
+    content = reply.content
+    if reply.refused is not None:
+        return Rejection(node, pid, "refused", reply.refused, metrics)
     if "arrays" not in content.array_records:
         return Rejection(node, pid, "invalid", "reply has no 'arrays' record", metrics)
     answered = metrics.get("server-round")
@@ -134,7 +122,7 @@ def validate_train_reply(msg: Message, template: Template, norm_bound: float | N
     if eps is not None and (not is_number(eps) or math.isnan(eps) or eps < 0):
         return Rejection(node, pid, "invalid", f"epsilon must be a number >= 0, got {eps!r}",
                          metrics)
-    privacy_problem = _privacy_record_problem(content)
+    privacy_problem = _privacy_record_problem(reply)
     if privacy_problem:
         return Rejection(node, pid, "invalid", privacy_problem, metrics)
     flat = _flat_checked(content["arrays"], template, "update")
@@ -153,22 +141,18 @@ def validate_train_reply(msg: Message, template: Template, norm_bound: float | N
         if isinstance(checked, str):
             return Rejection(node, pid, "invalid", checked, metrics)
         extras[name] = checked
-    privacy = dict(content["privacy"]) if "privacy" in content.config_records else {}
-    return ClientUpdate(node, pid if pid is not None else -1, flat, int(n), metrics, privacy,
-                        extras, norm)
+    return ClientUpdate(node, pid if pid is not None else -1, flat, int(n), metrics,
+                        dict(reply.privacy or {}), extras, norm)
 
 
-def _privacy_record_problem(content) -> str | None:
+def _privacy_record_problem(reply: ParsedReply) -> str | None:
     """Why the reply's ``privacy`` record cannot be charged to the ledger (None if fine).
 
     No record and mechanism ``none`` are fine here: whether a private run needs one is
     the charging rule's decision (:func:`dpfl.privacy.charging.charge_for`)."""
-    if "privacy" not in content.config_records:
+    if reply.privacy is None or reply.privacy.get("mechanism") == "none":
         return None
-    record = content["privacy"]
-    if record.get("mechanism") == "none":
-        return None
-    return reported_events(record)[1]
+    return reply.reported[1]
 
 
 def _flat_checked(arrays: ArrayRecord, template: Template, what: str) -> torch.Tensor | str:
