@@ -68,7 +68,7 @@ def check_resume(saved: Mapping[str, Any], current: Mapping[str, Any], where: st
     if diff is None:
         return
     key, was, now = diff
-    if key in FIXED_BY_CORRELATED_NOISE and key not in may_change(saved):
+    if key in FIXED_BY_CORRELATED_NOISE:   # returned only when this run may not change it
         raise ConfigError(f"run-config key '{key}': {now!r} differs from {was!r} of the run in "
                           f"{where}: its central-noise={saved['central-noise']} was built for "
                           f"{was} rounds (C, the schema's sensitivity and sigma depend on "
@@ -78,7 +78,7 @@ def check_resume(saved: Mapping[str, Any], current: Mapping[str, Any], where: st
                           f"{now}: a resume keeps the run's clients and data split")
     raise ConfigError(f"run-config key '{key}': {now!r} differs from {was!r} of the run in "
                       f"{where}: a resume keeps the run's settings (it may change only "
-                      f"{', '.join(sorted(RESUME_MAY_CHANGE - {'resume', 'run-name'}))})")
+                      f"{', '.join(sorted(may_change(saved) - {'resume', 'run-name'}))})")
 
 
 def resume_overrides(saved: Mapping[str, Any], explicit: Mapping[str, Any], where: str
