@@ -23,7 +23,7 @@ from dpfl.data import ClientData
 from dpfl.models import build_model
 from dpfl.privacy.events import PrivacyEvent
 from dpfl.privacy.mechanisms import GaussianMechanism
-from dpfl.privacy.plan import UPDATE_DP_RELATION
+from dpfl.privacy.plan import UPDATE_DP_RELATION, PlanFn, shared_plan
 from dpfl.privacy.verdict import MethodPrivacy
 from dpfl.server.strategy import DPFLStrategy
 
@@ -71,48 +71,15 @@ class MethodParams:
 class ClientHalf:
     """What a method adds on the client (default: nothing)."""
 
-    def planned_event(self, cfg: RunConfig, num_examples: int,
-                      server_round: int) -> PrivacyEvent | None:
-        """This round's planned release when the shared plan
-        (:func:`dpfl.privacy.plan.planned_event`) cannot express it (e.g. a pure-epsilon
-        Laplace release); None: the shared plan. Must equal the server's plan (the
-        strategy's :meth:`~dpfl.server.strategy.DPFLStrategy.plan_event`), computed from
-        public values only."""
-        return None
-
-    def round_sigma(self, cfg: RunConfig, config: Mapping[str, Any], partition_id: int,
-                    model: torch.nn.Module, num_examples: int) -> float | None:
-        """This round's noise multiplier when the method sets it per round (None: the
-        run's calibrated one). ``num_examples``: the client's public training-set size
-        (under DP-SGD the round's sampling rate and steps follow from it)."""
-        return None
-
     def hooks(self, cfg: RunConfig, msg: Message, context: Context,
               model: torch.nn.Module) -> MethodHooks:
         """Local-training hooks and extra reply records for this round."""
         return MethodHooks()
 
-    def sample_clip(self, cfg: RunConfig, config: Mapping[str, Any]) -> float:
-        """DP-SGD: this round's per-sample clip norm (default ``max-grad-norm``; a method
-        that adapts it sends it in the round's config, and its strategy's ``plan_clip``
-        returns the same value)."""
-        return cfg.max_grad_norm
-
-    def unclipped_count_std(self, cfg: RunConfig, sigma: float) -> float:
-        """DP-SGD: the noise std of the per-step unclipped count the client releases with
-        its gradient (:func:`dpfl.client.trainers.joint_gradient_noise`; the reply then
-        carries :data:`~dpfl.privacy.plan.UNCLIPPED_FRACTION`); 0 (default): no count."""
-        return 0.0
-
     def update_clip(self, cfg: RunConfig) -> UpdateClip | None:
         """The clipping of a client-level DP update (None: L2 norm clipping); its output
         norm must be <= the clip norm."""
         return None
-
-    def round_clip(self, cfg: RunConfig, config: Mapping[str, Any]) -> float:
-        """This round's clip norm C of a client-level DP update (default ``clip-norm``;
-        a method that adapts C sends it in the round's config)."""
-        return cfg.clip_norm
 
     def local_values(self, cfg: RunConfig, config: Mapping[str, Any], model: torch.nn.Module,
                      data: ClientData) -> dict[str, float]:
@@ -173,6 +140,14 @@ class Method:
     # (then post-processes it); a method that reads individual updates (their norms,
     # directions, losses) or releases anything else stays local
     trusts: tuple[str, ...] = ("local",)
+    # the round's release plan (sigma, clip, own event, noise scale, count noise) from public
+    # values (dpfl.privacy.plan.ReleasePlan): the client plans its release with it, the
+    # guard the release it checks and charges; one function, so the halves cannot disagree
+    plan: PlanFn = shared_plan
+    # its own integer noise under trust=distributed: the method's params implement
+    # dpfl.privacy.trust.OwnSecureNoise (checked at registration), replacing the shared
+    # share, event, calibration, dequantisation and range check
+    own_secure_noise: bool = False
 
     def build_model(self, cfg: RunConfig, input_shape: tuple[int, int, int],
                     num_classes: int) -> torch.nn.Module:

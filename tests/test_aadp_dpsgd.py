@@ -15,11 +15,11 @@ from opacus.accountants import RDPAccountant
 
 from dpfl.errors import UserError
 from dpfl.methods import build_strategy, guarantee, parse_run_config, run_config
-from dpfl.methods.aadp import DPSGD_ROUND_EXTRA_ORDERS, AADPClient, dpsgd_round_noise_multiplier
+from dpfl.methods.aadp import DPSGD_ROUND_EXTRA_ORDERS, aadp_plan, dpsgd_round_noise_multiplier
 from dpfl.models import build_model
 from dpfl.privacy.events import PrivacyEvent
 from dpfl.privacy.filter import RenyiFilter
-from dpfl.privacy.plan import plan_problem, planned_event
+from dpfl.privacy.plan import PlanInputs, plan_problem, planned_event
 
 D = 1e-5
 
@@ -86,7 +86,7 @@ def test_a_per_round_epsilon_no_sigma_reaches_stops_the_run_at_start():
         strategy.bind_partition_sizes({0: 200, 1: 200})
     ok = build_strategy(_cfg(batch_size=256, aadp_epsilon=0.05))
     ok.bind_partition_sizes({0: 100, 1: 200})   # eps_i 0.033 and 0.067: below 0.103, fine
-    assert ok.plan_sigma(0, 1) > ok.plan_sigma(1, 1) > 0
+    assert ok.release_plan(0, 1).sigma > ok.release_plan(1, 1).sigma > 0
 
 
 def test_a_round_at_the_target_is_admitted_alone_and_not_twice():
@@ -105,31 +105,33 @@ def test_a_round_at_the_target_is_admitted_alone_and_not_twice():
 def test_client_and_server_plan_the_same_dpsgd_round_across_rounds_and_sizes():
     """Three partitions of different sizes, three rounds with an eq. 3 raise between the
     second and the third: the client's plan (from the eps_i^t the ConfigRecord carries and
-    its own size) equals the server's (from its record of what it sent)."""
+    its own size, the method's plan function over the ConfigRecord as received) equals the
+    server's (from the config it sent)."""
     cfg = _cfg(batch_size=64, local_epochs=2, aadp_epsilon=1.0, aadp_eps_max=5.0)
     strategy = build_strategy(cfg)
     sizes = {0: 1000, 1: 1700, 2: 333}
     strategy.bind_partition_sizes(sizes)
     model = build_model("mlp", (1, 8, 8), 10)
-    half = AADPClient()
-    sigmas = {}
+    params = sum(p.numel() for p in model.parameters())
+    sigmas, sent = {}, {}
     for rnd in (1, 2, 3):
-        config = ConfigRecord({"server-round": rnd, **strategy.round_config(rnd)})
+        config = ConfigRecord({"server-round": rnd, **strategy.send_config(rnd)})
+        sent[rnd] = dict(zip(config["aadp-partition"], config["aadp-epsilon"]))
         for pid, n in sizes.items():
             server = strategy.planned_event(pid, rnd)
-            client = planned_event(cfg, n, rnd, half.round_sigma(cfg, config, pid, model, n))
+            client = aadp_plan(cfg, PlanInputs(rnd, config, pid, n, params)).event_for(
+                cfg, n, rnd)
             assert plan_problem(client, server) is None, (rnd, pid)
             assert server.mechanism == "dpsgd" and server.relation == "add-remove"
-            assert server.sigma == dpsgd_round_noise_multiplier(
-                cfg, strategy.sent_budgets[rnd][pid], n)
+            assert server.sigma == dpsgd_round_noise_multiplier(cfg, sent[rnd][pid], n)
             sigmas[rnd, pid] = server.sigma
         if rnd < 3:   # the moments are stable after the second step: raise once
             strategy.server_step(torch.zeros(3), torch.full((3,), 1e-2))
     assert strategy.raised_at == [2]
     # more data -> larger eps_i (eq. 2); the raise (x 1/rho) -> less noise in round 3
-    assert strategy.sent_budgets[1][1] > strategy.sent_budgets[1][0] > strategy.sent_budgets[1][2]
+    assert sent[1][1] > sent[1][0] > sent[1][2]
     assert sigmas[1, 0] == sigmas[2, 0] > sigmas[3, 0]
-    assert strategy.sent_budgets[3][0] == pytest.approx(10 * strategy.sent_budgets[2][0])
+    assert sent[3][0] == pytest.approx(10 * sent[2][0])
 
 
 DIGITS = {"dataset": "digits", "model": "mlp", "batch-size": 64, "lr": 0.1, "num-rounds": 2,
@@ -170,7 +172,8 @@ def test_client_app_sends_the_planned_dpsgd_round_then_the_filter_refuses(server
         node = int(m.metadata.dst_node_id)
         reply = train(message(m.content, 0, node), contexts[pid])
         assert "status" not in reply.content.config_records, dict(reply.content["status"])
-        eps_round = strategy.sent_budgets[1][pid]
+        eps_round = dict(zip(strategy.sent_configs[1]["aadp-partition"],
+                             strategy.sent_configs[1]["aadp-epsilon"]))[pid]
         assert 1.5 < eps_round <= cfg.target_epsilon   # eq. 2 over near-equal sizes
         sigma = dpsgd_round_noise_multiplier(cfg, eps_round, sizes[pid])
         privacy = reply.content["privacy"]

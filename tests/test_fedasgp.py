@@ -43,7 +43,7 @@ from dpfl.privacy.budget import PrivacyHistory
 from dpfl.privacy.charging import charge_for
 from dpfl.privacy.events import PrivacyEvent, history_epsilon
 from dpfl.privacy.mechanisms import l2_clip, laplace_noise
-from dpfl.privacy.plan import plan_to_record
+from dpfl.privacy.plan import PlanInputs, plan_to_record
 from dpfl.server.validation import ClientUpdate
 
 from flower_helpers import context, message
@@ -196,7 +196,8 @@ def test_client_release_is_minus_lr_times_the_released_gradient():
                                               {TRAIN_LOSS: 1.3})
     assert torch.equal(out, expected * -0.25)
     assert int(torch.count_nonzero(out)) <= 7 and metrics == {}
-    assert event == round_event(cfg, 4) == half.planned_event(cfg, 123, 4)
+    assert event == round_event(cfg, 4) == METHODS["fedasgp"].plan(
+        cfg, PlanInputs(4, {}, 0, 123, 0)).event
     # a diverged update is released as g = 0 (plus the mechanism's noise), never NaN
     out, _, _ = half.release_update(cfg, {}, torch.full((1_000,), float("nan")), 0.0, 0.5,
                                     torch.Generator().manual_seed(0), 4, {TRAIN_LOSS: 1.0})
@@ -342,8 +343,8 @@ def test_client_app_release_equals_the_servers_plan_and_is_accepted(variant, ser
     replies = []
     for pid in (0, 1):
         plan = strategy.planned_event(pid, 1)
-        assert plan == round_event(cfg, 1) == METHODS["fedasgp"].client.planned_event(
-            cfg, sizes[pid], 1)
+        assert plan == round_event(cfg, 1) == METHODS["fedasgp"].plan(
+            cfg, PlanInputs(1, {}, pid, sizes[pid], 0)).event
         config = ConfigRecord({"server-round": 1, **plan_to_record(plan)})
         reply = train(message(RecordDict({"arrays": arrays, "config": config})),
                       context(raw, pid, 2))

@@ -25,8 +25,8 @@ from dpfl.methods.fedasgp import (
 )
 from dpfl.models import build_model
 from dpfl.privacy.ledger import Ledger
-from dpfl.privacy.plan import planned_event
-from dpfl.server.strategy import RoundRecord
+from dpfl.privacy.plan import PlanInputs, planned_event
+from dpfl.server.strategy import RoundContext, RoundRecord
 from dpfl.server.validation import PUBLIC_REPLY_METRICS, TRAIN_LOSS_METRIC, ClientUpdate
 from dpfl.tensors import flatten
 
@@ -92,7 +92,7 @@ def _tiny_strategy(x, y, sizes):
     strategy.bind_partition_sizes(sizes)
     strategy.val = (x, y)                       # the server's validation split
     strategy._global = ArrayRecord(model.state_dict())   # w_t = 0
-    strategy.server_round = 1
+    strategy.round = RoundContext(1, {})
     return strategy
 
 
@@ -141,10 +141,10 @@ def test_reply_checks_under_dpsgd():
 def test_the_plan_and_norm_bound_are_the_shared_dpsgd_ones():
     cfg = _cfg(target_epsilon=4.0)
     method = METHODS["fedasgp"]
-    assert method.client.planned_event(cfg, 500, 1) is None
+    assert method.plan(cfg, PlanInputs(1, {}, 0, 500, 0)).event is None
     strategy = build_strategy(cfg)
     strategy.bind_partition_sizes({0: 500, 1: 700})
-    assert strategy.plan_event(0, 1) is None
+    assert strategy.release_plan(0, 1).event is None
     assert strategy.planned_event(1, 2) == planned_event(cfg, 700, 2)
     assert strategy.planned_event(1, 2).mechanism == "dpsgd"
     assert strategy.update_norm_bound(1000, 1) is None

@@ -313,9 +313,9 @@ def test_norm_bound_and_round_clip_follow_the_method():
     expects the reply's privacy record to state C_t."""
     s = build_strategy(cfg(adpc="private-quantile", clip_norm=2.0))
     s.bind_partition_sizes({0: 10, 1: 10})
-    s.round_config(1)
+    s.send_config(1)
     s.clip = 0.5
-    s.round_config(2)
+    s.send_config(2)
     sigma_delta = 1.0 / math.sqrt(1 - 0.25)
     assert s.guard.norm_bound(100, 1) == pytest.approx(2.0 + sigma_delta * 2.0 * 20)
     assert s.guard.norm_bound(100, 2) == pytest.approx(0.5 + sigma_delta * 0.5 * 20)
@@ -326,7 +326,7 @@ def test_strategy_state_survives_a_checkpoint_round_trip(tmp_path):
     """C_t, its history, the CRA EMAs and the kept constraints are checkpointed (a resumed
     run continues them instead of restarting C at clip-norm)."""
     s = build_strategy(cfg(clip_norm=1.0))
-    s.round_config(1)
+    s.send_config(1)
     s.clip = 0.42
     s.cra_state.f1[3], s.cra_state.norm[3] = 0.7, 2.5
     w_prev = torch.zeros(4)

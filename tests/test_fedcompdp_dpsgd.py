@@ -21,6 +21,7 @@ from dpfl.methods.fedcompdp import (
     CLIP_KEY,
     FedCompDPClient,
     dpsgd_update_scale,
+    fedcompdp_plan,
     pooled_fraction,
     sparsify_threshold,
     unclipped_fraction_range,
@@ -29,6 +30,7 @@ from dpfl.models import build_model
 from dpfl.privacy.ledger import Ledger
 from dpfl.privacy.plan import (
     UNCLIPPED_FRACTION,
+    PlanInputs,
     dpsgd_norm_bound,
     planned_dpsgd_steps,
     planned_event,
@@ -62,12 +64,12 @@ def test_server_clip_update_from_hand_worked_fractions():
     guard's planned clip follow the round's C_t."""
     s = build_strategy(cfg(max_grad_norm=2.0))
     s.bind_partition_sizes({0: 100, 1: 300})
-    assert s.round_config(1) == {CLIP_KEY: 2.0} and s.guard.planned_clip(1) == 2.0
+    assert s.send_config(1) == {CLIP_KEY: 2.0} and s.guard.planned_clip(1) == 2.0
     s.after_aggregation([update(0, 100, **{UNCLIPPED_FRACTION: 0.9}),
                          update(1, 300, **{UNCLIPPED_FRACTION: 0.3})])
     assert s.last_fraction == pytest.approx(0.45)
     assert s.clip == pytest.approx(2.0 * math.exp(0.01))
-    assert s.round_config(2) == {CLIP_KEY: pytest.approx(2.0 * math.exp(0.01))}
+    assert s.send_config(2) == {CLIP_KEY: pytest.approx(2.0 * math.exp(0.01))}
     assert s.guard.planned_clip(2) == pytest.approx(2.0 * math.exp(0.01))
     assert s.guard.planned_clip(1) == 2.0
     s.after_aggregation([update(0, 200, **{UNCLIPPED_FRACTION: 1.0}),
@@ -131,7 +133,7 @@ def test_sparsification_of_the_noised_step_against_a_per_sample_loop(reading):
     before = flatten(model.state_dict())
     gen = torch.Generator().manual_seed(0)
     train_dpsgd(model, data, c, 0.0, gen, gen, torch.device("cpu"),
-                clip=half.sample_clip(c, config), noisy_grad=hooks.noisy_grad)
+                clip=fedcompdp_plan(c, PlanInputs(1, config, 0, None, 0)).round_clip(c), noisy_grad=hooks.noisy_grad)
     step = flatten(model.state_dict()) - before
     assert 0 < int((step != 0).sum()) < step.numel()
     assert torch.allclose(step, expected, atol=1e-6)
@@ -177,11 +179,11 @@ def test_norm_bound_uses_the_rounds_clip_and_the_raised_gradient_noise():
     s = build_strategy(c)
     sizes = {0: 120, 1: 400}
     s.bind_partition_sizes(sizes)
-    s.round_config(1)
+    s.send_config(1)
     s.clip = 0.3
-    s.round_config(2)
+    s.send_config(2)
     scale = (1 - 1 / 25) ** -0.5
-    assert s.update_noise_scale(2) == pytest.approx(scale)
+    assert s.guard.noise_scale(2) == pytest.approx(scale)
 
     def hand(clip, factor):
         return max(dpsgd_norm_bound(c, n, planned_event(c, n, 2).sigma * factor,
@@ -191,7 +193,7 @@ def test_norm_bound_uses_the_rounds_clip_and_the_raised_gradient_noise():
     assert s.guard.norm_bound(1000, 1) == pytest.approx(hand(1.0, scale))
     off = build_strategy(cfg(max_grad_norm=1.0, adpc="off"))
     off.bind_partition_sizes(sizes)
-    off.round_config(1)
+    off.send_config(1)
     assert off.guard.norm_bound(1000, 1) == pytest.approx(hand(1.0, 1.0))
 
 
@@ -199,7 +201,7 @@ def test_an_absolute_count_std_must_exceed_every_planned_sigma():
     s = build_strategy(cfg(adpc_count_stddev=1e3))
     s.bind_partition_sizes({0: 120, 1: 400})
     sigma = planned_event(s.cfg, 120, 1).sigma            # the smaller partition: noisier
-    assert s.update_noise_scale(1) == pytest.approx((1 - (sigma / 1e3) ** 2) ** -0.5)
+    assert s.guard.noise_scale(1) == pytest.approx((1 - (sigma / 1e3) ** 2) ** -0.5)
     with pytest.raises(ConfigError, match="adpc-count-stddev"):
         build_strategy(cfg(adpc_count_stddev=0.5)).bind_partition_sizes({0: 120, 1: 400})
 

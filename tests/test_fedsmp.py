@@ -29,12 +29,13 @@ from dpfl.models import build_model
 from dpfl.privacy.events import PrivacyEvent, history_epsilon
 from dpfl.privacy.mechanisms import l2_clip
 from dpfl.privacy.plan import (
+    PlanInputs,
     gaussian_norm_bound,
     noise_multiplier_for,
     plan_to_record,
     planned_event,
 )
-from dpfl.server.strategy import RoundRecord
+from dpfl.server.strategy import RoundContext, RoundRecord
 from dpfl.server.validation import ClientUpdate
 
 from flower_helpers import context, message
@@ -186,7 +187,7 @@ def test_event_is_the_shared_gaussian_plan(mask):
                                             torch.Generator().manual_seed(0), 4,
                                             {TRAIN_LOSS: 0.5})
     assert metrics == {}
-    assert half.planned_event(cfg, 120, 4) is None
+    assert METHODS["fedsmp"].plan(cfg, PlanInputs(4, {}, 0, 120, 0)).event is None
     assert event == planned_event(cfg, 120, 4) == PrivacyEvent.gaussian(
         4, sigma, relation="replace-one")
     strategy = build_strategy(cfg)
@@ -254,7 +255,7 @@ def _update(pid, flat):
 
 def test_randk_replies_outside_the_rounds_mask_are_rejected():
     strategy = build_strategy(_cfg(fedsmp_ratio=0.1, seed=5))
-    strategy.server_round = 3
+    strategy.round = RoundContext(3, {})
     kept = randk_indices(1_000, 100, 5, 3)
     inside = torch.zeros(1_000)
     inside[kept] = 1.0
@@ -263,7 +264,7 @@ def test_randk_replies_outside_the_rounds_mask_are_rejected():
     outside = inside.clone()
     outside[[j for j in range(1_000) if j not in set(kept.tolist())][:2]] = 0.5
     assert "2 non-zero coordinates outside" in strategy.reply_problem(_update(0, outside))
-    strategy.server_round = 4                      # last round's mask is not this round's
+    strategy.round = RoundContext(4, {})                      # last round's mask is not this round's
     assert "outside" in strategy.reply_problem(_update(0, inside))
 
 

@@ -208,8 +208,7 @@ def test_the_guard_sends_each_client_the_releases_charged_to_it():
     from dpfl.privacy.ledger import server_events_from
     from dpfl.server.guard import DPGuard
 
-    guard = DPGuard(run_config(trainer="update-dp", noise_multiplier=1.0),
-                    plan_sigma=lambda pid, rnd: None)
+    guard = DPGuard(run_config(trainer="update-dp", noise_multiplier=1.0))
     guard.nodes.bind_sizes({0: 100, 1: 100})
     guard.nodes.node_partition.update({7: 0, 8: 1})
     guard.bind_ledger(Ledger(D, "rdp"))

@@ -36,6 +36,7 @@ from dpfl.data import ClientData, client_data
 from dpfl.method import ClientHalf
 from dpfl.methods import method_for, parse_run_config
 from dpfl.models.evaluation import device_for, evaluate_model
+from dpfl.privacy.plan import shared_plan
 
 
 def _threads() -> None:
@@ -108,13 +109,14 @@ def _job(msg: Message, context: Context) -> ClientJob:
     pid, nparts = _partition(context)
     data = client_data(cfg, pid, nparts)
     model = _model(cfg, data, msg.content["arrays"])
-    half = method_for(cfg).client
+    method = method_for(cfg)
+    half = method.client
     post_process = None
     if type(half).post_process is not ClientHalf.post_process:
         def post_process(flat: torch.Tensor) -> torch.Tensor:
             return half.post_process(cfg, flat, server_round)
     job = ClientJob(cfg, config, server_round, pid, nparts, data, model, device_for(), half,
-                    post_process)
+                    post_process, plan_fn=method.plan)
     job.hooks = half.hooks(cfg, msg, context, model)   # after the received copy
     return job
 
@@ -161,9 +163,6 @@ def warm(msg: Message, context: Context) -> Message:
     pid, nparts = _partition(context)
     data = client_data(cfg, pid, nparts)
     trainer_for(cfg).warm()
-    half = method_for(cfg).client
-    shared_plan = (type(half).planned_event is ClientHalf.planned_event
-                   and type(half).round_sigma is ClientHalf.round_sigma)
-    release_for(cfg).warm(cfg, len(data.y_train), shared_plan)
+    release_for(cfg).warm(cfg, len(data.y_train), method_for(cfg).plan is shared_plan)
     return Message(RecordDict({"metrics": MetricRecord({
         "partition-id": pid, "warm-seconds": time.perf_counter() - start})}), reply_to=msg)

@@ -429,7 +429,7 @@ def run_round(fed: Federation, rnd: int) -> RoundRecord:
     messages, record = strategy.start_round(rnd, fed.arrays, fed.grid)
     messages = _skip_busy(record, fed.exchange, rnd, messages, fed.strategy.client_name)
     clock.lap("select")
-    if cfg.trust == "distributed":  # SecAgg+: the server sees only the sum
+    if strategy.trust.secure_sum:  # SecAgg+: the server sees only the sum
         late = []
         secure = _secure_sum(fed, messages, rnd)
         clock.lap("exchange")
@@ -534,7 +534,7 @@ def check_trust(strategy: DPFLStrategy, cfg: RunConfig, num_nodes: int, dim: int
     SecAgg+ round size, n_min and the integer range of a share (ConfigError naming the
     key). Returns the delta the run's share overflow adds to the guarantee (0 unless
     distributed; :func:`dpfl.privacy.trust.check_overflow`)."""
-    if cfg.trust != "distributed":
+    if not strategy.trust.secure_sum:
         return 0.0
     sampled = max(int(num_nodes * cfg.fraction_train), min(cfg.min_train_nodes, num_nodes))
     if sampled < 2:

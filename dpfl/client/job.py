@@ -16,6 +16,7 @@ import torch
 from dpfl.client.hooks import MethodHooks
 from dpfl.config import RunConfig
 from dpfl.data import ClientData
+from dpfl.privacy.plan import PlanFn, PlanInputs, ReleasePlan, shared_plan
 from dpfl.privacy.randomness import public_seed
 from dpfl.tensors import flatten, state_difference, unflatten
 
@@ -30,7 +31,8 @@ class ClientJob:
     to ``received`` when the job is made, before any hook sees the model) and is trained in
     place. ``half`` is the method's :class:`~dpfl.method.ClientHalf`, ``hooks`` its hooks
     for this round (set once the job exists); ``post_process`` its DP-SGD output transform
-    (None: the method has none)."""
+    (None: the method has none); ``plan_fn`` the method's release plan
+    (:attr:`dpfl.method.Method.plan`, the function the server's guard plans with)."""
 
     cfg: RunConfig
     config: Mapping[str, Any]
@@ -43,7 +45,9 @@ class ClientJob:
     half: Any
     post_process: Callable[[torch.Tensor], torch.Tensor] | None = None
     hooks: MethodHooks = field(default_factory=MethodHooks)
+    plan_fn: PlanFn = shared_plan
     received: dict[str, torch.Tensor] = field(init=False)
+    _plan: ReleasePlan | None = field(init=False, default=None)
 
     def __post_init__(self) -> None:
         self.received = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
@@ -52,6 +56,16 @@ class ClientJob:
     def num_examples(self) -> int:
         """The client's training-set size (public, as in Opacus; canaries excluded)."""
         return len(self.data.y_train)
+
+    @property
+    def plan(self) -> ReleasePlan:
+        """The method's plan of this client's release this round, from the public values the
+        server plans it from (computed once)."""
+        if self._plan is None:
+            inputs = PlanInputs(self.server_round, self.config, self.pid, self.num_examples,
+                                sum(int(p.numel()) for p in self.model.parameters()))
+            self._plan = self.plan_fn(self.cfg, inputs)
+        return self._plan
 
     @property
     def dim(self) -> int:

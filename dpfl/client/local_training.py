@@ -82,7 +82,7 @@ class DpSgdTrainer:
         import torch._dynamo  # noqa: F401
 
     def train(self, job: ClientJob, sigma: float | None = None) -> Trained:
-        cfg, hooks, half = job.cfg, job.hooks, job.half
+        cfg, hooks = job.cfg, job.hooks
         if sigma is None:
             raise ValueError("DP-SGD needs the round's noise multiplier")
         if hooks.pre_step is not None or hooks.step is not None:
@@ -93,12 +93,12 @@ class DpSgdTrainer:
         sampling_rng = (noise_rng if job.device.type == "cpu" else
                         mechanism_generator(cfg.reproducible, cfg.seed, job.pid,
                                             job.server_round))
-        clip = half.sample_clip(cfg, job.config)
+        clip = job.plan.round_clip(cfg)
         result = train_dpsgd(job.model, with_canary_examples(cfg, job.pid, job.nparts, job.data),
                              cfg, sigma, sampling_rng, noise_rng, job.device, hooks.post_step,
                              public_examples=job.num_examples, clip=clip,
                              noisy_grad=hooks.noisy_grad, perturb=hooks.perturb,
-                             count_std=half.unclipped_count_std(cfg, sigma))
+                             count_std=job.plan.count_std)
         del noise_rng, sampling_rng
         event = DpsgdRelease(sigma, result.sample_rate, result.steps).event(job.server_round)
         metrics = ({} if result.unclipped_fraction is None   # released with the gradient

@@ -27,7 +27,7 @@ from dpfl.client.local_training import Trained
 from dpfl.client.secure import UNCLIPPED_KEY, central_release, distributed_share
 from dpfl.config import RunConfig
 from dpfl.privacy.events import PrivacyEvent
-from dpfl.privacy.plan import EQUAL_WEIGHTS_CLAIM, noise_multiplier_for, planned_event
+from dpfl.privacy.plan import EQUAL_WEIGHTS_CLAIM, noise_multiplier_for
 from dpfl.privacy.randomness import mechanism_generator
 from dpfl.privacy.trust import (
     distributed_noise_multiplier,
@@ -74,7 +74,7 @@ def _update_release_inputs(job: ClientJob, trained: Trained
     the flat update lives; secret unless ``reproducible``)."""
     cfg = job.cfg
     return (canary_update(cfg, job.pid, flatten(trained.update)),
-            job.half.round_clip(cfg, job.config),
+            job.plan.round_clip(cfg),
             mechanism_generator(cfg.reproducible, cfg.seed, job.pid, job.server_round))
 
 
@@ -133,12 +133,7 @@ class LocalRelease:
     charges = True
 
     def planned_event(self, job: ClientJob) -> PrivacyEvent:
-        cfg, half = job.cfg, job.half
-        planned = half.planned_event(cfg, job.num_examples, job.server_round)
-        if planned is None:
-            sigma = half.round_sigma(cfg, job.config, job.pid, job.model, job.num_examples)
-            planned = planned_event(cfg, job.num_examples, job.server_round, sigma)
-        return planned
+        return job.plan.event_for(job.cfg, job.num_examples, job.server_round)
 
     def warm(self, cfg: RunConfig, num_examples: int, shared_plan: bool) -> None:
         """The shared plan's noise multiplier (calibrated once per process, its memo entry

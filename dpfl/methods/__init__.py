@@ -39,7 +39,7 @@ from dpfl.methods import (
 )
 from dpfl.models import MODELS
 from dpfl.privacy.filter import holds_anything
-from dpfl.privacy.trust import own_noise
+from dpfl.privacy.trust import OwnSecureNoise, own_noise
 from dpfl.privacy.verdict import Guarantee, guarantee_for
 from dpfl.server.strategy import DPFLStrategy
 
@@ -48,6 +48,21 @@ METHODS: dict[str, Method] = {m.name: m for m in (
     dpfedexp.METHOD, pegasus.METHOD, aadp.METHOD, dpfedavgm.METHOD, fedcompdp.METHOD,
     dpfedsam.METHOD, fedasgp.METHOD, fedsmp.METHOD, cpsgd.METHOD, fedacg.METHOD,
 )}
+
+
+
+def _declared_secure_noise(method: Method) -> None:
+    """A method declares its own SecAgg+ noise (``own_secure_noise``) exactly when its
+    parameters implement :class:`OwnSecureNoise` (the trust layer finds it there)."""
+    implements = method.params is not None and issubclass(method.params, OwnSecureNoise)
+    if implements != method.own_secure_noise:
+        raise TypeError(f"method {method.name!r}: own_secure_noise={method.own_secure_noise} "
+                        f"but its params {'do' if implements else 'do not'} implement "
+                        "OwnSecureNoise")
+
+
+for _method in METHODS.values():
+    _declared_secure_noise(_method)
 
 
 # The method of a RunConfig whose ``strategy`` is "" (the pyproject demo names it too).
@@ -114,7 +129,7 @@ def build_strategy(cfg: RunConfig) -> DPFLStrategy:
     """Instantiate the strategy of ``cfg``'s method."""
     cfg = configured(cfg)
     method = METHODS[cfg.strategy]
-    return method.strategy(cfg, adaptive=method.adaptive)
+    return method.strategy(cfg, adaptive=method.adaptive, plan=method.plan)
 
 
 def guarantee(cfg: RunConfig) -> Guarantee:

@@ -66,7 +66,16 @@ from dpfl.errors import UserError
 from dpfl.method import ClientHalf, Method, MethodParams, UpdateClip
 from dpfl.privacy.accounting import calibrate_dpsgd_noise, calibrate_noise
 from dpfl.privacy.longitudinal import longitudinal_clip
-from dpfl.privacy.plan import UPDATE_DP_RELATION, dpsgd_sample_rate, planned_dpsgd_steps
+from dpfl.privacy.plan import (
+    SHARED_PLAN,
+    UPDATE_DP_RELATION,
+    PlanFn,
+    PlanInputs,
+    ReleasePlan,
+    dpsgd_sample_rate,
+    planned_dpsgd_steps,
+    shared_plan,
+)
 from dpfl.privacy.verdict import MethodPrivacy
 from dpfl.server.strategy import DPFLStrategy
 from dpfl.server.validation import ClientUpdate
@@ -175,16 +184,15 @@ def raise_budgets(budgets: Mapping[int, float], rho: float, eps_max: float) -> d
 class AADPStrategy(DPFLStrategy):
     """AADP-FL (see module docstring)."""
 
-    def __init__(self, cfg: RunConfig, adaptive: bool = True) -> None:
-        super().__init__(cfg, adaptive)
+    def __init__(self, cfg: RunConfig, adaptive: bool = True,
+                 plan: PlanFn = shared_plan) -> None:
+        super().__init__(cfg, adaptive, plan)
         self.nadam = NadamState(gamma=cfg.params.aadp_gamma)
         self.budgets: dict[int, float] = {}
         self.raised_at: list[int] = []
-        self.num_params = 0
-        self.sent_budgets: dict[int, dict[int, float]] = {}  # round -> eps_i^t sent
 
     def bind_model(self, model: torch.nn.Module) -> None:
-        self.num_params = sum(p.numel() for p in model.parameters())
+        super().bind_model(model)
 
     def bind_partition_sizes(self, sizes: Mapping[int, int]) -> None:
         """Training-set sizes per partition id (public: derived from the run-config). Under
@@ -204,23 +212,6 @@ class AADPStrategy(DPFLStrategy):
                     f"epsilon of {eps:.3g} (eq. 2), and no noise multiplier reaches it at "
                     f"delta {self.cfg.delta:g} ({exc}); raise aadp-epsilon") from None
 
-    def round_sigma(self, epsilon: float, num_examples: int | None = None) -> float | None:
-        """The noise multiplier of one round at the per-round eps_i^t: of one update-dp
-        release, or of a DP-SGD round of a client with ``num_examples`` samples (None for
-        an unknown size under DP-SGD: the shared plan's sigma)."""
-        if self.cfg.trainer == "dpsgd":
-            if num_examples is None:
-                return None
-            return dpsgd_round_noise_multiplier(self.cfg, epsilon, num_examples)
-        return round_noise_multiplier(self.cfg, epsilon, self.num_params)
-
-    def plan_sigma(self, partition_id: int | None, server_round: int) -> float | None:
-        """sigma at the eps_i^t sent to ``partition_id`` in ``server_round`` (the mean
-        budget ``aadp-epsilon`` for an unknown partition)."""
-        sent = self.sent_budgets.get(server_round, self.budgets)
-        return self.round_sigma(sent.get(partition_id, self.cfg.params.aadp_epsilon),
-                                self.partition_sizes.get(partition_id))
-
     def select_nodes(self, server_round: int, grid: Grid) -> list[int]:
         """Each node joins independently with probability ``fraction-train`` (at least
         ``min-train-nodes``, topped up at random)."""
@@ -232,8 +223,7 @@ class AADPStrategy(DPFLStrategy):
         return sorted(chosen)
 
     def round_config(self, server_round: int) -> dict[str, Any]:
-        """The round's eps_i^t for every partition (recorded: the plans use them)."""
-        self.sent_budgets[server_round] = dict(self.budgets)
+        """The round's eps_i^t for every partition (the plans read them: :func:`aadp_plan`)."""
         default = float(self.cfg.params.aadp_epsilon)
         if not self.budgets:  # sizes unknown: equal allocation
             return {"aadp-default-epsilon": default}
@@ -319,24 +309,40 @@ def dpsgd_round_noise_multiplier(cfg: RunConfig, epsilon: float, num_examples: i
                                  tolerance=DPSGD_ROUND_RTOL * epsilon, orders=orders)
 
 
-def round_epsilon_for(config: Mapping[str, Any], partition_id: int) -> float:
-    """The client's eps_i^t from the round's ConfigRecord."""
+def aadp_plan(cfg: RunConfig, inputs: PlanInputs) -> ReleasePlan:
+    """The round's sigma at the eps_i^t the server sent the partition (eqs. 2-3; the mean
+    budget ``aadp-epsilon`` for an unknown partition): of one update-dp release, or of a
+    DP-SGD round of a client with its public size (unknown size: the shared plan's)."""
+    eps_round = round_epsilon_for(inputs.config, inputs.partition_id)
+    if cfg.trainer == "dpsgd":
+        if inputs.num_examples is None:
+            return SHARED_PLAN
+        return ReleasePlan(sigma=dpsgd_round_noise_multiplier(cfg, eps_round,
+                                                              inputs.num_examples))
+    return ReleasePlan(sigma=round_noise_multiplier(cfg, eps_round, inputs.num_params))
+
+
+# the last round's table of eps_i^t by partition (one config at a time: the server asks for
+# every partition's plan of the same round)
+_EPSILON_TABLE: list[Any] = [None, {}]
+
+
+def round_epsilon_for(config: Mapping[str, Any], partition_id: int | None) -> float:
+    """The client's eps_i^t from the round's ConfigRecord (``aadp-default-epsilon`` for a
+    partition it does not list)."""
     if "aadp-partition" in config:
-        for pid, eps in zip(config["aadp-partition"], config["aadp-epsilon"]):
-            if int(pid) == partition_id:
-                return float(eps)
+        if _EPSILON_TABLE[0] is not config:
+            _EPSILON_TABLE[:] = [config, {int(pid): float(eps) for pid, eps in zip(
+                config["aadp-partition"], config["aadp-epsilon"])}]
+        eps = _EPSILON_TABLE[1].get(partition_id)
+        if eps is not None:
+            return eps
     return float(config["aadp-default-epsilon"])
 
 
 class AADPClient(ClientHalf):
     """The round's sigma from the eps_i^t the server sent; longitudinal clipping of the
     update (update-dp), Opacus' per-sample L2 clip (dpsgd: see the module docstring)."""
-
-    def round_sigma(self, cfg, config, partition_id, model, num_examples) -> float:
-        eps_round = round_epsilon_for(config, partition_id)   # AADP-FL's eps_i^t
-        if cfg.trainer == "dpsgd":
-            return dpsgd_round_noise_multiplier(cfg, eps_round, num_examples)
-        return round_noise_multiplier(cfg, eps_round, sum(p.numel() for p in model.parameters()))
 
     def update_clip(self, cfg) -> UpdateClip:
         return longitudinal_clip
@@ -378,6 +384,7 @@ def aadp_rules(cfg: RunConfig) -> None:
 
 METHOD = Method(
     name="aadp",
+    plan=aadp_plan,
     citation="Cheng, Li, Qin & Tu, Differential Privacy Federated Learning Based on "
              "Adaptive Adjustment, Computers, Materials & Continua, 2025",
     strategy=AADPStrategy,

@@ -297,6 +297,7 @@ def _privacy(cfg: RunConfig) -> MethodPrivacy:
 
 METHOD = Method(
     name="cpsgd",
+    own_secure_noise=True,
     citation="Agarwal, Suresh, Yu, Kumar & McMahan, cpSGD: Communication-efficient and "
              "differentially-private distributed SGD, NeurIPS 2018",
     strategy=DPFLStrategy,

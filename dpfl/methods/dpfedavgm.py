@@ -22,6 +22,7 @@ import torch
 from dpfl.config import TRUSTS as ALL_TRUSTS
 from dpfl.config import RunConfig, need
 from dpfl.method import Method, MethodParams
+from dpfl.privacy.plan import PlanFn, shared_plan
 from dpfl.server.strategy import DPFLStrategy
 
 
@@ -46,8 +47,9 @@ def momentum_step(w: torch.Tensor, velocity: torch.Tensor | None, update: torch.
 class DPFedAvgMStrategy(DPFLStrategy):
     """DP-FedAvg's aggregation with a momentum server step."""
 
-    def __init__(self, cfg: RunConfig, adaptive: bool = False) -> None:
-        super().__init__(cfg, adaptive)
+    def __init__(self, cfg: RunConfig, adaptive: bool = False,
+                 plan: PlanFn = shared_plan) -> None:
+        super().__init__(cfg, adaptive, plan)
         self.velocity: torch.Tensor | None = None
 
     def server_step(self, global_flat: torch.Tensor, aggregated: torch.Tensor) -> torch.Tensor:

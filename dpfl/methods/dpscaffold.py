@@ -132,12 +132,7 @@ class DPScaffoldStrategy(DPFLStrategy):
         """Uniform mean (SCAFFOLD's server step)."""
         return torch.ones(len(accepted))
 
-    server_round = 0
     _delta_bound: tuple[int, float | None] | None = None   # (round, bound), once a round
-
-    def finish_round(self, server_round, record, replies):
-        self.server_round = server_round
-        return super().finish_round(server_round, record, replies)
 
     def control_delta_bound(self, server_round: int) -> float | None:
         """The largest ||Delta c_i|| an honest client sends (module docstring):
@@ -158,8 +153,9 @@ class DPScaffoldStrategy(DPFLStrategy):
         """Delta c_i within :meth:`control_delta_bound` (it moves c, and c every client's
         steps and the next round's norm bound)."""
         delta = update.extras.get("control-delta")
-        if self._delta_bound is None or self._delta_bound[0] != self.server_round:
-            self._delta_bound = (self.server_round, self.control_delta_bound(self.server_round))
+        server_round = self.round.server_round
+        if self._delta_bound is None or self._delta_bound[0] != server_round:
+            self._delta_bound = (server_round, self.control_delta_bound(server_round))
         bound = self._delta_bound[1]
         if delta is None or bound is None:
             return None

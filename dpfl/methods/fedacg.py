@@ -47,6 +47,7 @@ from dpfl.config import TRUSTS as ALL_TRUSTS
 from dpfl.config import RunConfig, need
 from dpfl.method import ClientHalf, Method, MethodParams
 from dpfl.methods.dpfedprox import proximal_step
+from dpfl.privacy.plan import PlanFn, shared_plan
 from dpfl.server.strategy import DPFLStrategy, RoundRecord
 from dpfl.tensors import flatten, unflatten
 
@@ -82,8 +83,9 @@ def acg_server_step(x: torch.Tensor, momentum: torch.Tensor | None, mean_update:
 class FedACGStrategy(DPFLStrategy):
     """Sends the lookahead model; the server step is FedACG's momentum update."""
 
-    def __init__(self, cfg: RunConfig, adaptive: bool = False) -> None:
-        super().__init__(cfg, adaptive)
+    def __init__(self, cfg: RunConfig, adaptive: bool = False,
+                 plan: PlanFn = shared_plan) -> None:
+        super().__init__(cfg, adaptive, plan)
         self.momentum: torch.Tensor | None = None
         self._base: torch.Tensor | None = None     # x_{t-1} of the open round
 

@@ -159,7 +159,14 @@ from dpfl.models.evaluation import evaluate_model
 from dpfl.numbers import is_finite_number, is_number
 from dpfl.privacy.events import PrivacyEvent
 from dpfl.privacy.mechanisms import SparseVector, l2_clip, laplace_noise
-from dpfl.privacy.plan import UPDATE_DP_RELATION
+from dpfl.privacy.plan import (
+    SHARED_PLAN,
+    UPDATE_DP_RELATION,
+    PlanFn,
+    PlanInputs,
+    ReleasePlan,
+    shared_plan,
+)
 from dpfl.privacy.verdict import MethodPrivacy
 from dpfl.server.aggregation import MAX_WEIGHT_ODDS, capped_shares
 from dpfl.server.strategy import DPFLStrategy, RoundRecord
@@ -457,6 +464,13 @@ def planned_round_event(cfg: RunConfig, server_round: int) -> PrivacyEvent | Non
     return None if sample_level(cfg) else round_event(cfg, server_round)
 
 
+def fedasgp_plan(cfg: RunConfig, inputs: PlanInputs) -> ReleasePlan:
+    """The method's own release under update-dp (a pure-epsilon Laplace or sparse-vector
+    event: :func:`round_event`); under dpsgd the shared DP-SGD plan."""
+    event = planned_round_event(cfg, inputs.server_round)
+    return SHARED_PLAN if event is None else ReleasePlan(event=event)
+
+
 def update_norm_bound(cfg: RunConfig, dim: int) -> float:
     """An honest reply's ||Delta_released||_2 = lr ||g_released|| <= lr (C + ||noise||):
     Laplace on every coordinate (paper: all may be significant) or on at most c (strict);
@@ -471,9 +485,6 @@ def update_norm_bound(cfg: RunConfig, dim: int) -> float:
 class FedASGPClient(ClientHalf):
     """Algorithm 1's clientTrain after the shared local SGD: clip, select, perturb
     (update-dp); after DP-SGD: select (post-processing)."""
-
-    def planned_event(self, cfg, num_examples, server_round) -> PrivacyEvent | None:
-        return planned_round_event(cfg, server_round)
 
     def post_process(self, cfg, update, server_round) -> torch.Tensor:
         """Sample level: the significant coordinates of the DP-SGD update, the rest 0."""
@@ -500,9 +511,9 @@ class FedASGPStrategy(DPFLStrategy):
     """Eq. 16's weights around the shared base; the method's own plan and norm bound
     (update-dp), or the shared DP-SGD ones and the server's proxy losses (dpsgd)."""
 
-    def __init__(self, cfg: RunConfig, adaptive: bool = False) -> None:
-        super().__init__(cfg, adaptive)
-        self.server_round = 0
+    def __init__(self, cfg: RunConfig, adaptive: bool = False,
+                 plan: PlanFn = shared_plan) -> None:
+        super().__init__(cfg, adaptive, plan)
         self.last_weights: dict[int, float] = {}
         self.last_fraction: list[float] = []
         self.last_losses: list[float] = []
@@ -515,17 +526,14 @@ class FedASGPStrategy(DPFLStrategy):
         self.val: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def bind_model(self, model: nn.Module) -> None:
+        super().bind_model(model)
         self.eval_model = copy.deepcopy(model)
-
-    def plan_event(self, partition_id: int, server_round: int) -> PrivacyEvent | None:
-        return planned_round_event(self.cfg, server_round)
 
     def update_norm_bound(self, dim: int, server_round: int) -> float | None:
         """The Laplace bound (update-dp); under dpsgd the guard's DP-SGD bound (None)."""
         return None if sample_level(self.cfg) else update_norm_bound(self.cfg, dim)
 
     def finish_round(self, server_round, record, replies):
-        self.server_round = server_round
         self._released.clear()
         self._losses.clear()
         return super().finish_round(server_round, record, replies)
@@ -573,10 +581,10 @@ class FedASGPStrategy(DPFLStrategy):
                 return (f"{released} non-zero coordinates > asgp-max-coords "
                         f"{p.asgp_max_coords} (the sparse vector releases at most c)")
             return None
-        m = kept_count(update.flat.numel(), self.server_round, self.cfg.num_rounds)
+        m = kept_count(update.flat.numel(), self.round.server_round, self.cfg.num_rounds)
         if released > m:
             return (f"{released} non-zero coordinates > m_t = {m} (eq. 14's significant "
-                    f"coordinates of round {self.server_round})")
+                    f"coordinates of round {self.round.server_round})")
         loss = self._losses[key] = self.proxy_loss(update.flat)
         if not math.isfinite(loss):
             return (f"the server's validation loss of w_t + Delta_i (L_i's proxy in eq. 16) "
@@ -693,6 +701,7 @@ def fedasgp_privacy(cfg: RunConfig) -> MethodPrivacy:
 
 METHOD = Method(
     name="fedasgp",
+    plan=fedasgp_plan,
     citation="Zhang, Mao, He, Huang & Wu, \"Balancing Privacy and Accuracy Using Significant "
              "Gradient Protection in Federated Learning\" (DP-FedASGP), IEEE Transactions on "
              "Computers, 2024",

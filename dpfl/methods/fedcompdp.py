@@ -102,7 +102,7 @@ is either post-processing of them or folded into the same Gaussian:
   noise std zeroes most of them. Sparsifying only shortens each step, so the guard's DP-SGD
   norm bound (a sum of per-step norms) still holds.
 - Eqs. 3-4. CHOICE: the local clip to C_t becomes DP-SGD's per-sample clip C_t
-  (``ClientHalf.sample_clip``, C_0 = ``max-grad-norm``): every per-sample gradient is
+  (the plan's clip, :func:`fedcompdp_plan`; C_0 = ``max-grad-norm``): every per-sample gradient is
   clipped to C_t before it is summed, which implies the paper's per-iteration bound on the
   mean. ``local-grad-clip=false`` is refused (DP-SGD cannot run unclipped).
 - Eq. 8 is DP-SGD's own noise; the update is not clipped or noised again.
@@ -148,6 +148,7 @@ from __future__ import annotations
 import copy
 import math
 from dataclasses import dataclass, field
+from functools import lru_cache
 from typing import Any, Mapping, Sequence
 
 import torch
@@ -167,9 +168,13 @@ from dpfl.privacy.plan import (
     BATCH_TAIL,
     UNCLIPPED_FRACTION,
     UPDATE_DP_RELATION,
+    PlanFn,
+    PlanInputs,
+    ReleasePlan,
     dpsgd_sample_rate,
     noise_multiplier_for,
     planned_dpsgd_steps,
+    shared_plan,
 )
 from dpfl.privacy.verdict import MethodPrivacy
 from dpfl.server.aggregation import capped_shares, server_sgd_step
@@ -505,21 +510,36 @@ def scalar_stds(cfg: RunConfig, sigma: float) -> list[float]:
     return stds
 
 
+@lru_cache(maxsize=64)
+def update_noise_scale(cfg: RunConfig) -> float:
+    """Update DP: sigma_Delta / sigma, the update's noise raised so that the scalars sent
+    with it share one Gaussian release (1 when none is sent)."""
+    sigma = noise_multiplier_for(cfg, 1)
+    stds = scalar_stds(cfg, sigma) if sigma > 0 else []
+    return joint_update_noise(sigma, stds) / sigma if stds else 1.0
+
+
+def fedcompdp_plan(cfg: RunConfig, inputs: PlanInputs) -> ReleasePlan:
+    """The round's C_t as the server sent it (eqs. 3-4: of the update, or per sample under
+    DP-SGD), the update noise raised by the scalars released with it (update DP), and
+    under DP-SGD with ``private-quantile`` the per-step count's noise and the gradient
+    noise it raises (sigma_g / sigma)."""
+    dpsgd = cfg.trainer == "dpsgd"
+    clip = float(inputs.config.get(CLIP_KEY, cfg.max_grad_norm if dpsgd else cfg.clip_norm))
+    if not dpsgd:
+        return ReleasePlan(clip=clip, noise_scale=update_noise_scale(cfg))
+    p = _p(cfg)
+    if p.adpc != "private-quantile" or inputs.num_examples is None:
+        return ReleasePlan(clip=clip)
+    sigma = noise_multiplier_for(cfg, inputs.num_examples)
+    count_std = dpsgd_count_std(p.adpc_count_stddev, sigma)
+    # a count std <= sigma has no joint release: refused at start (bind_partition_sizes)
+    scale = joint_gradient_noise(sigma, count_std) / sigma if count_std > sigma else math.inf
+    return ReleasePlan(clip=clip, count_std=count_std, noise_scale=scale)
+
+
 class FedCompDPClient(ClientHalf):
     """LLCM sparsification, local clipping, and the update release (eqs. 2-4, 8)."""
-
-    def round_clip(self, cfg: RunConfig, config: Mapping[str, Any]) -> float:
-        return float(config.get(CLIP_KEY, cfg.clip_norm))
-
-    def sample_clip(self, cfg: RunConfig, config: Mapping[str, Any]) -> float:
-        """DP-SGD: the round's per-sample clip C_t (eqs. 3-4 at sample level)."""
-        return float(config.get(CLIP_KEY, cfg.max_grad_norm))
-
-    def unclipped_count_std(self, cfg: RunConfig, sigma: float) -> float:
-        """DP-SGD, private-quantile: the per-step count's noise std (else no count)."""
-        p = _p(cfg)
-        return dpsgd_count_std(p.adpc_count_stddev, sigma) if p.adpc == "private-quantile" \
-            else 0.0
 
     def hooks(self, cfg, msg, context, model) -> MethodHooks:
         p, config = _p(cfg), msg.content["config"]
@@ -528,7 +548,7 @@ class FedCompDPClient(ClientHalf):
         if cfg.trainer == "dpsgd":   # eq. 2 on each step's noised gradient (post-processing)
             return (MethodHooks() if p.sparsify == "none" else
                     MethodHooks(noisy_grad=sparsify_and_clip(p.sparsify, tau, None)))
-        clip = self.round_clip(cfg, config) if p.local_grad_clip else None
+        clip = float(config.get(CLIP_KEY, cfg.clip_norm)) if p.local_grad_clip else None
         if p.sparsify == "none" and clip is None:
             return MethodHooks()
         return MethodHooks(pre_step=sparsify_and_clip(p.sparsify, tau, clip))
@@ -587,8 +607,9 @@ class CRAState:
 class FedCompDPStrategy(DPFLStrategy):
     """ADPC, CRA and the primal-dual correction around the shared base (module docstring)."""
 
-    def __init__(self, cfg: RunConfig, adaptive: bool = False) -> None:
-        super().__init__(cfg, adaptive)
+    def __init__(self, cfg: RunConfig, adaptive: bool = False,
+                 plan: PlanFn = shared_plan) -> None:
+        super().__init__(cfg, adaptive, plan)
         p = _p(cfg)
         check_dpsgd(cfg)
         self.dpsgd = cfg.trainer == "dpsgd"
@@ -602,9 +623,9 @@ class FedCompDPStrategy(DPFLStrategy):
         self.eval_model: nn.Module | None = None
         self.val: tuple[torch.Tensor, torch.Tensor] | None = None
         self.sigma = noise_multiplier_for(cfg, 1) if cfg.trainer == "update-dp" else 0.0
-        try:
-            stds = scalar_stds(cfg, self.sigma) if self.sigma > 0 else []
-            self.noise_scale = joint_update_noise(self.sigma, stds) / self.sigma if stds else 1.0
+        try:   # the joint release's noise must exist (stopped at start otherwise)
+            if self.sigma > 0:
+                update_noise_scale(cfg)
         except ValueError as exc:
             key = ("client-f1-noise" if p.cra_score == "client-f1" and p.client_f1_noise > 0
                    else "adpc-count-stddev")
@@ -615,6 +636,7 @@ class FedCompDPStrategy(DPFLStrategy):
                               "(e.g. 1000)")
 
     def bind_model(self, model: nn.Module) -> None:
+        super().bind_model(model)
         self.eval_model = copy.deepcopy(model)
 
     def bind_partition_sizes(self, sizes: Mapping[int, int]) -> None:
@@ -629,22 +651,6 @@ class FedCompDPStrategy(DPFLStrategy):
                  f"{worst:.4g}; 0 = 5 sigma per client)", p.adpc_count_stddev)
 
     # -- ADPC ----------------------------------------------------------------------------
-    def plan_clip(self, server_round: int) -> float | None:
-        return self.clips.get(server_round, self.clip)
-
-    def update_noise_scale(self, server_round: int) -> float:
-        """sigma_Delta / sigma (update DP), or DP-SGD's raised gradient noise sigma_g / sigma
-        (private-quantile's count; the largest over partitions)."""
-        if not self.dpsgd:
-            return self.noise_scale
-        p = _p(self.cfg)
-        if p.adpc != "private-quantile":
-            return 1.0
-        sigmas = {self.guard.planned_event(pid, server_round).sigma
-                  for pid in self.partition_sizes}
-        return max((joint_gradient_noise(s, dpsgd_count_std(p.adpc_count_stddev, s)) / s
-                    for s in sigmas), default=1.0)
-
     def round_config(self, server_round: int) -> dict[str, Any]:
         self.clips[server_round] = self.clip
         return {CLIP_KEY: float(self.clip)}
@@ -879,6 +885,7 @@ def fedcompdp_privacy(cfg: RunConfig) -> MethodPrivacy:
 
 METHOD = Method(
     name="fedcompdp",
+    plan=fedcompdp_plan,
     citation="An Adaptive Differentially Private Federated Learning Framework with "
              "Bi-level Optimization, 2025",
     strategy=FedCompDPStrategy,

@@ -66,8 +66,10 @@ from dpfl.privacy.events import PrivacyEvent
 from dpfl.privacy.mechanisms import l2_clip
 from dpfl.privacy.plan import (
     UPDATE_DP_RELATION,
+    PlanFn,
     gaussian_norm_bound,
     noise_multiplier_for,
+    shared_plan,
 )
 from dpfl.privacy.verdict import MethodPrivacy
 from dpfl.server.aggregation import weighted_mean
@@ -191,9 +193,9 @@ class FedSMPStrategy(DPFLStrategy):
     """The shared base with the sparse replies' checks, the k-coordinate norm bound and the
     rand-k rescale."""
 
-    def __init__(self, cfg: RunConfig, adaptive: bool = False) -> None:
-        super().__init__(cfg, adaptive)
-        self.server_round = 0
+    def __init__(self, cfg: RunConfig, adaptive: bool = False,
+                 plan: PlanFn = shared_plan) -> None:
+        super().__init__(cfg, adaptive, plan)
         self._mask: tuple[tuple[int, int], torch.Tensor] | None = None
         # each checked reply's count of non-zero coordinates (the reply check counts them
         # anyway), for the round's kept-fraction metric without another pass over the updates
@@ -217,7 +219,6 @@ class FedSMPStrategy(DPFLStrategy):
         return gaussian_norm_bound(self.cfg.clip_norm, noise_multiplier_for(self.cfg, 1), k)
 
     def finish_round(self, server_round, record, replies):
-        self.server_round = server_round
         self._nonzero.clear()
         return super().finish_round(server_round, record, replies)
 
@@ -229,7 +230,7 @@ class FedSMPStrategy(DPFLStrategy):
         nonzero = flat != 0
         self._nonzero[(update.node_id, id(flat))] = int(nonzero.sum())
         if p.fedsmp_mask == "randk":
-            outside = int((nonzero & ~self.round_mask(flat.numel(), self.server_round)).sum())
+            outside = int((nonzero & ~self.round_mask(flat.numel(), self.round.server_round)).sum())
             if outside:
                 return (f"{outside} non-zero coordinates outside the round's public rand-k "
                         f"mask (k = {k})")

@@ -34,6 +34,7 @@ from flwr.serverapp import Grid
 from dpfl.config import RunConfig
 from dpfl.method import Method
 from dpfl.privacy.budget import BUDGET_REFUSAL
+from dpfl.privacy.plan import PlanFn, shared_plan
 from dpfl.server.strategy import DPFLStrategy, RoundOutcome, RoundRecord
 
 
@@ -54,8 +55,9 @@ def pegasus_select(epsilons: Mapping[int, float],
 class PegasusStrategy(DPFLStrategy):
     """DP-FedAvg aggregation with PEGASUS selection."""
 
-    def __init__(self, cfg: RunConfig, adaptive: bool = False) -> None:
-        super().__init__(cfg, adaptive)
+    def __init__(self, cfg: RunConfig, adaptive: bool = False,
+                 plan: PlanFn = shared_plan) -> None:
+        super().__init__(cfg, adaptive, plan)
         self.out_of_budget: set[int] = set()   # nodes that refused at their budget
 
     def select_nodes(self, server_round: int, grid: Grid) -> list[int]:

@@ -18,7 +18,8 @@ A plan is a :class:`~dpfl.privacy.events.PrivacyEvent`:
 from __future__ import annotations
 
 import math
-from typing import Any, Mapping
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping
 
 from dpfl.config import RunConfig
 from dpfl.privacy.accounting import calibrate_dpsgd_noise, calibrate_noise
@@ -32,8 +33,67 @@ UPDATE_DP_RELATION = "replace-one"
 EQUAL_WEIGHTS_CLAIM = 1
 
 # DP-SGD: the round's noisy fraction of unclipped per-sample gradients, released jointly
-# with the gradient (a method's ClientHalf.unclipped_count_std > 0)
+# with the gradient (a method's ReleasePlan.count_std > 0)
 UNCLIPPED_FRACTION = "dpsgd-unclipped-fraction"
+
+
+@dataclass(frozen=True)
+class PlanInputs:
+    """The public values one client's release in one round is planned from. Both halves
+    hold them: the client from its instruction, the server from what it sent."""
+
+    server_round: int
+    config: Mapping[str, Any]      # the round's shared config (the strategy's round_config)
+    partition_id: int | None       # None: a sender whose partition is not known yet
+    num_examples: int | None       # its public training-set size (None: unknown)
+    num_params: int                # trainable parameters of the model
+
+
+@dataclass(frozen=True)
+class ReleasePlan:
+    """What a method sets of a round's release; None (or the neutral value) keeps the
+    run's shared plan. Client and server compute it with the same function
+    (:attr:`dpfl.method.Method.plan`) from the same :class:`PlanInputs`, so the two halves
+    agree by construction, not by convention.
+
+    - ``sigma``: the round's noise multiplier (e.g. AADP-FL's sigma at eps_i^t);
+    - ``clip``: the round's clip norm: of the update (update DP) or per sample (DP-SGD),
+      e.g. FedCompDP's adapted C_t;
+    - ``event``: a release the shared Gaussian/DP-SGD plan cannot express (e.g. a
+      pure-epsilon Laplace or sparse-vector release);
+    - ``noise_scale``: the released update's noise std over sigma C (> 1 when scalars share
+      the release), for the server's norm bound;
+    - ``count_std``: DP-SGD: the noise std of the per-step unclipped count released with
+      the gradient (0: none)."""
+
+    sigma: float | None = None
+    clip: float | None = None
+    event: PrivacyEvent | None = None
+    noise_scale: float = 1.0
+    count_std: float = 0.0
+
+    def round_clip(self, cfg: RunConfig) -> float:
+        """The clip C of the round: the method's, else ``max-grad-norm`` (DP-SGD's per-sample
+        clip) or ``clip-norm`` (update DP)."""
+        if self.clip is not None:
+            return self.clip
+        return cfg.max_grad_norm if cfg.trainer == "dpsgd" else cfg.clip_norm
+
+    def event_for(self, cfg: RunConfig, num_examples: int, server_round: int) -> PrivacyEvent:
+        """The event a client of ``num_examples`` spends under local DP: the method's own,
+        else the shared plan at this plan's sigma."""
+        if self.event is not None:
+            return self.event
+        return planned_event(cfg, num_examples, server_round, self.sigma)
+
+
+PlanFn = Callable[[RunConfig, PlanInputs], ReleasePlan]
+SHARED_PLAN = ReleasePlan()
+
+
+def shared_plan(cfg: RunConfig, inputs: PlanInputs) -> ReleasePlan:
+    """The plan of a method that sets nothing of its own: the run's sigma and clip."""
+    return SHARED_PLAN
 
 
 def steps_per_epoch(num_examples: int, batch_size: int) -> int:

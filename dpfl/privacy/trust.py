@@ -32,7 +32,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from functools import lru_cache
-from typing import TYPE_CHECKING, Callable, Protocol
+from typing import TYPE_CHECKING, Callable, Protocol, runtime_checkable
 
 from dpfl.config import ConfigError, RunConfig
 from dpfl.privacy import ddgauss, skellam
@@ -133,6 +133,7 @@ def secure_event(noise: str, round_: int, sigma: float, clip: float, scale: floa
     return skellam.skellam_event(round_, sigma, clip, scale, dim, DISTRIBUTED_RELATION)
 
 
+@runtime_checkable
 class OwnSecureNoise(Protocol):
     """A method's own integer noise under SecAgg+ (:func:`own_noise`; cpSGD's quantiser and
     binomial, ``dpfl.methods.cpsgd``): what replaces the shared share, event, calibration,
@@ -157,9 +158,10 @@ class OwnSecureNoise(Protocol):
 
 
 def own_noise(cfg: RunConfig) -> OwnSecureNoise | None:
-    """The method's own secure-sum noise (its parameters, when they define
-    ``secure_event``), or None: the shared ``secure-noise`` path."""
-    return cfg.params if hasattr(cfg.params, "secure_event") else None
+    """The method's own secure-sum noise (its parameters, when the method declares
+    ``own_secure_noise`` and they implement :class:`OwnSecureNoise`; the registry checks the
+    two agree), or None: the shared ``secure-noise`` path."""
+    return cfg.params if isinstance(cfg.params, OwnSecureNoise) else None
 
 
 def distributed_noise_multiplier(cfg: RunConfig, dim: int, num_clients: int) -> float:

@@ -36,42 +36,28 @@ from dpfl.privacy.charging import Charge, charge_for
 from dpfl.privacy.events import PrivacyEvent
 from dpfl.privacy.ledger import CLIENT_PREFIX, client_key, ledger_config, server_events_config
 from dpfl.privacy.plan import (
+    SHARED_PLAN,
+    ReleasePlan,
     dpsgd_norm_bound,
     gaussian_norm_bound,
     noise_multiplier_for,
     plan_to_record,
-    planned_event,
 )
-from dpfl.privacy.trust import distributed_planned_event
 from dpfl.server.nodes import NodeRegistry
 from dpfl.server.reply import ParsedReply, claimed_partition
+from dpfl.server.trust import server_trust
 from dpfl.server.validation import ClientUpdate, Rejection, client_label
 
 log = get_logger("flwr.dpfl.guard")
-# A method's per-round noise multiplier for a partition (None: the run's calibrated one).
-PlanSigma = Callable[[int | None, int], float | None]
-# A method's clip norm C of a round (None: the configured one), and the factor by which the
-# noise it asks clients to add to the update exceeds sigma C (e.g. when part of the
-# release's noise budget goes to a clipped-count bit sent with the update).
-PlanClip = Callable[[int], float | None]
-NoiseScale = Callable[[int], float]
-# A method's own planned release of a partition in a round (None: the shared plan of
-# dpfl.privacy.plan), and its own bound on an update's L2 norm for a model of d parameters
-# in a round (None: the Gaussian tail bound).
-PlanEvent = Callable[[int, int], PrivacyEvent | None]
+# The method's release plan of a partition (None: unknown) in a round
+# (dpfl.privacy.plan.ReleasePlan, the same function the client plans with), and its own
+# bound on an update's L2 norm for a model of d parameters in a round (None: the guard's).
+PlanOf = Callable[[int | None, int], ReleasePlan]
 NormBound = Callable[[int, int], float | None]
 
 
-def _configured(server_round: int) -> None:
-    return None
-
-
-def _unscaled(server_round: int) -> float:
-    return 1.0
-
-
-def _shared_plan(partition_id: int, server_round: int) -> None:
-    return None
+def _shared(partition_id: int | None, server_round: int) -> ReleasePlan:
+    return SHARED_PLAN
 
 
 def _gaussian_bound(dim: int, server_round: int) -> None:
@@ -81,18 +67,15 @@ def _gaussian_bound(dim: int, server_round: int) -> None:
 class DPGuard:
     """The privacy side of a strategy (see module docstring)."""
 
-    def __init__(self, cfg: RunConfig, plan_sigma: PlanSigma, adaptive: bool = False,
-                 plan_clip: PlanClip = _configured, noise_scale: NoiseScale = _unscaled,
-                 plan_event: PlanEvent = _shared_plan, method_bound: NormBound = _gaussian_bound,
+    def __init__(self, cfg: RunConfig, plan: PlanOf = _shared, adaptive: bool = False,
+                 method_bound: NormBound = _gaussian_bound,
                  nodes: NodeRegistry | None = None) -> None:
         self.cfg = cfg
         # who each node is (partition sizes, the operator's map, pins, the connected set):
         # the strategy's registry, shared
         self.nodes = nodes if nodes is not None else NodeRegistry(cfg.node_partitions)
-        self.plan_sigma = plan_sigma
-        self.plan_clip = plan_clip
-        self.noise_scale = noise_scale
-        self.plan_event = plan_event
+        self.plan = plan
+        self.trust = server_trust(cfg)
         self.method_bound = method_bound
         self.adaptive = adaptive
         self.ledger = None                          # the server's ledger (bind_ledger)
@@ -108,25 +91,23 @@ class DPGuard:
         return self.nodes.sizes
 
     def planned_event(self, partition_id: int, server_round: int) -> PrivacyEvent:
-        """The release the server asks of ``partition_id`` in ``server_round``: the
-        method's own plan when it has one, else the shared plan."""
-        if self.cfg.trust == "distributed":
-            return distributed_planned_event(self.cfg, server_round, self.dim,
-                                             len(self.partition_sizes))
-        own = self.plan_event(partition_id, server_round)
-        if own is not None:
-            return own
-        return planned_event(self.cfg, self.partition_sizes[partition_id], server_round,
-                             self.plan_sigma(partition_id, server_round))
+        """The release the server asks of ``partition_id`` in ``server_round``: under the
+        run's trust model, from the method's plan."""
+        return self.trust.planned_event(self.cfg, self.plan(partition_id, server_round),
+                                        self.partition_sizes[partition_id], server_round,
+                                        self.dim, len(self.partition_sizes))
 
     def planned_clip(self, server_round: int) -> float:
         """The clip norm a reply of ``server_round`` must report: the method's C of the
         round when it adapts it, else max-grad-norm (DP-SGD's per-sample clip) or
         clip-norm (update DP)."""
-        clip = self.plan_clip(server_round)
-        if clip is not None:
-            return clip
-        return self.cfg.max_grad_norm if self.cfg.trainer == "dpsgd" else self.cfg.clip_norm
+        return self.plan(None, server_round).round_clip(self.cfg)
+
+    def noise_scale(self, server_round: int) -> float:
+        """How much more noise than sigma C the method's clients add to the update (the
+        largest over partitions; 1: none)."""
+        pids = sorted(self.partition_sizes) or [None]
+        return max(self.plan(p, server_round).noise_scale for p in pids)
 
     def plan_record(self, node_id: int, server_round: int) -> dict[str, Any]:
         """``plan-*`` keys for a node whose partition is known (else none), and the
@@ -150,7 +131,7 @@ class DPGuard:
         a partition gets that partition's; a node not pinned yet (its partition unknown
         until it replies) gets every partition's and picks its own. Under trust=central
         the server charges and checks the budget itself: none."""
-        if self.ledger is None or self.cfg.trust == "central":
+        if self.ledger is None or not self.trust.clients_charge:
             return {}
         if pid is not None:
             return ledger_config(self.ledger, client_key(pid))
@@ -178,7 +159,7 @@ class DPGuard:
         if self.cfg.trainer != "update-dp":
             return user
         pids = sorted(self.partition_sizes) or [None]
-        sigmas = {self.plan_sigma(p, server_round) for p in pids}
+        sigmas = {self.plan(p, server_round).sigma for p in pids}
         if None in sigmas:  # the run's sigma (for update-dp it does not depend on n)
             sigmas = (sigmas - {None}) | {noise_multiplier_for(self.cfg, 1)}
         sigma = max(sigmas) * self.noise_scale(server_round)
@@ -234,7 +215,7 @@ class DPGuard:
         run is not private. A node's partition id is pinned on its first update: a reply
         claiming another one is charged to the pinned client and rejected."""
         if (not self.cfg.is_private or self.ledger is None or reply.error is not None
-                or self.cfg.trust == "central"   # to the trusted server: charged centrally
+                or not self.trust.clients_charge   # a trusted server charges centrally
                 or not reply.released):
             return None
         node = checked.node_id

@@ -1,8 +1,8 @@
 """The thin Flower layer shared by dpfl strategies.
 
 :class:`DPFLStrategy` subclasses Flower's message-based ``FedAvg`` and replaces its train
-path: seeded client sampling, one ``ConfigRecord`` per client (hooks :meth:`round_config`,
-:meth:`client_config`), validation of every reply (bad ones dropped with a logged reason),
+path: seeded client sampling, one ``ConfigRecord`` per client (the method's :meth:`round_config`
+and the guard's plan), validation of every reply (bad ones dropped with a logged reason),
 the method's aggregation on an M x d update matrix (:meth:`aggregate_updates`) and a server
 step (:meth:`server_step`). Privacy — plans, norm bounds, weights, ledger charges — comes
 from one :class:`~dpfl.server.guard.DPGuard`, whatever the method.
@@ -40,7 +40,13 @@ from dpfl.numbers import is_finite_number
 from dpfl.privacy.charging import Charge
 from dpfl.privacy.events import PrivacyEvent
 from dpfl.privacy.ledger import client_key
-from dpfl.privacy.plan import EQUAL_WEIGHTS_CLAIM
+from dpfl.privacy.plan import (
+    EQUAL_WEIGHTS_CLAIM,
+    PlanFn,
+    PlanInputs,
+    ReleasePlan,
+    shared_plan,
+)
 from dpfl.privacy.trust import (
     UNCLIPPED_KEY,
     distributed_noise_multiplier,
@@ -48,12 +54,13 @@ from dpfl.privacy.trust import (
     own_noise,
 )
 from dpfl.server.aggregation import server_sgd_step, weighted_mean
-from dpfl.server.central import CentralAggregator, FlowerCentralAggregator
+from dpfl.server.central import FlowerCentralAggregator
 from dpfl.server.correlated import CorrelatedAggregator
 from dpfl.server.guard import DPGuard
 from dpfl.server.nodes import NodeRegistry
 from dpfl.server.reply import parse_reply
 from dpfl.server.secagg import SecureSum, masked_reply
+from dpfl.server.trust import Aggregator
 from dpfl.server.validation import (
     MAX_REPORTED_LOSS,
     PUBLIC_REPLY_METRICS,
@@ -71,6 +78,16 @@ log = get_logger("flwr.dpfl.strategy")
 
 class NodesMissing(UserError):
     """Fewer nodes than the run needs stayed connected for ``node-wait`` seconds."""
+
+
+@dataclass(frozen=True)
+class RoundContext:
+    """The round a strategy's hooks work in (:attr:`DPFLStrategy.round`): its number and the
+    method's shared config sent in it. Set when the round's instructions are made, so that
+    no method keeps its own copy of the round number."""
+
+    server_round: int
+    config: Mapping[str, Any]
 
 
 @dataclass
@@ -114,7 +131,8 @@ class RoundOutcome:
 class DPFLStrategy(FedAvg):
     """Base of every dpfl strategy (weighted FedAvg of updates + server SGD step)."""
 
-    def __init__(self, cfg: RunConfig, adaptive: bool = False) -> None:
+    def __init__(self, cfg: RunConfig, adaptive: bool = False,
+                 plan: PlanFn = shared_plan) -> None:
         # Flower's FedAvg logs "fraction_evaluate is set to 0.0. Federated evaluation will be
         # skipped." whenever it is built with 0.0 (flwr/serverapp/strategy/fedavg.py): in
         # dpfl that is the default, not news (the model is evaluated centrally, and federated
@@ -133,31 +151,30 @@ class DPFLStrategy(FedAvg):
         self.cfg = cfg
         self.rng = random.Random(cfg.seed)
         self.nodes = NodeRegistry(cfg.node_partitions)   # who each node is (shared)
-        self.guard = DPGuard(cfg, self.plan_sigma, adaptive, self.plan_clip,
-                             self.update_noise_scale, self.plan_event, self.update_norm_bound,
+        self.plan_fn = plan                   # the method's (dpfl.method.Method.plan)
+        self.guard = DPGuard(cfg, self.release_plan, adaptive, self.update_norm_bound,
                              nodes=self.nodes)
+        self.num_params = 0                   # trainable parameters (bind_model)
+        # the shared config of every round sent (the plans of its replies read it) and the
+        # round the hooks work in
+        self.sent_configs: dict[int, dict[str, Any]] = {}
+        self.round = RoundContext(0, {})
         self._global: ArrayRecord | None = None
         self._template: Template = []
         self._pending: RoundRecord | None = None   # for the Flower adapters only
         self.num_nodes = 0
-        # trust=central (bound with the partition sizes)
-        self.central: (CentralAggregator | FlowerCentralAggregator | CorrelatedAggregator
-                       | None) = None
+        # the trust model's server half, and a trusted server's aggregator (trust=central,
+        # built with the partition sizes)
+        self.trust = self.guard.trust
+        self.central: Aggregator | None = None
 
     # -- what the run loop binds -------------------------------------------------------
     def bind_partition_sizes(self, sizes: Mapping[int, int]) -> None:
         """Training-set sizes per partition id (public: derived from the run-config), so
         the server can compute each client's planned privacy release."""
         self.nodes.bind_sizes(sizes)
-        if self.cfg.trust == "central" and self.central is None:
-            impl: type[CentralAggregator | FlowerCentralAggregator | CorrelatedAggregator]
-            if self.cfg.central_noise != "gaussian":
-                impl = CorrelatedAggregator
-            elif self.cfg.central_impl == "flower":
-                impl = FlowerCentralAggregator
-            else:
-                impl = CentralAggregator
-            self.central = impl(self.cfg, len(sizes))
+        if self.central is None:
+            self.central = self.trust.aggregator(self.cfg, len(sizes))
 
     @property
     def partition_sizes(self) -> dict[int, int]:
@@ -172,42 +189,42 @@ class DPFLStrategy(FedAvg):
         return self.guard.ledger
 
     def bind_model(self, model: torch.nn.Module) -> None:
-        """Learn what a method needs of the model (e.g. SCAFFOLD's per-parameter state)."""
+        """Learn what a method needs of the model (e.g. SCAFFOLD's per-parameter state);
+        the base keeps its count of trainable parameters (the plans' ``num_params``)."""
+        self.num_params = sum(int(p.numel()) for p in model.parameters())
+
+    # -- the release plan -------------------------------------------------------------
+    def send_config(self, server_round: int) -> dict[str, Any]:
+        """The method's shared config of ``server_round`` (:meth:`round_config`), recorded as
+        sent: the plans of that round's replies read it."""
+        config = self.round_config(server_round)
+        self.sent_configs[server_round] = config
+        return config
+
+    def plan_config(self, server_round: int) -> Mapping[str, Any]:
+        """The shared config of ``server_round`` as sent (before it is sent: as it would
+        be now)."""
+        sent = self.sent_configs.get(server_round)
+        return sent if sent is not None else self.round_config(server_round)
+
+    def release_plan(self, partition_id: int | None, server_round: int) -> ReleasePlan:
+        """The method's plan of ``partition_id``'s release in ``server_round``, from the
+        public values its client plans from (:class:`~dpfl.privacy.plan.PlanInputs`)."""
+        inputs = PlanInputs(server_round, self.plan_config(server_round), partition_id,
+                            self.partition_sizes.get(partition_id)
+                            if partition_id is not None else None, self.num_params)
+        return self.plan_fn(self.cfg, inputs)
 
     # -- method hooks --------------------------------------------------------------------
-    def plan_sigma(self, partition_id: int | None, server_round: int) -> float | None:
-        """The round's noise multiplier for a partition when the method sets it per round
-        (None: the run's calibrated one)."""
-        return None
-
-    def plan_clip(self, server_round: int) -> float | None:
-        """The round's clip norm of a client-level DP update when the method adapts it
-        (None: ``clip-norm``)."""
-        return None
-
-    def update_noise_scale(self, server_round: int) -> float:
-        """How much more noise than sigma C the method's clients add to the update (1:
-        none; the reply norm bound uses it)."""
-        return 1.0
-
-    def plan_event(self, partition_id: int, server_round: int) -> PrivacyEvent | None:
-        """The method's own planned release of a partition in a round, when the shared
-        plan (:func:`dpfl.privacy.plan.planned_event`) cannot express it (e.g. a
-        pure-epsilon Laplace release); None: the shared plan. It must equal what the
-        method's client half plans (:meth:`dpfl.method.ClientHalf.planned_event`)."""
-        return None
-
     def update_norm_bound(self, dim: int, server_round: int) -> float | None:
         """The method's own bound on an honest reply's update L2 norm (d = ``dim``
         parameters) when its noise is not the guard's Gaussian; None: the guard's."""
         return None
 
     def round_config(self, server_round: int) -> dict[str, Any]:
-        """Keys every client's ConfigRecord carries this round (override in methods)."""
-        return {}
-
-    def client_config(self, server_round: int, node_id: int) -> dict[str, Any]:
-        """Per-client additions to the round's ConfigRecord (override in methods)."""
+        """Keys every client's ConfigRecord carries this round, from the method's state
+        (override in methods; :meth:`send_config` records what was sent, and the release
+        plans of the round read it)."""
         return {}
 
     @property
@@ -228,9 +245,7 @@ class DPFLStrategy(FedAvg):
         keys = PUBLIC_REPLY_METRICS | self.released_metrics()
         if self.cfg.report_train_loss:
             keys |= {TRAIN_LOSS_METRIC}
-        if self.cfg.trust == "central":   # to the trusted server, covered centrally
-            keys |= {UNCLIPPED_KEY}
-        return keys
+        return keys | self.trust.reply_keys
 
     def extra_records(self, server_round: int) -> dict[str, ArrayRecord]:
         """Records besides the global arrays sent to every client (e.g. SCAFFOLD's c)."""
@@ -289,13 +304,14 @@ class DPFLStrategy(FedAvg):
         node_ids = self.select_nodes(server_round, grid)
         record = RoundRecord(server_round, sampled=list(node_ids))
         log.info("round %d: training on %d nodes", server_round, len(node_ids))
-        shared = {**(extra_config or {}), **self.round_config(server_round),
+        method_config = self.send_config(server_round)
+        self.round = RoundContext(server_round, method_config)
+        shared = {**(extra_config or {}), **method_config,
                   **self.trust_round_config(len(node_ids)), "server-round": server_round}
         extra = self.extra_records(server_round)  # built once, shared by every message
         messages = []
         for node_id in node_ids:
-            cfg = ConfigRecord({**shared, **self.guard.plan_record(node_id, server_round),
-                                **self.client_config(server_round, node_id)})
+            cfg = ConfigRecord({**shared, **self.guard.plan_record(node_id, server_round)})
             content = RecordDict({self.arrayrecord_key: arrays, self.configrecord_key: cfg,
                                   **extra})
             messages.append(Message(content=content, message_type=MessageType.TRAIN,
@@ -306,10 +322,7 @@ class DPFLStrategy(FedAvg):
         """Public per-round keys of the trust model: the central C, SecAgg+'s n_min."""
         if self.central is not None:
             return self.central.round_config()
-        if self.cfg.trust == "distributed":
-            # the number of shares the noise is split over: h = n_min - t
-            return {"secagg-n-min": noise_shares(self.cfg, sampled)}
-        return {}
+        return self.trust.round_config(self.cfg, sampled)
 
     def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
                         grid: Grid) -> Iterable[Message]:
@@ -343,6 +356,8 @@ class DPFLStrategy(FedAvg):
         """Validate and charge every reply, aggregate the accepted ones, step the model."""
         if self._global is None:
             raise RuntimeError("finish_round called before start_round")
+        if self.round.server_round != server_round:   # a Flower adapter's own round loop
+            self.round = RoundContext(server_round, self.sent_configs.get(server_round, {}))
         dim = sum(int(torch.Size(s).numel()) for _, s, _ in self._template)
         # central: a clipped update (float32 rounding aside); the server clips again
         if isinstance(self.central, FlowerCentralAggregator):
