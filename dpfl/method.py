@@ -19,15 +19,13 @@ from flwr.app import Context, Message
 from dpfl.client.hooks import MethodHooks
 from dpfl.client.job import TRAIN_LOSS as TRAIN_LOSS  # re-exported for the methods
 from dpfl.config import RunConfig, coerce_field, need
-from dpfl.data import ClientData
 from dpfl.models import build_model
 from dpfl.privacy.events import PrivacyEvent
 from dpfl.privacy.mechanisms import GaussianMechanism
-from dpfl.privacy.plan import UPDATE_DP_RELATION, PlanFn, shared_plan
+from dpfl.privacy.plan import UPDATE_DP_RELATION, PlanFn, UpdateClip, shared_plan
 from dpfl.privacy.verdict import MethodPrivacy
 from dpfl.server.strategy import DPFLStrategy
 
-UpdateClip = Callable[[torch.Tensor, float], torch.Tensor]
 # (cfg, input shape, number of classes) -> the model a method trains (both apps build it)
 ModelFor = Callable[[RunConfig, tuple[int, int, int], int], torch.nn.Module]
 
@@ -76,18 +74,6 @@ class ClientHalf:
         """Local-training hooks and extra reply records for this round."""
         return MethodHooks()
 
-    def update_clip(self, cfg: RunConfig) -> UpdateClip | None:
-        """The clipping of a client-level DP update (None: L2 norm clipping); its output
-        norm must be <= the clip norm."""
-        return None
-
-    def local_values(self, cfg: RunConfig, config: Mapping[str, Any], model: torch.nn.Module,
-                     data: ClientData) -> dict[str, float]:
-        """Private values computed after local training that :meth:`release_update` may
-        release with the update (e.g. a local validation score); default none. The client
-        app adds :data:`TRAIN_LOSS` (the round's mean training loss) to them."""
-        return {}
-
     def post_process(self, cfg: RunConfig, update: torch.Tensor,
                      server_round: int) -> torch.Tensor:
         """Sample-level DP-SGD: the method's transform of the round's flat update before it
@@ -98,15 +84,15 @@ class ClientHalf:
     def release_update(self, cfg: RunConfig, config: Mapping[str, Any],
                        update: torch.Tensor, sigma: float, clip: float,
                        generator: torch.Generator, server_round: int,
-                       local: Mapping[str, float]) -> tuple[torch.Tensor, PrivacyEvent,
-                                                            dict[str, float]]:
+                       local: Mapping[str, float], clip_fn: UpdateClip | None = None
+                       ) -> tuple[torch.Tensor, PrivacyEvent, dict[str, float]]:
         """Client-level update DP: (the released update, its privacy event, extra reply
-        metrics). Default: clip to ``clip`` (or :meth:`update_clip`) and add
-        N(0, sigma^2 clip^2), one Gaussian event under replace-one; ``local`` (from
-        :meth:`local_values`, plus :data:`TRAIN_LOSS`) is not released. ``sigma`` is the
-        planned event's (0 for a method's own pure-epsilon plan)."""
+        metrics). Default: clip to ``clip`` (with the plan's ``clip_fn``, else L2 norm
+        clipping) and add N(0, sigma^2 clip^2), one Gaussian event under replace-one;
+        ``local`` (the hooks' ``local_values``, plus :data:`TRAIN_LOSS`) is not released.
+        ``sigma`` is the planned event's (0 for a method's own pure-epsilon plan)."""
         mechanism = GaussianMechanism(sigma, clip, relation=UPDATE_DP_RELATION,
-                                      clip_fn=self.update_clip(cfg))
+                                      clip_fn=clip_fn)
         noisy, event = mechanism.release(update, generator, server_round)
         return noisy, event, {}
 

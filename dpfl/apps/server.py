@@ -235,7 +235,6 @@ def _set_up(grid: Grid, cfg: RunConfig, run_dir: RunDir, t_start: float) -> Fede
     torch.manual_seed(cfg.seed)
     model = method_for(cfg).build_model(cfg, ds.input_shape, ds.num_classes)
     strategy.bind_model(model)
-    strategy.guard.dim = int(flatten(model.state_dict()).numel())
     nodes = strategy.wait_for_nodes(grid, cfg.min_train_nodes)
     num_nodes = len(nodes)
     warm_ids = warm_nodes(grid, nodes)

@@ -13,6 +13,11 @@ import torch
 from flwr.app import ArrayRecord
 
 from dpfl.client.trainers import LocalStep, PostStep, PreStep, TrainResult, WeightPerturbation
+from dpfl.data import ClientData
+
+# private values computed after local training that a method's release_update may release
+# with the update (e.g. a local validation score): (trained model, the client's data) -> values
+LocalValues = Callable[[torch.nn.Module, ClientData], dict[str, float]]
 
 
 @dataclass
@@ -22,7 +27,8 @@ class MethodHooks:
     ``step`` apply to the training without per-sample DP only (``trainer=plain`` or
     ``update-dp``): under DP-SGD Opacus owns the step, and ``noisy_grad`` (a transform of
     each step's noised gradient) and ``perturb`` (the weights at which per-sample gradients
-    are taken, :class:`~dpfl.client.trainers.WeightPerturbation`) apply instead."""
+    are taken, :class:`~dpfl.client.trainers.WeightPerturbation`) apply instead.
+    ``local_values``: private values for the method's update release (update DP)."""
 
     post_step: PostStep | None = None
     pre_step: PreStep | None = None
@@ -31,3 +37,4 @@ class MethodHooks:
     perturb: WeightPerturbation | None = None
     finish: Callable[[torch.nn.Module, TrainResult], dict[str, ArrayRecord]] = field(
         default=lambda model, result: {})
+    local_values: LocalValues | None = None

@@ -149,10 +149,12 @@ class LocalRelease:
         assert planned is not None
         cfg, half = job.cfg, job.half
         raw, clip, noise_rng = _update_release_inputs(job, trained)
+        values = job.hooks.local_values
         local = {TRAIN_LOSS: trained.result.train_loss,
-                 **half.local_values(cfg, job.config, job.model, job.data)}
+                 **(values(job.model, job.data) if values is not None else {})}
         noisy, event, metrics = half.release_update(cfg, job.config, raw, planned.sigma, clip,
-                                                    noise_rng, job.server_round, local)
+                                                    noise_rng, job.server_round, local,
+                                                    clip_fn=job.plan.clip_fn)
         return Released(job.as_state(noisy), metrics, event, clip, EQUAL_WEIGHTS_CLAIM)
 
 

@@ -63,7 +63,7 @@ from flwr.serverapp import Grid
 
 from dpfl.config import RunConfig, need
 from dpfl.errors import UserError
-from dpfl.method import ClientHalf, Method, MethodParams, UpdateClip
+from dpfl.method import ClientHalf, Method, MethodParams
 from dpfl.privacy.accounting import calibrate_dpsgd_noise, calibrate_noise
 from dpfl.privacy.longitudinal import longitudinal_clip
 from dpfl.privacy.plan import (
@@ -319,7 +319,8 @@ def aadp_plan(cfg: RunConfig, inputs: PlanInputs) -> ReleasePlan:
             return SHARED_PLAN
         return ReleasePlan(sigma=dpsgd_round_noise_multiplier(cfg, eps_round,
                                                               inputs.num_examples))
-    return ReleasePlan(sigma=round_noise_multiplier(cfg, eps_round, inputs.num_params))
+    return ReleasePlan(sigma=round_noise_multiplier(cfg, eps_round, inputs.num_params),
+                       clip_fn=longitudinal_clip)
 
 
 # the last round's table of eps_i^t by partition (one config at a time: the server asks for
@@ -344,8 +345,6 @@ class AADPClient(ClientHalf):
     """The round's sigma from the eps_i^t the server sent; longitudinal clipping of the
     update (update-dp), Opacus' per-sample L2 clip (dpsgd: see the module docstring)."""
 
-    def update_clip(self, cfg) -> UpdateClip:
-        return longitudinal_clip
 
 
 def aadp_privacy(cfg: RunConfig) -> MethodPrivacy:

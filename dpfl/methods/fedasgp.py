@@ -491,7 +491,8 @@ class FedASGPClient(ClientHalf):
         return dpsgd_release(update, cfg.lr, server_round, cfg.num_rounds)
 
     def release_update(self, cfg, config, update, sigma, clip, generator, server_round,
-                       local) -> tuple[torch.Tensor, PrivacyEvent, dict[str, float]]:
+                       local, clip_fn=None) -> tuple[torch.Tensor, PrivacyEvent,
+                                                     dict[str, float]]:
         p = _p(cfg)
         g = clip_gradient(gradient_sum(update, cfg.lr), clip)
         metrics: dict[str, float] = {}

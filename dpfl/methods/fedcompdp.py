@@ -538,6 +538,16 @@ def fedcompdp_plan(cfg: RunConfig, inputs: PlanInputs) -> ReleasePlan:
     return ReleasePlan(clip=clip, count_std=count_std, noise_scale=scale)
 
 
+def client_f1(model: nn.Module, data: ClientData) -> dict[str, float]:
+    """CRA's client-f1 score: the trained model's macro F1 on the local validation split (a
+    private value, released noised with the update: :meth:`FedCompDPClient.release_update`)."""
+    if len(data.y_val) == 0:
+        raise ConfigError("cra-score=client-f1 needs a local validation split: set "
+                          "val-fraction > 0")
+    _, preds = evaluate_model(model, data.x_val, data.y_val, device_for())
+    return {F1_KEY: macro_f1(preds, data.y_val, data.num_classes)}
+
+
 class FedCompDPClient(ClientHalf):
     """LLCM sparsification, local clipping, and the update release (eqs. 2-4, 8)."""
 
@@ -545,26 +555,20 @@ class FedCompDPClient(ClientHalf):
         p, config = _p(cfg), msg.content["config"]
         tau = sparsify_threshold(p.sparsify_tau, p.sparsify_decay,
                                  int(config.get("server-round", 1)))
+        values = client_f1 if p.cra and p.cra_score == "client-f1" else None
         if cfg.trainer == "dpsgd":   # eq. 2 on each step's noised gradient (post-processing)
-            return (MethodHooks() if p.sparsify == "none" else
-                    MethodHooks(noisy_grad=sparsify_and_clip(p.sparsify, tau, None)))
+            return (MethodHooks(local_values=values) if p.sparsify == "none" else
+                    MethodHooks(noisy_grad=sparsify_and_clip(p.sparsify, tau, None),
+                                local_values=values))
         clip = float(config.get(CLIP_KEY, cfg.clip_norm)) if p.local_grad_clip else None
         if p.sparsify == "none" and clip is None:
-            return MethodHooks()
-        return MethodHooks(pre_step=sparsify_and_clip(p.sparsify, tau, clip))
-
-    def local_values(self, cfg, config, model, data: ClientData) -> dict[str, float]:
-        p = _p(cfg)
-        if not (p.cra and p.cra_score == "client-f1"):
-            return {}
-        if len(data.y_val) == 0:
-            raise ConfigError("cra-score=client-f1 needs a local validation split: set "
-                              "val-fraction > 0")
-        _, preds = evaluate_model(model, data.x_val, data.y_val, device_for())
-        return {F1_KEY: macro_f1(preds, data.y_val, data.num_classes)}
+            return MethodHooks(local_values=values)
+        return MethodHooks(pre_step=sparsify_and_clip(p.sparsify, tau, clip),
+                           local_values=values)
 
     def release_update(self, cfg, config, update, sigma, clip, generator, server_round,
-                       local) -> tuple[torch.Tensor, PrivacyEvent, dict[str, float]]:
+                       local, clip_fn=None) -> tuple[torch.Tensor, PrivacyEvent,
+                                                     dict[str, float]]:
         p, metrics = _p(cfg), {}
         stds = scalar_stds(cfg, sigma)
         sigma_update = joint_update_noise(sigma, stds) if stds else sigma

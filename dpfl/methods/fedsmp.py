@@ -180,7 +180,8 @@ class FedSMPClient(ClientHalf):
         return out
 
     def release_update(self, cfg, config, update, sigma, clip, generator, server_round,
-                       local) -> tuple[torch.Tensor, PrivacyEvent, dict[str, float]]:
+                       local, clip_fn=None) -> tuple[torch.Tensor, PrivacyEvent,
+                                                     dict[str, float]]:
         kept = kept_indices(cfg, update, server_round)
         noisy = sparsified_release(update, kept, sigma, clip, generator)
         return noisy, PrivacyEvent.gaussian(server_round, sigma,

@@ -19,12 +19,19 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 from dpfl.config import RunConfig
 from dpfl.privacy.accounting import calibrate_dpsgd_noise, calibrate_noise
 from dpfl.privacy.events import PrivacyEvent
 from dpfl.privacy.record import decode_event, encode_event
+
+if TYPE_CHECKING:
+    import torch
+
+# a client-level update's clipping other than L2 norm clipping: (update, C) -> clipped, with
+# norm <= C (e.g. AADP-FL's longitudinal clip)
+UpdateClip = Callable[["torch.Tensor", float], "torch.Tensor"]
 
 UPDATE_DP_RELATION = "replace-one"
 # what a client-level (update-dp) client reports as ``num-examples``: its data set size is
@@ -64,13 +71,16 @@ class ReleasePlan:
     - ``noise_scale``: the released update's noise std over sigma C (> 1 when scalars share
       the release), for the server's norm bound;
     - ``count_std``: DP-SGD: the noise std of the per-step unclipped count released with
-      the gradient (0: none)."""
+      the gradient (0: none);
+    - ``clip_fn``: update DP: the update's clipping when it is not L2 norm clipping (its
+      output norm must be <= C; e.g. AADP-FL's longitudinal clip)."""
 
     sigma: float | None = None
     clip: float | None = None
     event: PrivacyEvent | None = None
     noise_scale: float = 1.0
     count_std: float = 0.0
+    clip_fn: UpdateClip | None = None
 
     def round_clip(self, cfg: RunConfig) -> float:
         """The clip C of the round: the method's, else ``max-grad-norm`` (DP-SGD's per-sample

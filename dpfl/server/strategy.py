@@ -190,8 +190,10 @@ class DPFLStrategy(FedAvg):
 
     def bind_model(self, model: torch.nn.Module) -> None:
         """Learn what a method needs of the model (e.g. SCAFFOLD's per-parameter state);
-        the base keeps its count of trainable parameters (the plans' ``num_params``)."""
+        the base keeps its count of trainable parameters (the plans' ``num_params``) and
+        gives the guard the size of a flat update (every tensor of the state)."""
         self.num_params = sum(int(p.numel()) for p in model.parameters())
+        self.guard.dim = sum(int(v.numel()) for v in model.state_dict().values())
 
     # -- the release plan -------------------------------------------------------------
     def send_config(self, server_round: int) -> dict[str, Any]:
