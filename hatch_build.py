@@ -2,9 +2,9 @@
 
 The wheel carries the checkout's ``pyproject.toml`` (the Flower app: its components,
 ``fab-include`` and every run-config default) and ``conf/`` (the papers' presets) as package
-data in ``dpfl/_flower_app/`` (:data:`dpfl.fab.INSTALLED_APP`), copied unchanged: one source
+data in ``dpfl/_flower_app/`` (:data:`dpfl.runtime.fab.INSTALLED_APP`), copied unchanged: one source
 of truth, read by ``dpfl simulate``, ``dpfl audit`` and ``dpfl reproduce`` through
-:func:`dpfl.fab.app_folder`. An editable install gets no copy (it reads the checkout's own
+:func:`dpfl.runtime.fab.app_folder`. An editable install gets no copy (it reads the checkout's own
 files); hatchling's ``force-include`` setting would copy them into it too.
 """
 
@@ -14,7 +14,7 @@ from typing import Any
 
 from hatchling.builders.hooks.plugin.interface import BuildHookInterface
 
-# checkout path -> path in the wheel (dpfl.fab.INSTALLED_APP)
+# checkout path -> path in the wheel (dpfl.runtime.fab.INSTALLED_APP)
 APP_FILES = {"pyproject.toml": "dpfl/_flower_app/pyproject.toml",
              "conf": "dpfl/_flower_app/conf"}
 

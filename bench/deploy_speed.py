@@ -1,6 +1,6 @@
 """Deployment cost in one run: a 3-round namespace federation (gRPC, TLS + SuperNode auth,
 deploy/netns.sh) with cold ClientApps (Flower's: a new interpreter per instruction), the same
-with warm ones (dpfl.supernode --warm-clientapps: forked from a zygote that imported the
+with warm ones (dpfl.runtime.supernode --warm-clientapps: forked from a zygote that imported the
 libraries once), the same run in simulation (dpfl simulate), and the bytes the SuperLink
 reports for the run (`flwr ls --format json`) against the model's size.
 

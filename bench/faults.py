@@ -59,9 +59,9 @@ LINK = "10.77.0.1:9092"
 RELAY_PORT = 19092
 CLASSES = ("flower-superlink", "flower-supernode", "flwr-serverapp", "flwr-clientapp")
 # command-line words that mark a class (netns.sh runs Flower's SuperLink and SuperNodes
-# through dpfl.superlink / dpfl.supernode)
-MARKERS = {"flower-superlink": ("flower-superlink", "dpfl.superlink"),
-           "flower-supernode": ("flower-supernode", "dpfl.supernode"),
+# through dpfl.runtime.superlink / dpfl.runtime.supernode)
+MARKERS = {"flower-superlink": ("flower-superlink", "dpfl.runtime.superlink"),
+           "flower-supernode": ("flower-supernode", "dpfl.runtime.supernode"),
            "flwr-serverapp": ("flwr-serverapp",), "flwr-clientapp": ("flwr-clientapp",)}
 
 

@@ -345,7 +345,7 @@ def _wait_pids(pidfile: Path, timeout: float = 20.0) -> dict[str, int]:
 
 
 def _alive(pid: int) -> bool:
-    from dpfl.watchdog import alive
+    from dpfl.runtime.watchdog import alive
 
     return alive(pid)
 
@@ -378,7 +378,7 @@ def _tree_cmd(pidfile: Path, variant: str) -> list[str]:
 
 
 def _watched(pidfile: Path, variant: str, parent: int) -> list[str]:
-    return [sys.executable, "-m", "dpfl.watchdog", "--parent", str(parent), "--grace",
+    return [sys.executable, "-m", "dpfl.runtime.watchdog", "--parent", str(parent), "--grace",
             str(GRACE), "--", *_tree_cmd(pidfile, variant)]
 
 
@@ -396,10 +396,10 @@ def _launcher(inner: str, pidfile: Path, variant: str) -> tuple[subprocess.Popen
     code = textwrap.dedent(f'''
         import os, subprocess, sys, time
         sys.path.insert(0, {str(ROOT)!r})
-        from dpfl.watchdog import die_with_parent
+        from dpfl.runtime.watchdog import die_with_parent
         tree = [sys.executable, "-c", {TREE!r}, {str(pidfile)!r}, {variant!r}]
         if {inner!r} == "watchdog":
-            cmd = [sys.executable, "-m", "dpfl.watchdog", "--parent", str(os.getpid()),
+            cmd = [sys.executable, "-m", "dpfl.runtime.watchdog", "--parent", str(os.getpid()),
                    "--grace", "{GRACE}", "--", *tree]
             subprocess.Popen(cmd, start_new_session=True, cwd={str(ROOT)!r})
         else:
@@ -415,7 +415,7 @@ def _scenario(name: str, variant: str, work: Path) -> tuple[float, list[str]]:
     """Start the tree one way, stop it that way; (seconds until all gone, leftovers)."""
     pidfile = work / f"tree-{len(list(work.iterdir()))}.json"
     if name == "dpfl watchdog: launcher's stop_process_group":
-        from dpfl.launch import stop_process_group
+        from dpfl.runtime.launch import stop_process_group
 
         proc = subprocess.Popen(_watched(pidfile, variant, os.getpid()), cwd=ROOT,
                                 start_new_session=True)
@@ -495,13 +495,13 @@ def supervision() -> None:
             _kill_leftovers()
     print(table(["how", "tree", "s until the last stopped one is gone", "left running"],
                 rows))
-    from dpfl.watchdog import descendants
+    from dpfl.runtime.watchdog import descendants
 
     sys.path.insert(0, str(ROOT / "bench"))
     from timing import best_times
 
     me = psutil.Process()
-    best = best_times({"dpfl.watchdog.descendants": lambda: descendants(os.getpid()),
+    best = best_times({"dpfl.runtime.watchdog.descendants": lambda: descendants(os.getpid()),
                        "psutil children(recursive=True)": lambda: me.children(recursive=True)},
                       repeats=20)
     count = sum(1 for e in os.listdir("/proc") if e.isdigit())

@@ -11,9 +11,9 @@ seconds since the launcher's process started, with what each one waits on, and t
 round 1's first reply. Nothing in dpfl is changed; every time comes from one of these sources:
 
 - the launcher: the bench starts a launcher process (``bench/startup.py --launcher``) that
-  calls ``dpfl.cli.main(["simulate", ...])`` in-process, with ``dpfl.launch``'s phases timed
-  once that module is imported (its import, ``preflight``, ``stage_app``, the SuperLink's
-  start up to its health check, every ``Popen``);
+  calls ``dpfl.cli.main(["simulate", ...])`` in-process, with ``dpfl.runtime.launch``'s phases
+  timed once that module is imported (its import, ``preflight``, ``stage_app``, the
+  SuperLink's start up to its health check, every ``Popen``);
 - a probe in every Python process of the federation: the bench writes a ``sitecustomize.py``
   (:data:`PROBE_SOURCE`) into a temporary folder first on ``PYTHONPATH`` (the launcher passes
   its environment to the SuperLink, the SuperLink to ``flwr-simulation``, that one to Ray's
@@ -68,7 +68,7 @@ POLL_SECONDS = 0.1
 
 # modules whose first import is timed in every process (begin, end; nested imports included)
 IMPORTS = (
-    "dpfl.cli", "dpfl.launch", "dpfl.apps.server", "dpfl.apps.client",
+    "dpfl.cli", "dpfl.runtime.launch", "dpfl.apps.server", "dpfl.apps.client",
     "dpfl.apps.client_handlers", "torch", "torch._dynamo",
     "numpy", "scipy", "opacus", "dp_accounting", "flwr", "flwr.simulation.app",
     "flwr.simulation.ray_transport.ray_actor", "flwr.superlink.cli", "flwr.supercore.cli",
@@ -78,8 +78,8 @@ IMPORTS = (
 
 # `python -X importtime -c "import M"` after the runs: (M, the kind of process that imports it)
 LIGHT_LAUNCHER = "launcher, torch-free part"
-IMPORT_COSTS = [("dpfl.launch", "launcher"),
-                ("dpfl.cli, dpfl.config, dpfl.fab, dpfl.runlock, dpfl.errors, dpfl.logs, "
+IMPORT_COSTS = [("dpfl.runtime.launch", "launcher"),
+                ("dpfl.cli, dpfl.config, dpfl.runtime.fab, dpfl.runlock, dpfl.errors, dpfl.logs, "
                  "flwr.cli.build", LIGHT_LAUNCHER),
                 ("flwr.superlink.cli", "SuperLink"), ("flwr.cli.app", "flwr run"),
                 ("flwr.simulation.app", "flwr-simulation"), ("dpfl.apps.server", "ServerApp"),
@@ -91,9 +91,9 @@ IMPORT_COSTS = [("dpfl.launch", "launcher"),
 # calls of each are timed in whichever process runs them (patched where they are defined,
 # right after the module's import, so every `from ... import` binds the timed one)
 CALLS: dict[str, list[tuple]] = {
-    "dpfl.launch": [("preflight", "launcher.preflight"),
+    "dpfl.runtime.launch": [("preflight", "launcher.preflight"),
                     ("_wait_http", "launcher.superlink_health_wait")],
-    "dpfl.fab": [("stage_app", "launcher.stage_app")],
+    "dpfl.runtime.fab": [("stage_app", "launcher.stage_app")],
     "flwr.cli.build": [("build_fab_from_disk", "flwr-run.build_fab")],
     "flwr.cli.install": [("install_from_fab", "sim.install_fab")],
     "flwr.simulation.run_simulation": [("_run_simulation", "sim.run_simulation")],
@@ -298,8 +298,8 @@ if _DIR:
 # --------------------------------------------------------------------------------------------
 
 def launcher_main(argv: list[str]) -> int:
-    """``bench/startup.py --launcher -- simulate ...``: `dpfl`'s own main, with dpfl.launch's
-    SuperLink context (start to healthy, stop) and its Popen calls timed."""
+    """``bench/startup.py --launcher -- simulate ...``: `dpfl`'s own main, with
+    dpfl.runtime.launch's SuperLink context (start to healthy, stop) and its Popen calls timed."""
     from dpfl.cli import main
 
     try:
@@ -309,7 +309,7 @@ def launcher_main(argv: list[str]) -> int:
     if not hasattr(probe, "after_import"):   # --no-probe: dpfl as it is
         return main(argv)
     probe.emit(ev="mark", name="launcher.main", t=time.time())
-    probe.after_import("dpfl.launch", lambda module: _patch_launch(module, probe))
+    probe.after_import("dpfl.runtime.launch", lambda module: _patch_launch(module, probe))
 
     code = main(argv)
     probe.emit(ev="mark", name="launcher.exit", t=time.time(), code=code)
@@ -448,13 +448,13 @@ class ProcessWatch:
                 proc.titles.append((now, title))
 
 
-ZYGOTE = "dpfl.warm_clientapps --zygote"
+ZYGOTE = "dpfl.runtime.warm_clientapps --zygote"
 
 
 def role_of(proc: Proc, launcher: int, procs: dict[int, Proc] | None = None) -> str:
     """What a process is, from its titles (a forked child's first title may still be its
     parent's command line: Ray's processes are matched on any title, first). The warm
-    simulation path (dpfl.warm_clientapps): its SuperExec, its zygote, and flwr-simulation
+    simulation path (dpfl.runtime.warm_clientapps): its SuperExec, its zygote, and flwr-simulation
     as the zygote's forked child (same title as its parent)."""
     if proc.pid == launcher:
         return "launcher"
@@ -478,8 +478,8 @@ def role_of(proc: Proc, launcher: int, procs: dict[int, Proc] | None = None) -> 
         parent = (procs or {}).get(proc.ppid)
         parent_last = parent.titles[-1][1] if parent is not None and parent.titles else ""
         return "flwr-simulation" if ZYGOTE in parent_last else "simulation zygote"
-    rules = (("dpfl.watchdog", "watchdog"), ("flower-superlink", "flower-superlink"),
-             ("dpfl.warm_clientapps --warm", "flower-superexec"),
+    rules = (("dpfl.runtime.watchdog", "watchdog"), ("flower-superlink", "flower-superlink"),
+             ("dpfl.runtime.warm_clientapps --warm", "flower-superexec"),
              ("flower-superexec", "flower-superexec"), ("flwr-simulation", "flwr-simulation"),
              ("/flwr run ", "flwr run"))
     for needle, role in rules:
@@ -692,8 +692,8 @@ def timeline(run: Run) -> list[tuple[float, float | None, str, str]]:
     point(run.t0, "launcher process starts (`dpfl simulate`)", "-")
     point(run.mark("launcher.main"), "launcher: Python up, dpfl.cli main() called",
           "interpreter start, site, the bench's module (stdlib only)")
-    span(run.imported("dpfl.launch", launcher), "launcher: dpfl.launch imported",
-         "CPU, serial, before anything starts: torch, Flower, dp-accounting (dpfl.launch "
+    span(run.imported("dpfl.runtime.launch", launcher), "launcher: dpfl.runtime.launch imported",
+         "CPU, serial, before anything starts: torch, Flower, dp-accounting (dpfl.runtime.launch "
          "imports dpfl.apps.server, dpfl.methods, dpfl.data at module level)")
     span(run.call("launcher.preflight"), "launcher: preflight done",
          "dataset check (the MNIST archive's size), run-dir checks")
@@ -877,7 +877,8 @@ def key_intervals(run: Run) -> dict[str, float]:
     put("launch -> first reply", run.rel(run.first_reply))
     if run.exchange and run.first_reply:
         put("exchange -> first reply", run.first_reply - run.exchange["t0"])
-    put("launcher: import dpfl.launch", _dur(run.imported("dpfl.launch", "launcher")))
+    put("launcher: import dpfl.runtime.launch",
+        _dur(run.imported("dpfl.runtime.launch", "launcher")))
     put("launcher: preflight", _dur(run.call("launcher.preflight")))
     put("launcher: stage_app", _dur(run.call("launcher.stage_app")))
     put("launcher: SuperLink start -> health", _dur(run.call("launcher.superlink_up")))
@@ -1062,14 +1063,14 @@ def candidates(m: dict[str, float], walls: dict[str, float]
     def add(to: list, saving: float, cost: str, fix: str, basis: str) -> None:
         to.append((max(0.0, saving), cost, fix, basis))
 
-    imports = g("launcher: import dpfl.launch") + g("launcher: preflight")
+    imports = g("launcher: import dpfl.runtime.launch") + g("launcher: preflight")
     light = walls.get(LIGHT_LAUNCHER)
     overlap = min(imports, g("launcher: SuperLink start -> health"))
     add(start, max(overlap, imports - light) if light is not None else overlap,
-        f"the launcher imports torch, Flower and dp-accounting (dpfl.launch imports "
+        f"the launcher imports torch, Flower and dp-accounting (dpfl.runtime.launch imports "
         f"dpfl.apps.server, dpfl.methods, dpfl.server.rundir) and runs preflight before it "
         f"starts anything ({imports:.1f} s)",
-        "a torch-free path to the SuperLink: dpfl.launch imports the ServerApp, the method "
+        "a torch-free path to the SuperLink: dpfl.runtime.launch imports the ServerApp, the method "
         "registry and the run folder's torch parts inside the checks that need them (an "
         "explicit sigma's budget check), so the common preflight needs none; or start the "
         "SuperLink first and import + preflight while it starts (stopping it if they refuse)",
@@ -1087,7 +1088,7 @@ def candidates(m: dict[str, float], walls: dict[str, float]
         f"flwr-simulation imports Flower ({g('flwr-simulation: start -> Started task'):.1f} s),"
         f" then its ServerApp thread imports torch, dp-accounting, dpfl "
         f"({g('server: thread start -> setup'):.1f} s) after the task is handed over",
-        "a warm SuperExec for the simulation task, as dpfl.warm_clientapps does for "
+        "a warm SuperExec for the simulation task, as dpfl.runtime.warm_clientapps does for "
         "ClientApps: a zygote started with the SuperLink imports these while flwr run "
         "builds the FAB, and flwr-simulation is forked from it",
         "flwr-simulation start -> Started task + ServerApp import, less ~0.5 s of fork and "
@@ -1113,7 +1114,7 @@ def candidates(m: dict[str, float], walls: dict[str, float]
     add(start, g("StartRun -> flwr-simulation starts") - 0.1,
         f"the SuperExec polls for tasks every 1 s "
         f"({g('StartRun -> flwr-simulation starts'):.2f} s here; 0.5 s on average)",
-        "FLWR_SUPEREXEC_TASK_POLL_INTERVAL=0.1 in dpfl.launch.flower_env",
+        "FLWR_SUPEREXEC_TASK_POLL_INTERVAL=0.1 in dpfl.runtime.launch.flower_env",
         "StartRun -> flwr-simulation start, less a 0.1 s poll")
     add(start, g("server: load_dataset") - 0.05,
         f"the ServerApp decodes the MNIST archive ({g('server: load_dataset'):.2f} s; every "

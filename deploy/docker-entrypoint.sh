@@ -4,9 +4,10 @@
 #   superlink  -> flower-superlink            (SuperLink: Fleet API 9092, Control/Runtime 9093)
 #   serverapp  -> flower-superexec   (ServerApp SuperExec; in the SuperLink's network namespace:
 #                 --runtime-api-address 127.0.0.1:9093)
-#   supernode  -> python -m dpfl.supernode --warm-clientapps  (flower-supernode whose ClientApps
-#                 are forked from a process that imported torch, Opacus and Flower once:
-#                 dpfl/warm_clientapps.py; DPFL_COLD_CLIENTAPPS=1: plain flower-supernode)
+#   supernode  -> python -m dpfl.runtime.supernode --warm-clientapps  (flower-supernode whose
+#                 ClientApps are forked from a process that imported torch, Opacus and Flower
+#                 once: dpfl/runtime/warm_clientapps.py; DPFL_COLD_CLIENTAPPS=1: plain
+#                 flower-supernode)
 #   clientapp  -> flower-superexec   (ClientApp SuperExec, for `supernode --isolation process`)
 #   operator   -> flwr                (the operator's CLI; run it in the SuperLink's network
 #                 namespace: its Control API listens on 127.0.0.1:9093 there and nowhere else)
@@ -22,7 +23,7 @@ case "$role" in
   serverapp) exec flower-superexec "$@" ;;
   supernode)
     if [ "${DPFL_COLD_CLIENTAPPS:-0}" = 1 ]; then exec flower-supernode "$@"; fi
-    exec python -m dpfl.supernode --warm-clientapps "$@" ;;
+    exec python -m dpfl.runtime.supernode --warm-clientapps "$@" ;;
   clientapp) exec flower-superexec "$@" ;;
   operator)
     if [ "${DPFL_INSECURE:-0}" = 1 ]; then

@@ -15,10 +15,10 @@
 #     (certificates and keys from deploy/certs.sh), <prefix>-n<i> (10.77.0.<i+2>) each run a
 #     flower-supernode with partition-id i that dials the SuperLink's gRPC Fleet API over
 #     TLS, authenticated by its registered EC key. --insecure (prints a warning) drops TLS/auth.
-#     The SuperNodes run as `python -m dpfl.supernode --warm-clientapps`: each node forks its
-#     ClientApps from a process that has imported torch, Opacus and Flower once
-#     (dpfl/warm_clientapps.py); --cold-clientapps runs Flower's flower-supernode instead,
-#     which starts a new interpreter per instruction.
+#     The SuperNodes run as `python -m dpfl.runtime.supernode --warm-clientapps`: each node
+#     forks its ClientApps from a process that has imported torch, Opacus and Flower once
+#     (dpfl/runtime/warm_clientapps.py); --cold-clientapps runs Flower's flower-supernode
+#     instead, which starts a new interpreter per instruction.
 #     --start-window S: the SuperNodes also get `--clientapp-start-window S` (a ClientApp
 #     process may take S seconds to start instead of Flower's fixed 30).
 #     --own-nodes I,J (TLS only): supernode-I's key is registered and mapped like the others,
@@ -105,10 +105,10 @@ start_superlink() {  # start_superlink STATE_DIR: from the options saved by `up`
     tls_link=(--ssl-ca-certfile "$1/certs/ca.crt" --ssl-certfile "$1/certs/superlink.crt"
               --ssl-keyfile "$1/certs/superlink.key" --enable-supernode-auth)
   fi
-  # dpfl.superlink = flower-superlink whose SQLite connections wait 60 s for a lock (Flower's
-  # 5 s fails Fleet calls with "database is locked" at 20 SuperNodes on a busy host)
+  # dpfl.runtime.superlink = flower-superlink whose SQLite connections wait 60 s for a lock
+  # (Flower's 5 s fails Fleet calls with "database is locked" at 20 SuperNodes on a busy host)
   FLWR_HOME=$1/superlink-home start_in_ns "$prefix-link" superlink \
-    python -m dpfl.superlink --sqlite-busy-timeout 60 \
+    python -m dpfl.runtime.superlink --sqlite-busy-timeout 60 \
     "${tls_link[@]}" --fleet-api-address "$link_ip:9092" \
     --host "${control%:*}" --port "${control##*:}" --database "$1/superlink.db" \
     --disable-runtime-dependency-installation
@@ -128,7 +128,7 @@ start_supernode() {  # start_supernode STATE_DIR I SUPERLINK [WINDOW] [COLD]: Su
   local options=() launcher=(flower-supernode)
   [ -e "$1/cold-clientapps" ] || [ -n "${5:-}" ] || options+=(--warm-clientapps)
   [ -z "$window" ] || options+=(--clientapp-start-window "$window")
-  [ ${#options[@]} = 0 ] || launcher=(python -m dpfl.supernode "${options[@]}")
+  [ ${#options[@]} = 0 ] || launcher=(python -m dpfl.runtime.supernode "${options[@]}")
   [ ! -e "$1/supernode-$2.log" ] || mv "$1/supernode-$2.log" "$1/supernode-$2.log.$(date +%s%N)"
   FLWR_HOME=$1/node-$2-home start_in_ns "$prefix-n$2" "supernode-$2" \
     "${launcher[@]}" "${tls_node[@]}" --superlink "$3" --port 9094 \
@@ -328,7 +328,8 @@ run)
     map_arg=(--run-config "node-partitions='$(cat "$state/node-partitions")'")
   fi
   # the FAB's files only: `flwr run REPO` would first walk every file of the checkout (.venv)
-  app=$(python -m dpfl.fab "$repo" "$state/app") || die 1 "could not stage the app from $repo"
+  app=$(python -m dpfl.runtime.fab "$repo" "$state/app") \
+    || die 1 "could not stage the app from $repo"
   # flwr run exits 0 whether or not the ServerApp finished: the run's status says (a
   # ServerApp that stopped early is finished:failed; dpfl.runstatus prints one line why)
   stream=$state/run-stream.log

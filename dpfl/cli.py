@@ -140,8 +140,9 @@ def run_config_overrides(args: argparse.Namespace) -> dict[str, object]:
 
 def app_dir() -> Path:
     """The Flower app folder (the one holding dpfl's pyproject.toml, the run-config defaults,
-    and conf/): the source checkout, or an installed dpfl's copy (:func:`dpfl.fab.app_folder`)."""
-    from dpfl.fab import app_folder
+    and conf/): the source checkout, or an installed dpfl's copy
+    (:func:`dpfl.runtime.fab.app_folder`)."""
+    from dpfl.runtime.fab import app_folder
 
     try:
         return app_folder()
@@ -155,7 +156,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     overrides = run_config_overrides(args)   # before the imports below (seconds)
     root = app_dir()
     check_run_config_keys(root, overrides)
-    from dpfl.launch import RunFailed, simulate
+    from dpfl.runtime.launch import RunFailed, simulate
     from dpfl.server.report import epsilon_table
 
     try:
@@ -175,7 +176,7 @@ def check_run_config_keys(root: Path, overrides: dict[str, object]) -> None:
     types, ranges, their combinations) without importing torch, Opacus or Flower, so that a
     misspelled key or a bad global value is refused at once (exit 2 in ~0.1 s, not ~3 s).
 
-    The same check as the launcher's first (:func:`dpfl.launch.simulate` parses exactly this
+    The same check as the launcher's first (:func:`dpfl.runtime.launch.simulate` parses exactly this
     mapping with :func:`dpfl.methods.parse_run_config`, which starts with
     :func:`dpfl.config.parse_global`): the method keys are the pyproject's keys that are not
     global (tests/test_methods_registry.py keeps them equal to every method's keys), so
@@ -276,7 +277,7 @@ def cmd_attack(args: argparse.Namespace) -> int:
 def cmd_audit(args: argparse.Namespace) -> int:
     run_dir = run_directory(args.run_dir, writes="audit/")
     from dpfl.attacks.audit import audit
-    from dpfl.launch import RunFailed, simulate
+    from dpfl.runtime.launch import RunFailed, simulate
 
     root = app_dir()
 
@@ -298,7 +299,7 @@ def cmd_reproduce(args: argparse.Namespace) -> int:
 
     paper = reproduction(args.paper)
     root = app_dir()
-    from dpfl.fab import is_installed_app
+    from dpfl.runtime.fab import is_installed_app
 
     # the checkout's runs/, or (an installed dpfl: its app folder is package data) ./runs;
     # a fresh folder by default: the committed results/<paper>/ only when asked for
@@ -328,7 +329,7 @@ def cmd_reproduce(args: argparse.Namespace) -> int:
 
 
 def cmd_deploy(args: argparse.Namespace) -> int:
-    from dpfl import containers
+    from dpfl.runtime import containers
 
     state = Path(args.state)
     if args.action == "up":
@@ -398,7 +399,7 @@ def argv_is_cli() -> bool:
 
 
 def _on_sigterm(signum: int, frame: object) -> None:
-    launch = sys.modules.get("dpfl.launch")
+    launch = sys.modules.get("dpfl.runtime.launch")
     if launch is not None and launch.stop_active(signum):
         return   # the federation is being stopped; the main thread unwinds and exits
     sys.exit(128 + signum)
@@ -550,8 +551,8 @@ def main(argv: list[str] | None = None) -> int:
         commands[args.command].error(unrecognized(extra, commands[args.command]))
     # A SIGTERM (e.g. `kill PID` of a background run) ends the command within a bounded
     # time with exit 128 + 15: a running federation is signalled and unwinds (the launcher
-    # stops the SuperLink and everything it started, dpfl.launch.stop_active; on SIGKILL
-    # the watchdog above them does, dpfl.watchdog); with nothing running, at once.
+    # stops the SuperLink and everything it started, dpfl.runtime.launch.stop_active; on SIGKILL
+    # the watchdog above them does, dpfl.runtime.watchdog); with nothing running, at once.
     signal.signal(signal.SIGTERM, _on_sigterm)
     try:
         return int(args.func(args))

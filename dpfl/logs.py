@@ -60,7 +60,7 @@ class RoutineFlowerRecords(logging.Filter):
     ``flwr/simulation/ray_transport/ray_actor.py``, ``terminate``); ``log(INFO, "")`` is
     Flower's spacer between its own blocks (an ``INFO :`` line with nothing after it).
     (The lines Flower's simulation process logs before any app code runs are dropped where
-    ``dpfl simulate`` relays them: ``dpfl.launch.DROPPED_FLOWER_LINES``.)"""
+    ``dpfl simulate`` relays them: ``dpfl.runtime.launch.DROPPED_FLOWER_LINES``.)"""
 
     ROUTINE = frozenset({(logging.WARNING, "Manually terminating %s", ("ClientAppActor",)),
                          (logging.INFO, "", ())})

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-HEAVY = ("torch", "opacus", "flwr", "numpy", "dpfl.attacks", "dpfl.launch")
+HEAVY = ("torch", "opacus", "flwr", "numpy", "dpfl.attacks", "dpfl.runtime.launch")
 
 PROBE = """
 import sys

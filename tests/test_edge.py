@@ -34,10 +34,10 @@ def test_edge_unit_renders_secure_settings(tmp_path):
     assert "--max-retries" not in exec_start  # reconnect forever (Flower backs off)
     assert "--node-config" in exec_start
     # a slow device gets a ClientApp start window beyond Flower's fixed 30 s
-    assert "-m dpfl.supernode --clientapp-start-window ${DPFL_CLIENTAPP_START_WINDOW}" \
+    assert "-m dpfl.runtime.supernode --clientapp-start-window ${DPFL_CLIENTAPP_START_WINDOW}" \
         in " ".join(exec_start.replace("\\\n", " ").split())
     assert "DPFL_CLIENTAPP_START_WINDOW=300" in env
-    # and its ClientApps start warm (dpfl/warm_clientapps.py)
+    # and its ClientApps start warm (dpfl/runtime/warm_clientapps.py)
     assert "--warm-clientapps" in exec_start
     assert "Restart=always" in unit and "KillSignal=SIGINT" in unit
     assert "@" not in unit.split("[Unit]", 1)[1]  # every placeholder filled

@@ -1,4 +1,4 @@
-"""dpfl.fab: the staged app builds Flower's own FAB, byte for byte, without the rest of the
+"""dpfl.runtime.fab: the staged app builds Flower's own FAB, byte for byte, without the rest of the
 app folder (flwr 1.39's build_fab_from_disk on the original folder is the reference)."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from flwr.cli.build import build_fab_from_disk
 
-from dpfl.fab import fab_files, main, stage_app
+from dpfl.runtime.fab import fab_files, main, stage_app
 
 PYPROJECT = """\
 [build-system]

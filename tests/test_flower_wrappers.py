@@ -1,15 +1,15 @@
-"""dpfl.supernode and dpfl.superlink: two Flower constants made settings, checked on Flower's
-own state classes.
+"""dpfl.runtime.supernode and dpfl.runtime.superlink: two Flower constants made settings,
+checked on Flower's own state classes.
 
-dpfl.supernode: the ClientApp start window of Flower's real SuperNode state.
+dpfl.runtime.supernode: the ClientApp start window of Flower's real SuperNode state.
 
 A ClientApp task claimed at t0 must send its first heartbeat (activate) before t0 + window;
 Flower 1.39 fixes the window at 30 s. The test claims a task in Flower's own
 ``InMemoryNodeState`` (what ``flower-supernode`` uses), moves Flower's clock 45 s on, and
 checks that the task is given back (activation refused) with Flower's window, and still
-activates with a 120 s window set by :func:`dpfl.supernode.apply_start_window`.
+activates with a 120 s window set by :func:`dpfl.runtime.supernode.apply_start_window`.
 
-dpfl.superlink: the SQLite lock wait of every connection Flower's SQL state opens."""
+dpfl.runtime.superlink: the SQLite lock wait of every connection Flower's SQL state opens."""
 
 import subprocess
 import sys
@@ -22,8 +22,8 @@ from flwr.supercore.corestate import in_memory_corestate, sql_corestate
 from flwr.supercore.object_store import ObjectStoreFactory
 from flwr.supernode.nodestate.in_memory_nodestate import InMemoryNodeState
 
-from dpfl import superlink
-from dpfl.supernode import FLOWER_DEFAULT, apply_start_window, split_window
+from dpfl.runtime import superlink
+from dpfl.runtime.supernode import FLOWER_DEFAULT, apply_start_window, split_window
 
 
 @pytest.fixture
@@ -72,11 +72,11 @@ def test_split_window(argv, window, rest):
 
 
 @pytest.mark.parametrize("module,argv,message", [
-    ("dpfl.supernode", ["--clientapp-start-window"], "needs a value"),
-    ("dpfl.supernode", ["--clientapp-start-window", "soon"], "'soon': expected seconds"),
-    ("dpfl.supernode", ["--clientapp-start-window", "5"], "'5': expected 30..3600 seconds"),
-    ("dpfl.superlink", ["--sqlite-busy-timeout"], "needs a value"),
-    ("dpfl.superlink", ["--sqlite-busy-timeout", "1"], "'1': expected 5..600 seconds"),
+    ("dpfl.runtime.supernode", ["--clientapp-start-window"], "needs a value"),
+    ("dpfl.runtime.supernode", ["--clientapp-start-window", "soon"], "'soon': expected seconds"),
+    ("dpfl.runtime.supernode", ["--clientapp-start-window", "5"], "'5': expected 30..3600 seconds"),
+    ("dpfl.runtime.superlink", ["--sqlite-busy-timeout"], "needs a value"),
+    ("dpfl.runtime.superlink", ["--sqlite-busy-timeout", "1"], "'1': expected 5..600 seconds"),
 ])
 def test_bad_value_is_one_line_exit_2(module, argv, message):
     proc = subprocess.run([sys.executable, "-m", module, *argv],

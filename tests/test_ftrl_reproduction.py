@@ -19,7 +19,7 @@ DEFAULTS = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["flwr"][
 
 
 def _config(cell: str, arm: str):
-    """The RunConfig ``dpfl simulate`` builds (dpfl.launch.simulate: the app's defaults,
+    """The RunConfig ``dpfl simulate`` builds (dpfl.runtime.launch.simulate: the app's defaults,
     then the overrides) from the reproduction's overrides of one run."""
     overrides = ftrl.REPRODUCTION.overrides(ROOT, cell, arm, 0)
     return overrides, parse_run_config({**DEFAULTS, **overrides})

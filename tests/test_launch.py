@@ -4,9 +4,9 @@
 import subprocess
 import time
 
-from dpfl.launch import run_config_arg, stop_process_group
-from dpfl.watchdog import alive as _alive
-from dpfl.watchdog import descendants
+from dpfl.runtime.launch import run_config_arg, stop_process_group
+from dpfl.runtime.watchdog import alive as _alive
+from dpfl.runtime.watchdog import descendants
 
 
 def test_stop_process_group_reaches_children_in_their_own_groups():
@@ -56,7 +56,7 @@ def test_watchdog_stops_escaped_grandchildren_when_its_launcher_is_sigkilled(tmp
     tree = (f"setsid bash -c 'exec -a {marker} sleep 301' & "
             f"(bash -c 'exec -a {marker} sleep 302' &) ; exec -a {marker} sleep 303")
     launcher_code = ("import subprocess, sys, time\n"
-                     "subprocess.Popen([sys.executable, '-m', 'dpfl.watchdog', '--parent', "
+                     "subprocess.Popen([sys.executable, '-m', 'dpfl.runtime.watchdog', '--parent', "
                      "str(__import__('os').getpid()), '--grace', '1', '--', 'bash', '-c', "
                      f"{tree!r}], start_new_session=True)\n"
                      "time.sleep(300)\n")
@@ -81,7 +81,7 @@ def test_outcome_trusts_only_this_launchs_status(tmp_path):
     import pytest
 
     from dpfl.errors import UserError
-    from dpfl.launch import RunFailed, _outcome
+    from dpfl.runtime.launch import RunFailed, _outcome
 
     run, status, log = tmp_path / "run", tmp_path / "status.json", tmp_path / "superlink.log"
     run.mkdir()
@@ -109,7 +109,7 @@ def test_the_launcher_relays_flwr_runs_stream_without_flowers_misleading_line():
     end: those exact lines (coloured or not) are dropped, everything else kept."""
     import io
 
-    from dpfl.launch import relay_stream
+    from dpfl.runtime.launch import relay_stream
 
     noise = "WARNING :   Since flwr 1.32, default simulated SuperNodes changed from 10 to 2.\n"
     coloured = noise.replace("WARNING ", "\x1b[93mWARNING \x1b[0m")

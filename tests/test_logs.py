@@ -210,7 +210,7 @@ def test_the_launcher_drops_flowers_federation_size_advice_and_empty_lines():
     and its empty INFO spacer; the federation's size line and everything else are kept."""
     import io
 
-    from dpfl.launch import relay_stream
+    from dpfl.runtime.launch import relay_stream
 
     dropped = [
         # Flower 1.39's own format strings and arguments (flwr/simulation/app.py)

@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from dpfl import launch
 from dpfl.cli import main
 from dpfl.errors import UserError
-from dpfl.launch import (
+from dpfl.runtime import launch
+from dpfl.runtime.launch import (
     check_cpus_per_client,
     check_parallel_clients,
     check_ray_address,

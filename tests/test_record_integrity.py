@@ -32,7 +32,6 @@ from dpfl.apps.client import train
 from dpfl.config import ConfigError, RunConfig, parse_node_partitions
 from dpfl.data import splits_for
 from dpfl.errors import UserError
-from dpfl.launch import check_cpus_per_client
 from dpfl.methods import build_strategy, parse_run_config
 from dpfl.models import build_model
 from dpfl.privacy.budget import PrivacyHistory
@@ -41,6 +40,7 @@ from dpfl.privacy.ledger import Ledger
 from dpfl.privacy.plan import dpsgd_norm_bound, planned_event
 from dpfl.privacy_report import EXIT_OVER_BUDGET, build_privacy_report
 from dpfl.runlock import WRITER_LOCK, RunLock, check_unlocked
+from dpfl.runtime.launch import check_cpus_per_client
 from dpfl.server.rundir import RunDir, run_dir_path
 from dpfl.server.runidentity import resume_difference, resume_overrides
 from dpfl.tensors import flatten

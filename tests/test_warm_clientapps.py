@@ -1,9 +1,10 @@
-"""Warm ClientApps (dpfl/warm_clientapps.py, `dpfl.supernode --warm-clientapps`): the
-forked ClientApp gets exactly the arguments Flower's own SubprocessExecutor would give a new
-`flwr-clientapp` process; the SuperNode starts dpfl's SuperExec in place of Flower's; a
-forked child loads the FAB's dpfl, not the zygote's, and draws its own random numbers; the
-zygote reaps its children. (The whole path runs in every network-namespace deployment test:
-tests/e2e/test_netns.py checks the forks in a node's log.)"""
+"""Warm ClientApps (dpfl/runtime/warm_clientapps.py,
+`dpfl.runtime.supernode --warm-clientapps`): the forked ClientApp gets exactly the arguments
+Flower's own SubprocessExecutor would give a new `flwr-clientapp` process; the SuperNode
+starts dpfl's SuperExec in place of Flower's; a forked child loads the FAB's dpfl, not the
+zygote's, and draws its own random numbers; the zygote reaps its children. (The whole path
+runs in every network-namespace deployment test: tests/e2e/test_netns.py checks the forks in
+a node's log.)"""
 
 import json
 import os
@@ -16,7 +17,7 @@ from flwr.supercore.constant import TaskType
 from flwr.supercore.superexec.executor import subprocess_executor
 from flwr.supercore.superexec.executor.types import ExecutionSpec
 
-from dpfl import supernode, warm_clientapps
+from dpfl.runtime import supernode, warm_clientapps
 
 
 def _spec(**overrides) -> ExecutionSpec:
@@ -112,7 +113,7 @@ def test_supernode_starts_dpfls_superexec_in_place_of_flowers(monkeypatch):
     start_client_internal.subprocess.Popen(["flower-superexec", "--insecure",
                                             "--runtime-api-address", "127.0.0.1:9094"])
     start_client_internal.subprocess.Popen(["something-else", "--x"])
-    assert started == [[sys.executable, "-m", "dpfl.warm_clientapps", "--insecure",
+    assert started == [[sys.executable, "-m", "dpfl.runtime.warm_clientapps", "--insecure",
                         "--runtime-api-address", "127.0.0.1:9094"], ["something-else", "--x"]]
     assert start_client_internal.subprocess.DEVNULL == subprocess.DEVNULL
 
@@ -129,11 +130,11 @@ def test_split_warm(argv, warm, rest):
                                   ["--warm-clientapps", "--isolation=process"],
                                   ["--warm-clientapps=1"]])
 def test_warm_clientapps_refuses_what_it_cannot_do_in_one_line(argv):
-    proc = subprocess.run([sys.executable, "-m", "dpfl.supernode", *argv, "--insecure"],
+    proc = subprocess.run([sys.executable, "-m", "dpfl.runtime.supernode", *argv, "--insecure"],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("dpfl.supernode: --warm-clientapps"), \
+    assert len(lines) == 1 and lines[0].startswith("dpfl.runtime.supernode: --warm-clientapps"), \
         proc.stderr
 
 
@@ -164,7 +165,7 @@ def test_zygote_children_forget_dpfl_reseed_and_are_reaped(tmp_path):
     probe.write_text(CHILD)
     script = f"""
 import sys
-from dpfl import warm_clientapps as w
+from dpfl.runtime import warm_clientapps as w
 def fake_clientapp():
     exec(open({str(probe)!r}).read(), {{"__name__": "probe"}})
 import flwr.supernode.cli as cli
@@ -262,9 +263,9 @@ def test_a_simulation_executor_forks_simulations_and_launches_clientapps_cold(mo
 
 def test_the_launcher_puts_a_warm_superexec_first_on_the_superlinks_path(tmp_path, monkeypatch):
     """`dpfl simulate`: Flower 1.39's SuperLink starts `flower-superexec` by name; the
-    launcher's comes first on its PATH and runs dpfl.warm_clientapps --warm simulation with
+    launcher's comes first on its PATH and runs dpfl.runtime.warm_clientapps --warm simulation with
     the SuperLink's arguments; DPFL_WARM_SIMULATION=0 leaves Flower's own."""
-    from dpfl import launch
+    from dpfl.runtime import launch
 
     folder = launch.warm_simulation_bin(tmp_path)
     script = folder / "flower-superexec"
@@ -272,7 +273,7 @@ def test_the_launcher_puts_a_warm_superexec_first_on_the_superlinks_path(tmp_pat
     out = subprocess.run(["sh", "-n", str(script)], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     text = script.read_text()
-    assert f'"{sys.executable}" -m dpfl.warm_clientapps --warm simulation "$@"' in text
+    assert f'"{sys.executable}" -m dpfl.runtime.warm_clientapps --warm simulation "$@"' in text
     monkeypatch.setenv("DPFL_WARM_SIMULATION", "0")
     assert launch.warm_simulation_bin(tmp_path / "cold") is None
 

@@ -20,8 +20,8 @@
 #     Flower's exponential back-off, restarted by systemd 15 s after any exit, CPU and memory
 #     caps; then enables and starts it.
 # --start-window S: seconds a ClientApp process may take from launch to its first heartbeat
-#     (python -m dpfl.supernode; Flower's own window is a fixed 30 s, which a slow device
-#     misses while Python imports torch and flwr; default 300).
+#     (python -m dpfl.runtime.supernode; Flower's own window is a fixed 30 s, which a slow
+#     device misses while Python imports torch and flwr; default 300).
 # Batch: the run's batch size is part of its privacy accounting (the sampling rate), so the
 # device does not change it; what the device bounds is threads, memory and CPU share.
 # Register the key's .pub on the SuperLink side first: flwr supernode register KEY.pub <conn>.
@@ -108,7 +108,8 @@ DPFL_NODE_CONFIG=partition-id=$pid num-partitions=$nparts
 # the node's own durable privacy history (dpfl.client.node_history)
 DPFL_PRIVACY_DIR=/var/lib/dpfl/privacy
 DPFL_NUM_THREADS=$threads
-# seconds a ClientApp process may take to start (python -m dpfl.supernode; Flower's is 30)
+# seconds a ClientApp process may take to start (python -m dpfl.runtime.supernode;
+# Flower's is 30)
 DPFL_CLIENTAPP_START_WINDOW=$start_window
 OMP_NUM_THREADS=$threads
 MKL_NUM_THREADS=$threads

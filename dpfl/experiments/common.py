@@ -23,7 +23,7 @@ def simulate_record(root: Path, clients: int, overrides: dict[str, Any],
     """Run one real Flower simulation; return its key numbers (final metrics, per-client
     epsilon, per-round accuracy / mean epsilon / per-client epsilon / selected clients,
     throughput)."""
-    from dpfl.launch import simulate
+    from dpfl.runtime.launch import simulate
 
     t0 = time.time()
     run_dir = simulate(root, clients, overrides, work, quiet=True)

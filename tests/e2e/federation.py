@@ -110,7 +110,7 @@ def stop_ray_processes(procs: list[subprocess.Popen], grace: float = 10.0) -> li
     is left after ``grace`` seconds (after a run, a head's `ray start`, GCS and autoscaler
     monitor were seen still there 20 s after SIGTERM); never signals a PID that has exited.
     Returns the command lines that needed SIGKILL."""
-    from dpfl.watchdog import alive, descendants
+    from dpfl.runtime.watchdog import alive, descendants
 
     pids = [p for proc in procs for p in (proc.pid, *descendants(proc.pid))]
     sigkilled: list[str] = []
@@ -136,7 +136,8 @@ def stop_ray_processes(procs: list[subprocess.Popen], grace: float = 10.0) -> li
 
 class SharedSimulation:
     """One simulation SuperLink (``flower-superlink --simulation`` and its SuperExec, under
-    dpfl's watchdog, as ``dpfl simulate`` starts it: :func:`dpfl.launch.simulation_superlink`)
+    dpfl's watchdog, as ``dpfl simulate`` starts it:
+    :func:`dpfl.runtime.launch.simulation_superlink`)
     whose runs' ClientApps go to the shared Ray head. :meth:`run` submits one run to it with
     ``flwr run --stream``, as an operator submits runs to a running SuperLink (Flower's CLI
     forked from a process that imported it once: tests/e2e/flwr_forks.py); the SuperExec
@@ -146,8 +147,8 @@ class SharedSimulation:
     (test_simulation.py, test_record_integrity_federation.py, test_interruptions.py)."""
 
     def __init__(self, ray_address: str) -> None:
-        from dpfl.fab import stage_app
-        from dpfl.launch import flower_env, simulation_superlink, write_flower_config
+        from dpfl.runtime.fab import stage_app
+        from dpfl.runtime.launch import flower_env, simulation_superlink, write_flower_config
 
         self.home = Path(tempfile.mkdtemp(prefix="dpfl-sim-", dir="/tmp"))
         self.env = flower_env(self.home)
@@ -202,7 +203,7 @@ class SharedSimulation:
     def run(self, run_dir: Path, clients: int, overrides: dict[str, object]) -> Path:
         """One run of ``clients`` simulated SuperNodes writing ``run_dir``; fails the test
         with the run's output when the ServerApp wrote no summary."""
-        from dpfl.launch import CONNECTION, federation_config, run_config_arg
+        from dpfl.runtime.launch import CONNECTION, federation_config, run_config_arg
 
         config = {**overrides, "output-dir": str(run_dir.parent), "run-name": run_dir.name}
         out = self.home / f"flwr-run-{run_dir.name}-{time.monotonic_ns()}.log"

@@ -9,7 +9,7 @@ request ``{"argv": [...], "out": PATH}`` it forks a child that runs Flower's own
 (``flwr.cli.app:app``, what the `flwr` script calls) with ``argv``, its stdout and stderr
 going to ``PATH``, and answers with two lines: the child's PID when it starts, its exit code
 when it ends. The parent only imports: it opens no gRPC channel and starts no thread, so
-each child starts as a new process would (as dpfl.warm_clientapps forks ClientApps).
+each child starts as a new process would (as dpfl.runtime.warm_clientapps forks ClientApps).
 """
 
 from __future__ import annotations

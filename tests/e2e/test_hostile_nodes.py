@@ -103,13 +103,13 @@ class Federation:
         return [json.loads(line) for line in self.events.read_text().splitlines() if line]
 
     def superlink_pids(self) -> list[int]:
-        from dpfl.watchdog import descendants
+        from dpfl.runtime.watchdog import descendants
 
         root = int((self.state / "superlink.pid").read_text())
-        # flower-superlink, run by deploy/netns.sh as `python -m dpfl.superlink ...`
+        # flower-superlink, run by deploy/netns.sh as `python -m dpfl.runtime.superlink ...`
         return [p for p in [root, *descendants(root)]
                 if any(name in Path(f"/proc/{p}/cmdline").read_bytes().decode(errors="replace")
-                       for name in ("flower-superlink", "dpfl.superlink"))]
+                       for name in ("flower-superlink", "dpfl.runtime.superlink"))]
 
     def superlink_peak_rss_mib(self) -> float:
         """VmHWM (peak resident memory) of the flower-superlink process, MiB."""
@@ -197,7 +197,7 @@ def test_hostile_replies_and_a_revoked_key(fed):
         assert run.wait(timeout=600) == 0, run_log.read_text()[-3000:]
     finally:
         if run.poll() is None:
-            from dpfl.launch import stop_process_group
+            from dpfl.runtime.launch import stop_process_group
             stop_process_group(run, grace=5.0)
     log = run_log.read_text()
     rounds = [json.loads(line) for line in rounds_file.read_text().splitlines()]
@@ -323,7 +323,7 @@ def test_unauthenticated_flood(fed):
         out, err = flood.communicate(timeout=60)
     finally:
         if flood.poll() is None:
-            from dpfl.launch import stop_process_group
+            from dpfl.runtime.launch import stop_process_group
             stop_process_group(flood, grace=5.0)
     assert flood.returncode == 0, err[-2000:]
     counts = json.loads(out.strip().splitlines()[-1])

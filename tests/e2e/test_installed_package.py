@@ -2,7 +2,7 @@
 a copy of this checkout's sources and installed (not editable) into a fresh venv, runs
 `dpfl simulate` from an unrelated folder, writes its run there, and stages the FAB the
 checkout stages, file for file (its pyproject.toml, the run-config defaults, and conf/ are
-package data: dpfl.fab.app_folder, hatch_build.py).
+package data: dpfl.runtime.fab.app_folder, hatch_build.py).
 
 The fresh venv reuses this environment's dependencies instead of downloading them: after
 the install, a ``.pth`` file names this environment's site-packages, and each of their
@@ -58,7 +58,7 @@ import hashlib, json, sys
 from pathlib import Path
 import dpfl
 from dpfl.cli import app_dir
-from dpfl.fab import fab_files
+from dpfl.runtime.fab import fab_files
 app = app_dir()
 digest = lambda p: hashlib.sha256(p.read_bytes()).hexdigest()
 print(json.dumps({
@@ -145,7 +145,7 @@ def test_installed_wheel_runs_a_simulation_from_any_folder(tmp_path):
     info = json.loads(_run([str(python), "-c", INSPECT], cwd=cwd, env=env).stdout)
     assert Path(info["package"]) == site / "dpfl", info["package"]   # not the checkout's
     assert Path(info["app"]) == site / "dpfl" / "_flower_app"
-    from dpfl.fab import fab_files
+    from dpfl.runtime.fab import fab_files
 
     # one source of truth: the installed app stages the checkout's FAB, byte for byte, and
     # carries its pyproject.toml and presets unchanged

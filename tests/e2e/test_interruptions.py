@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from dpfl.watchdog import alive, descendants
+from dpfl.runtime.watchdog import alive, descendants
 
 pytestmark = pytest.mark.e2e
 ROOT = Path(__file__).resolve().parents[2]

@@ -102,7 +102,7 @@ def _slow_clientapp_env(tmp_path: Path, seconds: float) -> dict[str, str]:
 def _node_attempt(state: Path, extra: list[str], expect: tuple[str, ...]) -> str:
     """Start an extra SuperNode in the first node namespace, wait until its output shows one
     of ``expect`` (at most 90 s), stop it by PID; return its output."""
-    from dpfl.launch import stop_process_group
+    from dpfl.runtime.launch import stop_process_group
 
     env = {**os.environ, "FLWR_HOME": str(state / "intruder-home"), "PYTHONWARNINGS": "ignore",
            "PATH": f"{ROOT / '.venv' / 'bin'}{os.pathsep}{os.environ.get('PATH', '')}"}
@@ -140,7 +140,7 @@ def test_tls_authenticated_federation_across_namespaces(tmp_path):
     federation carries on and runs a DP round over TLS with authenticated nodes. SuperNode
     1 leaves and rejoins (node-stop/node-start, same key) as a slow device: its ClientApp
     process takes 35 s to start, beyond Flower's fixed 30 s window, and trains because the
-    federation runs its SuperNodes with a 120 s window (dpfl.supernode). (One round: the
+    federation runs its SuperNodes with a 120 s window (dpfl.runtime.supernode). (One round: the
     ARM64 demo's three rounds in results/edge/ show the window holding round after round.)"""
     _require()
     state = tmp_path / "fed"
@@ -198,7 +198,7 @@ def test_supernode_killed_mid_round(tmp_path):
     timeout, 35 s, is what round 2 waits for the dead node; round 1, which all three must
     finish within it, took 14-17 s in full suite runs at -n 2 and -n 3.)"""
     _require()
-    from dpfl.watchdog import descendants
+    from dpfl.runtime.watchdog import descendants
 
     state = tmp_path / "fed"
     runs = tmp_path / "runs"
@@ -231,9 +231,9 @@ def test_supernode_killed_mid_round(tmp_path):
         summary = json.loads((runs / "kill" / "summary.json").read_text())
         assert summary["final"]["accuracy"] > summary["initial"]["accuracy"]
         # node 0's two rounds ran on ClientApps forked from its warm zygote
-        # (dpfl.supernode --warm-clientapps, netns.sh's default), not on new interpreters
+        # (dpfl.runtime.supernode --warm-clientapps, netns.sh's default), not on new interpreters
         node_log = (state / "supernode-0.log").read_text()
-        assert node_log.count("dpfl.warm_clientapps: ClientApp") >= 2, node_log[-3000:]
+        assert node_log.count("dpfl.runtime.warm_clientapps: ClientApp") >= 2, node_log[-3000:]
     finally:
         _sh("down", str(state), check=False)
 

@@ -67,7 +67,7 @@ def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
 
 
 def _netns_pids(ns: str) -> list[int]:
-    from dpfl.watchdog import alive
+    from dpfl.runtime.watchdog import alive
 
     out = _ip("netns", "pids", ns, check=False).stdout.split()
     return [int(p) for p in out if p.isdigit() and alive(int(p))]

@@ -107,7 +107,7 @@ def test_resume_keeps_the_runs_identity_and_never_falls_behind_its_records(tmp_p
 
 
 def _descendants_alive(pid_file: Path) -> list[int]:
-    from dpfl.watchdog import alive, descendants
+    from dpfl.runtime.watchdog import alive, descendants
 
     root = int(pid_file.read_text())
     return [p for p in [root, *descendants(root)] if alive(p)]

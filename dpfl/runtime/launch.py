@@ -47,10 +47,11 @@ from dpfl.config import (
 )
 from dpfl.data import check_dataset, splits_for
 from dpfl.errors import UserError, writable_dir_problem
-from dpfl.fab import stage_app
 from dpfl.logs import known_warnings_option
 from dpfl.methods import DEFAULT_METHOD, build_strategy, configured, parse_run_config
 from dpfl.runlock import LAUNCHER_LOCK, WRITER_LOCK, RunLock, check_unlocked
+from dpfl.runtime.fab import stage_app
+from dpfl.runtime.watchdog import alive, descendants, die_with_parent
 from dpfl.server.rundir import (
     RunDir,
     check_run_dir,
@@ -59,14 +60,13 @@ from dpfl.server.rundir import (
     unique_run_name,
 )
 from dpfl.server.runidentity import NUM_CLIENTS, resume_overrides
-from dpfl.watchdog import alive, descendants, die_with_parent
 
 CONNECTION = "dpfl-sim"
 SUPEREXEC_POLL_SECONDS = "0.1"
 DEFAULT_CLIENTS = 4
 # After a SIGTERM the launcher stops its federation and exits within this many seconds; if
 # anything blocks it longer, SIGALRM's default action ends the launcher and the watchdog
-# above the SuperLink (dpfl.watchdog) stops the tree.
+# above the SuperLink (dpfl.runtime.watchdog) stops the tree.
 TERM_DEADLINE = 30
 _active: dict[int, str] = {}    # pid -> what it is: processes a SIGTERM must stop
 _terminated: list[int] = []     # signals received
@@ -131,7 +131,7 @@ def flower_env(flwr_home: Path, output_root: Path | None = None) -> dict[str, st
 def warm_simulation_bin(flwr_home: Path) -> Path | None:
     """A folder holding a ``flower-superexec`` that runs Flower's SuperExec with its
     simulation task forked from a zygote which imported Flower's simulation engine, torch and
-    dp-accounting while ``flwr run`` built and sent the app (:mod:`dpfl.warm_clientapps`,
+    dp-accounting while ``flwr run`` built and sent the app (:mod:`dpfl.runtime.warm_clientapps`,
     ``--warm simulation``); first on the SuperLink's PATH, it is the SuperExec the SuperLink
     starts (Flower 1.39 runs ``flower-superexec`` by name). None with
     ``DPFL_WARM_SIMULATION=0`` (Flower's own, cold: the bench's A/B)."""
@@ -140,7 +140,7 @@ def warm_simulation_bin(flwr_home: Path) -> Path | None:
     folder = flwr_home / "bin"
     folder.mkdir(parents=True, exist_ok=True)
     script = folder / "flower-superexec"
-    script.write_text(f'#!/bin/sh\nexec "{sys.executable}" -m dpfl.warm_clientapps --warm '
+    script.write_text(f'#!/bin/sh\nexec "{sys.executable}" -m dpfl.runtime.warm_clientapps --warm '
                       'simulation "$@"\n')
     script.chmod(0o755)
     return folder
@@ -230,7 +230,8 @@ def simulation_superlink(flwr_home: Path, env: dict[str, str],
            "--fleet-api-address", f"127.0.0.1:{fleet_port}",
            "--disable-runtime-dependency-installation", "--log-file", str(log_file)]
     # under a watchdog that stops the whole tree when this process dies, even by SIGKILL
-    watched = [sys.executable, "-m", "dpfl.watchdog", "--parent", str(os.getpid()), "--", *cmd]
+    watched = [sys.executable, "-m", "dpfl.runtime.watchdog", "--parent", str(os.getpid()), "--",
+               *cmd]
     proc = subprocess.Popen(watched, env=env, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL, start_new_session=True)
     _active[proc.pid] = "superlink watchdog"

@@ -35,8 +35,8 @@ PROJECT = "dpfl"
 
 
 def package_dir() -> Path:
-    """The folder of the imported ``dpfl`` package."""
-    return Path(__file__).resolve().parent
+    """The folder of the imported ``dpfl`` package (this module's is ``dpfl/runtime``)."""
+    return Path(__file__).resolve().parent.parent
 
 
 def is_installed_app(app: Path) -> bool:
@@ -138,12 +138,12 @@ def stage_app(app: Path, dest: Path) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m dpfl.fab APP DEST``: stage APP's FAB files in DEST and print DEST."""
+    """``python -m dpfl.runtime.fab APP DEST``: stage APP's FAB files in DEST and print DEST."""
     import sys
 
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 2:
-        print("usage: python -m dpfl.fab APP DEST", file=sys.stderr)
+        print("usage: python -m dpfl.runtime.fab APP DEST", file=sys.stderr)
         return 2
     app = Path(args[0])
     if not (app / PYPROJECT).is_file():

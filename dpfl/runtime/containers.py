@@ -45,7 +45,7 @@ from dpfl import runstatus
 from dpfl.errors import UserError, one_line, read_json_file
 
 LABEL = "dpfl.federation"
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]  # the checkout: dpfl/runtime/ is two below it
 STATE_FILE = "federation.json"
 DEFAULT_ENGINE = "unix:///var/run/docker.sock"  # the SDK's (and the CLI's) default socket
 PROBE_TIMEOUT = 10  # seconds to wait for the engine's first answer

@@ -1,11 +1,11 @@
 """``flower-supernode`` with a configurable ClientApp start window (slow edge devices) and,
 optionally, warm ClientApps.
 
-    python -m dpfl.supernode [--warm-clientapps] [--clientapp-start-window 300]
-                             [flower-supernode options...]
+    python -m dpfl.runtime.supernode [--warm-clientapps] [--clientapp-start-window 300]
+                                     [flower-supernode options...]
 
 ``--warm-clientapps``: the node's SuperExec forks each ClientApp from a process that has
-already imported torch, Opacus, dp-accounting and Flower (:mod:`dpfl.warm_clientapps`)
+already imported torch, Opacus, dp-accounting and Flower (:mod:`dpfl.runtime.warm_clientapps`)
 instead of starting a new interpreter per instruction. Only with Flower's default
 ``--isolation subprocess``.
 
@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from dpfl.flower_wrap import run_wrapped, split_seconds
+from dpfl.runtime.flower_wrap import run_wrapped, split_seconds
 
 OPTION = "--clientapp-start-window"
 FLOWER_DEFAULT = 30.0  # flwr.common.constant.HEARTBEAT_DEFAULT_INTERVAL in flwr 1.39
@@ -64,7 +64,7 @@ WARM_OPTION = "--warm-clientapps"
 class _SuperExecLauncher:
     """Stands in for the ``subprocess`` module of Flower's ``start_client_internal``, whose
     only use of it is ``subprocess.Popen(["flower-superexec", ...])``: that command runs
-    :mod:`dpfl.warm_clientapps` (Flower's SuperExec with a forking ClientApp executor)."""
+    :mod:`dpfl.runtime.warm_clientapps` (Flower's SuperExec with a forking ClientApp executor)."""
 
     def __getattr__(self, name: str):  # noqa: ANN204 - the real module's other names
         import subprocess
@@ -77,12 +77,12 @@ class _SuperExecLauncher:
         import sys
 
         if list(command[:1]) == ["flower-superexec"]:
-            command = [sys.executable, "-m", "dpfl.warm_clientapps", *command[1:]]
+            command = [sys.executable, "-m", "dpfl.runtime.warm_clientapps", *command[1:]]
         return subprocess.Popen(command, *args, **kwargs)
 
 
 def use_warm_clientapps() -> None:
-    """Make this process's SuperNode start :mod:`dpfl.warm_clientapps` as its SuperExec."""
+    """Make this process's SuperNode start :mod:`dpfl.runtime.warm_clientapps` as its SuperExec."""
     from flwr.supernode import start_client_internal
 
     if not hasattr(start_client_internal, "subprocess"):
@@ -116,15 +116,15 @@ def main(argv: Sequence[str] | None = None) -> None:
     try:
         warm, argv = split_warm(sys.argv[1:] if argv is None else argv)
     except ValueError as exc:
-        print(f"dpfl.supernode: {exc}", file=sys.stderr)
+        print(f"dpfl.runtime.supernode: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
     if warm:
         if _isolation(argv) != "subprocess":
-            print(f"dpfl.supernode: {WARM_OPTION} needs --isolation subprocess (the node "
+            print(f"dpfl.runtime.supernode: {WARM_OPTION} needs --isolation subprocess (the node "
                   "starts its own SuperExec)", file=sys.stderr)
             raise SystemExit(2)
         use_warm_clientapps()
-    run_wrapped("dpfl.supernode", OPTION, FLOWER_DEFAULT, MAX_WINDOW, apply_start_window,
+    run_wrapped("dpfl.runtime.supernode", OPTION, FLOWER_DEFAULT, MAX_WINDOW, apply_start_window,
                 "flower-supernode", _flower_supernode, argv)
 
 

@@ -1,11 +1,11 @@
 """Keep a process tree from outliving the command that started it, even on SIGKILL.
 
-``python -m dpfl.watchdog --parent PID -- CMD ...`` starts CMD as its child and becomes a
-*child subreaper* (``prctl(PR_SET_CHILD_SUBREAPER)``): every process below it that loses
-its parent — the SuperLink's SuperExec, the simulation, Ray's raylet, GCS and workers,
-whatever process groups or sessions they make — is re-parented to the watchdog rather than
-to init, so the whole tree stays visible under it in ``/proc``. The watchdog then waits
-for the first of:
+``python -m dpfl.runtime.watchdog --parent PID -- CMD ...`` starts CMD as its child and
+becomes a *child subreaper* (``prctl(PR_SET_CHILD_SUBREAPER)``): every process below it
+that loses its parent — the SuperLink's SuperExec, the simulation, Ray's raylet, GCS and
+workers, whatever process groups or sessions they make — is re-parented to the watchdog
+rather than to init, so the whole tree stays visible under it in ``/proc``. The watchdog
+then waits for the first of:
 
 - the launcher (``--parent``) dying, however (SIGKILL included: its PID leaves, our ppid
   changes);
@@ -132,7 +132,7 @@ def watch(parent: int, cmd: list[str], grace: float) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m dpfl.watchdog", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m dpfl.runtime.watchdog", description=__doc__,
                                      allow_abbrev=False,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--parent", type=int, required=True, help="PID of the launcher")

@@ -1,6 +1,6 @@
 """``flower-superlink`` with a longer SQLite lock wait (many SuperNodes on a busy host).
 
-    python -m dpfl.superlink --sqlite-busy-timeout 60 [flower-superlink options...]
+    python -m dpfl.runtime.superlink --sqlite-busy-timeout 60 [flower-superlink options...]
 
 A SuperLink started with ``--database FILE`` keeps its state in SQLite, and every Fleet
 call of every SuperNode (heartbeats, pulls, pushes of messages and objects) is a
@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from dpfl.flower_wrap import run_wrapped
+from dpfl.runtime.flower_wrap import run_wrapped
 
 OPTION = "--sqlite-busy-timeout"
 FLOWER_DEFAULT = 5.0  # flwr.supercore.constant.SQLITE_PRAGMAS busy_timeout 5000 ms, flwr 1.39
@@ -48,7 +48,7 @@ def _flower_superlink():
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    run_wrapped("dpfl.superlink", OPTION, FLOWER_DEFAULT, MAX_TIMEOUT, apply_busy_timeout,
+    run_wrapped("dpfl.runtime.superlink", OPTION, FLOWER_DEFAULT, MAX_TIMEOUT, apply_busy_timeout,
                 "flower-superlink", _flower_superlink, argv)
 
 

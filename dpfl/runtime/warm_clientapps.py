@@ -1,8 +1,8 @@
 """Warm ClientApps (and simulations): Flower's task processes start from libraries already
 imported.
 
-    python -m dpfl.supernode --warm-clientapps [flower-supernode options...]
-    python -m dpfl.warm_clientapps --warm simulation [flower-superexec options...]
+    python -m dpfl.runtime.supernode --warm-clientapps [flower-supernode options...]
+    python -m dpfl.runtime.warm_clientapps --warm simulation [flower-superexec options...]
 
 Flower 1.39's SuperNode hands every instruction to a new ``flwr-clientapp`` process, started
 by its SuperExec (``flower-superexec``, Flower's ``SubprocessExecutor``). That process
@@ -22,7 +22,7 @@ starts the cold way.
 
 The same executor serves the SuperExec that a simulation's SuperLink starts (``--warm
 simulation``, the launcher's ``flower-superexec`` on the SuperLink's PATH,
-:func:`dpfl.launch.warm_simulation_bin`): its ``flwr-simulation`` task is forked from a
+:func:`dpfl.runtime.launch.warm_simulation_bin`): its ``flwr-simulation`` task is forked from a
 zygote that imported Flower's simulation engine, torch, dp-accounting and SciPy
 (:data:`SIMULATION_PRELOAD`) while ``flwr run`` built and sent the app: ~2.5 s less on the
 way to round 1 (``results/speed/``).
@@ -79,7 +79,7 @@ SIMULATION_PRELOAD = (
 
 ZYGOTE_FLAG = "--zygote"
 WARM_FLAG = "--warm"
-# how the zygote's log names a forked task ("dpfl.warm_clientapps: ClientApp 3 forked ...")
+# how the zygote's log names a forked task ("dpfl.runtime.warm_clientapps: ClientApp 3 forked ...")
 LABELS = {"clientapp": "ClientApp", "simulation": "simulation"}
 # kind -> (its task type's name, the modules its zygote imports, its entry point)
 KINDS: dict[str, tuple[str, tuple[str, ...], tuple[str, str]]] = {
@@ -191,7 +191,7 @@ def serve(requests: IO[str], kind: str = "clientapp") -> int:
             if not isinstance(request.get("args"), list):
                 raise ValueError("no 'args' list")
         except ValueError as exc:
-            print(f"dpfl.warm_clientapps: bad request skipped ({exc})", file=sys.stderr,
+            print(f"dpfl.runtime.warm_clientapps: bad request skipped ({exc})", file=sys.stderr,
                   flush=True)
             continue
         sys.stdout.flush()
@@ -200,7 +200,7 @@ def serve(requests: IO[str], kind: str = "clientapp") -> int:
         if pid == 0:
             _run_task_in_child(request, kind)
         forked += 1
-        print(f"dpfl.warm_clientapps: {LABELS[kind]} {forked} forked (pid {pid})",
+        print(f"dpfl.runtime.warm_clientapps: {LABELS[kind]} {forked} forked (pid {pid})",
               file=sys.stderr, flush=True)
     return forked
 
@@ -229,7 +229,7 @@ class WarmClientAppExecutor:
         """Start the zygote now (it imports while the node waits for its first task)."""
         if self._zygote is None or self._zygote.poll() is not None:
             self._zygote = subprocess.Popen(  # noqa: S603 - this interpreter, this module
-                [sys.executable, "-m", "dpfl.warm_clientapps", ZYGOTE_FLAG, self.kind],
+                [sys.executable, "-m", "dpfl.runtime.warm_clientapps", ZYGOTE_FLAG, self.kind],
                 stdin=subprocess.PIPE, text=True)
 
     def get_eligible_capacity(self, supported_task_types, **kwargs):  # noqa: ANN001, ANN201
@@ -308,7 +308,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args[:1] == [WARM_FLAG] and len(args) >= 2:
         kind, args = args[1], args[2:]
     if kind not in KINDS:
-        raise SystemExit(f"dpfl.warm_clientapps: unknown kind {kind!r} (one of {sorted(KINDS)})")
+        raise SystemExit(f"dpfl.runtime.warm_clientapps: unknown kind {kind!r} "
+                         f"(one of {sorted(KINDS)})")
     use_warm_executor(kind)
     from flwr.supercore.cli import flower_superexec
 

@@ -1,6 +1,6 @@
-"""Shared by dpfl's wrappers of Flower's entry points (:mod:`dpfl.supernode`,
-:mod:`dpfl.superlink`): take one ``--option SECONDS`` of dpfl's out of the argument list and
-hand the rest to Flower unchanged."""
+"""Shared by dpfl's wrappers of Flower's entry points (:mod:`dpfl.runtime.supernode`,
+:mod:`dpfl.runtime.superlink`): take one ``--option SECONDS`` of dpfl's out of the argument
+list and hand the rest to Flower unchanged."""
 
 from __future__ import annotations
 
