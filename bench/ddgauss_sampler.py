@@ -1,4 +1,4 @@
-"""The discrete Gaussian samplers of ``dpfl.privacy.dgauss_sampler``, old vs new, in one run:
+"""The discrete Gaussian samplers of ``dpfl.privacy.mechanisms.dgauss_sampler``, old vs new, in one run:
 the integer-coin CKS 2020 sampler (the previous one) and the batched lazy-uniform one dpfl
 uses (both exact), at a DDGauss share's variance.
 
@@ -20,8 +20,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from dpfl.privacy.ddgauss import variance_factors  # noqa: E402
-from dpfl.privacy.dgauss_sampler import (  # noqa: E402
+from dpfl.privacy.mechanisms.ddgauss import variance_factors  # noqa: E402
+from dpfl.privacy.mechanisms.dgauss_sampler import (  # noqa: E402
     discrete_gaussian,
     discrete_gaussian_integer_coins,
 )

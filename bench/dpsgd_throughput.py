@@ -24,7 +24,7 @@ from dpfl.client.trainers import train_dpsgd, train_plain
 from dpfl.config import OPACUS_MODES, RunConfig
 from dpfl.data import ClientData, load_dataset, to_tensor
 from dpfl.models import build_model
-from dpfl.privacy.randomness import secret_generator
+from dpfl.privacy.mechanisms.randomness import secret_generator
 
 SHAPE = (1, 28, 28)
 

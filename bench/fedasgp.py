@@ -17,7 +17,7 @@ from timing import best_time
 from dpfl.method import TRAIN_LOSS
 from dpfl.methods import METHODS, run_config
 from dpfl.methods.fedasgp import asgp_threshold, round_svt
-from dpfl.privacy.mechanisms import l2_clip, laplace_noise
+from dpfl.privacy.mechanisms.release import l2_clip, laplace_noise
 
 GOAL_S = 0.050
 

@@ -16,9 +16,9 @@ import time
 
 import numpy as np
 
-from dpfl.privacy.budget import PrivacyHistory
-from dpfl.privacy.events import PrivacyEvent
-from dpfl.privacy.ledger import Ledger
+from dpfl.privacy.accounting.budget import PrivacyHistory
+from dpfl.privacy.accounting.events import PrivacyEvent
+from dpfl.privacy.accounting.ledger import Ledger
 
 
 def build(clients: int, rounds: int, seed: int = 0) -> Ledger:
@@ -42,7 +42,7 @@ def main() -> None:
     ledger = build(args.clients, args.rounds)
     events = sum(len(h.events) for h in ledger.clients.values())
     ledger.epsilons()  # warm the per-event curve cache once (3 distinct events)
-    from dpfl.privacy.events import rdp_curve
+    from dpfl.privacy.accounting.events import rdp_curve
 
     rdp_curve.cache_clear()
     t0 = time.perf_counter()

@@ -139,7 +139,7 @@ def calibration(quick: bool) -> None:
 
     memo_root = Path(tempfile.mkdtemp(prefix="dpfl-calib-memo-"))
     os.environ["DPFL_CACHE_DIR"] = str(memo_root)   # a fresh memo, read by dpfl.memo per call
-    from dpfl.privacy import accounting as A
+    from dpfl.privacy.accounting import accountants as A
 
     def clear_caches() -> None:   # every in-process cache of dpfl's calibration/accounting
         for fn in (A.calibrate_dpsgd_noise, A.calibrate_noise, A._pld_compute,

@@ -13,8 +13,8 @@ import numpy as np
 import torch
 from timing import best_time
 
-from dpfl.privacy.longitudinal import longitudinal_clip
-from dpfl.privacy.mechanisms import l2_clip
+from dpfl.privacy.mechanisms.longitudinal import longitudinal_clip
+from dpfl.privacy.mechanisms.release import l2_clip
 
 GOAL_S = 0.025
 

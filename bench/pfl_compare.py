@@ -206,7 +206,7 @@ def run_pfl(args: argparse.Namespace, work: Path, data: Path, i: int) -> dict:
 def dpfl_accountant_on(q: float, sigma: float, rounds: int, delta: float) -> dict[str, float]:
     """dpfl's accountant (dp-accounting; Poisson-subsampled Gaussian, add-remove, every
     round charged) on a (sigma, q, rounds, delta)."""
-    from dpfl.privacy.events import history_epsilon
+    from dpfl.privacy.accounting.events import history_epsilon
     from dpfl.privacy.trust import central_events
 
     events = [e for r in range(1, rounds + 1) for e in central_events(r, sigma, q)]

@@ -106,7 +106,7 @@ CALLS: dict[str, list[tuple]] = {
     "flwr.clientapp.client_app": [("ClientApp.__call__", "actor.task")],
     "dpfl.methods": [("configured", "dpfl.configured"),
                      ("build_strategy", "dpfl.build_strategy")],
-    "dpfl.privacy.calibration_cache": [("memoised", "dpfl.calibration"),
+    "dpfl.privacy.accounting.calibration_cache": [("memoised", "dpfl.calibration"),
                                        ("lookup", "dpfl.calibration_lookup", None, True)],
     "dpfl.data.loaders": [("load_dataset", "data.load_dataset", 0),
                           ("check_dataset", "data.check_dataset", 0)],

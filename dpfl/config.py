@@ -38,8 +38,8 @@ CENTRAL_IMPLS = ("dpfl", "flower")
 # trust=central: independent noise per round, or correlated noise across rounds without a
 # sampling assumption (dpfl.privacy.correlated_charging)
 CENTRAL_NOISES = ("gaussian", "tree", "banded-mf")
-# trust=distributed: the integer noise of the shares (dpfl.privacy.skellam,
-# dpfl.privacy.ddgauss)
+# trust=distributed: the integer noise of the shares (dpfl.privacy.mechanisms.skellam,
+# dpfl.privacy.mechanisms.ddgauss)
 SECURE_NOISES = ("skellam", "ddgauss")
 # The model registry's names (dpfl.models.MODELS), here so that a misspelled model is refused
 # before torch is imported (the registries import it: ~2.4 s); tests/test_methods_registry.py
@@ -196,7 +196,7 @@ class RunConfig:
     node_wait: float = 600.0
     seed: int = 42
     # true = DP noise and Poisson sampling seeded from public values (bit-identical reruns,
-    # verdict none); false = secret OS entropy per client and round (dpfl.privacy.randomness)
+    # verdict none); false = secret OS entropy per client and round (dpfl.privacy.mechanisms.randomness)
     reproducible: bool = False
     output_dir: str = "runs"
     run_name: str = ""

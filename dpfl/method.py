@@ -20,8 +20,8 @@ from dpfl.client.hooks import MethodHooks
 from dpfl.client.job import TRAIN_LOSS as TRAIN_LOSS  # re-exported for the methods
 from dpfl.config import RunConfig, coerce_field, need
 from dpfl.models import build_model
-from dpfl.privacy.events import PrivacyEvent
-from dpfl.privacy.mechanisms import GaussianMechanism
+from dpfl.privacy.accounting.events import PrivacyEvent
+from dpfl.privacy.mechanisms.release import GaussianMechanism
 from dpfl.privacy.plan import UPDATE_DP_RELATION, PlanFn, UpdateClip, shared_plan
 from dpfl.privacy.verdict import MethodPrivacy
 from dpfl.server.strategy import DPFLStrategy

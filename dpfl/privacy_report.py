@@ -41,9 +41,9 @@ from rich.table import Table
 from dpfl.errors import UserError, one_line, read_json_file, read_text_file
 from dpfl.logs import get_logger
 from dpfl.numbers import is_number
-from dpfl.privacy.event_types import event_type
-from dpfl.privacy.events import PrivacyEvent, history_terms
-from dpfl.privacy.ledger import Ledger
+from dpfl.privacy.accounting.event_types import event_type
+from dpfl.privacy.accounting.events import PrivacyEvent, history_terms
+from dpfl.privacy.accounting.ledger import Ledger
 from dpfl.server.rundir import RunDir
 
 log = get_logger("flwr.dpfl.report")

@@ -8,8 +8,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from dpfl.privacy.events import PrivacyEvent
-from dpfl.privacy.ledger import Ledger
+from dpfl.privacy.accounting.events import PrivacyEvent
+from dpfl.privacy.accounting.ledger import Ledger
 
 GUARANTEE = {"verdict": "formal", "unit": "client", "relation": "replace-one",
              "sampling": "none", "delta": 1e-5, "accountant": "rdp", "scope": "test run"}

@@ -17,8 +17,8 @@ from dpfl.errors import UserError
 from dpfl.methods import build_strategy, guarantee, parse_run_config, run_config
 from dpfl.methods.aadp import DPSGD_ROUND_EXTRA_ORDERS, aadp_plan, dpsgd_round_noise_multiplier
 from dpfl.models import build_model
-from dpfl.privacy.events import PrivacyEvent
-from dpfl.privacy.filter import RenyiFilter
+from dpfl.privacy.accounting.events import PrivacyEvent
+from dpfl.privacy.accounting.filter import RenyiFilter
 from dpfl.privacy.plan import PlanInputs, plan_problem, planned_event
 
 D = 1e-5
@@ -147,8 +147,8 @@ def test_client_app_sends_the_planned_dpsgd_round_then_the_filter_refuses(server
     from dpfl.apps.client import train
     from dpfl.apps.server import _adaptive_claim
     from dpfl.data import splits_for
-    from dpfl.privacy.budget import BUDGET_REFUSAL
-    from dpfl.privacy.ledger import Ledger
+    from dpfl.privacy.accounting.budget import BUDGET_REFUSAL
+    from dpfl.privacy.accounting.ledger import Ledger
 
     from flower_helpers import context, message
 

@@ -14,7 +14,7 @@ from dp_accounting.rdp import rdp_privacy_accountant
 from opacus.accountants import PRVAccountant, RDPAccountant
 from scipy.stats import norm
 
-from dpfl.privacy.accounting import (
+from dpfl.privacy.accounting.accountants import (
     calibrate_dpsgd_noise,
     calibrate_noise,
     dpsgd_epsilon,
@@ -164,8 +164,8 @@ def test_poisson_calibration_meets_the_target_under_pld():
 
 
 def test_arguments_that_would_be_ignored_are_refused():
-    from dpfl.privacy.accounting import dp_event_of
-    from dpfl.privacy.events import PrivacyEvent, history_epsilon, rdp_curve
+    from dpfl.privacy.accounting.accountants import dp_event_of
+    from dpfl.privacy.accounting.events import PrivacyEvent, history_epsilon, rdp_curve
 
     # population_size only means something for sampling without replacement
     for sampling in ("none", "poisson"):
@@ -219,8 +219,8 @@ def test_bad_arguments():
 def test_prv_is_refused_for_client_level_computations():
     # 'prv' is Opacus' DP-SGD accountant: every client-level entry point refuses it with
     # that reason (it is never read as dp-accounting's PLD), even with nothing to account
-    from dpfl.privacy.accounting import events_epsilon_detail, gaussian_epsilon_detail
-    from dpfl.privacy.events import PrivacyEvent, history_epsilon
+    from dpfl.privacy.accounting.accountants import events_epsilon_detail, gaussian_epsilon_detail
+    from dpfl.privacy.accounting.events import PrivacyEvent, history_epsilon
 
     reason = "'prv' is Opacus' DP-SGD accountant; use 'pld' or 'rdp'"
     calls = [
@@ -244,7 +244,7 @@ def test_prv_is_refused_for_client_level_computations():
 
 
 def test_pld_has_no_fixed_size_sampling_and_sigma_is_capped(monkeypatch):
-    from dpfl.privacy import accounting
+    from dpfl.privacy.accounting import accountants as accounting
 
     # dp-accounting's PLD accountant cannot compose a sample without replacement: refused
     # with the accountant to use instead (not dp-accounting's UnsupportedEventError)

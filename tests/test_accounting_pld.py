@@ -18,8 +18,8 @@ from opacus.accountants import PRVAccountant, RDPAccountant
 from opacus.accountants.utils import get_noise_multiplier
 from scipy.special import log_ndtr
 
-from dpfl.privacy import accounting as A
-from dpfl.privacy.accounting import (
+from dpfl.privacy.accounting import accountants as A
+from dpfl.privacy.accounting.accountants import (
     calibrate_dpsgd_noise,
     calibrate_noise,
     dpsgd_history_epsilon_detail,
@@ -27,14 +27,14 @@ from dpfl.privacy.accounting import (
     gaussian_epsilon,
     gaussian_epsilon_detail,
 )
-from dpfl.privacy.budget import PrivacyHistory
-from dpfl.privacy.events import (
+from dpfl.privacy.accounting.budget import PrivacyHistory
+from dpfl.privacy.accounting.events import (
     PrivacyEvent,
     histories_epsilon,
     history_epsilon,
     history_epsilon_detail,
 )
-from dpfl.privacy.ledger import Ledger
+from dpfl.privacy.accounting.ledger import Ledger
 
 D = 1e-5
 # the demo: MNIST 60k over 4 clients, 10 % validation holdout -> 13,500 training samples,

@@ -21,7 +21,8 @@ import scipy.stats
 import torch
 from dp_accounting.pld import PLDAccountant
 
-from dpfl.privacy.audit import (
+from dpfl.privacy.audit.canaries import canary_bits, canary_direction, canary_score
+from dpfl.privacy.audit.one_run import (
     AuditResult,
     audit_gaussian_mechanism,
     audit_scores,
@@ -31,7 +32,6 @@ from dpfl.privacy.audit import (
     guesses_from_scores,
     p_value,
 )
-from dpfl.privacy.canaries import canary_bits, canary_direction, canary_score
 
 DELTA = 1e-5
 

@@ -1,5 +1,5 @@
-"""Banded matrix-factorization noise (dpfl.privacy.banded_mf) and the accounting of any
-factorization under a participation schema (dpfl.privacy.correlated_accounting), against
+"""Banded matrix-factorization noise (dpfl.privacy.mechanisms.banded_mf) and the accounting of any
+factorization under a participation schema (dpfl.privacy.accounting.correlated_accounting), against
 independent references: dense linear algebra, brute force over every participation pattern
 (and every sign choice), finite differences, and dp-accounting called directly."""
 
@@ -16,10 +16,10 @@ from dp_accounting import dp_event
 from dp_accounting.pld import pld_privacy_accountant
 from dp_accounting.rdp import rdp_privacy_accountant
 
-from dpfl.privacy import banded_mf as bm
-from dpfl.privacy import correlated_accounting as ca
-from dpfl.privacy import tree_aggregation as ta
-from dpfl.privacy.participation import ParticipationSchema
+from dpfl.privacy.accounting import correlated_accounting as ca
+from dpfl.privacy.accounting.participation import ParticipationSchema
+from dpfl.privacy.mechanisms import banded_mf as bm
+from dpfl.privacy.mechanisms import tree_aggregation as ta
 
 
 def _prefix(n):

@@ -11,7 +11,8 @@ import logging
 import pytest
 
 from dpfl import memo
-from dpfl.privacy import accounting, calibration_cache
+from dpfl.privacy.accounting import accountants as accounting
+from dpfl.privacy.accounting import calibration_cache
 
 QUESTION = dict(target_epsilon=4.0, delta=1e-5, sample_rate=0.04, steps=50, accountant="pld")
 

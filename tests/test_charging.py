@@ -16,9 +16,9 @@ from opacus.accountants import RDPAccountant
 
 from dpfl.config import RunConfig
 from dpfl.methods import build_strategy
-from dpfl.privacy.budget import PrivacyHistory
-from dpfl.privacy.events import PrivacyEvent
-from dpfl.privacy.ledger import Ledger
+from dpfl.privacy.accounting.budget import PrivacyHistory
+from dpfl.privacy.accounting.events import PrivacyEvent
+from dpfl.privacy.accounting.ledger import Ledger
 from dpfl.server.strategy import RoundRecord
 from dpfl.server.validation import array_template
 

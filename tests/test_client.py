@@ -14,9 +14,9 @@ from dpfl.client.trainers import train_dpsgd
 from dpfl.config import RunConfig
 from dpfl.data import ClientData, client_data
 from dpfl.models import build_model
-from dpfl.privacy.budget import PrivacyHistory
-from dpfl.privacy.events import PrivacyEvent
-from dpfl.privacy.mechanisms import GaussianMechanism, l2_clip
+from dpfl.privacy.accounting.budget import PrivacyHistory
+from dpfl.privacy.accounting.events import PrivacyEvent
+from dpfl.privacy.mechanisms.release import GaussianMechanism, l2_clip
 from dpfl.privacy.plan import gaussian_norm_bound
 from dpfl.tensors import flatten
 
@@ -192,7 +192,7 @@ def test_the_budget_check_counts_the_servers_releases():
     """The server sends the releases it made itself on this client's behalf (e.g. adaptive
     clipping's noisy count; ``server-event-*``): a round that fits the client's own history
     is refused once they are counted, and the epsilon the client reports stays its own."""
-    from dpfl.privacy.ledger import Ledger, server_events_config
+    from dpfl.privacy.accounting.ledger import Ledger, server_events_config
 
     run_config = {**DIGITS, "accountant": "rdp", "trainer": "update-dp"}
     torch.manual_seed(0)
@@ -238,7 +238,7 @@ def test_a_malformed_ledger_or_plan_record_is_a_refusal_not_a_crash():
     not decode (a missing column, lists of different lengths) gets a refusal naming the
     record; the client trains nothing and spends nothing (before: an IndexError/KeyError
     inside the ClientApp)."""
-    from dpfl.privacy.ledger import Ledger, ledger_config
+    from dpfl.privacy.accounting.ledger import Ledger, ledger_config
     from dpfl.privacy.plan import plan_to_record
 
     run_config = {**DIGITS, "accountant": "rdp", "trainer": "update-dp"}

@@ -15,17 +15,17 @@ from dp_accounting.pld import pld_privacy_accountant
 from dp_accounting.rdp import rdp_privacy_accountant
 
 from dpfl.config import ConfigError, RunConfig, validate
-from dpfl.privacy.banded_mf import decoder_matrix, toeplitz_matrix
-from dpfl.privacy.correlated_accounting import gram
+from dpfl.privacy.accounting.correlated_accounting import gram
+from dpfl.privacy.accounting.events import history_epsilon
+from dpfl.privacy.accounting.ledger import Ledger, client_key
+from dpfl.privacy.accounting.participation import ParticipationSchema
 from dpfl.privacy.correlated_charging import (
     correlated_charge,
     tree_pattern_sensitivities,
     tree_proportional_valid,
 )
-from dpfl.privacy.events import history_epsilon
-from dpfl.privacy.ledger import Ledger, client_key
-from dpfl.privacy.participation import ParticipationSchema
-from dpfl.privacy.tree_aggregation import tree_factorization
+from dpfl.privacy.mechanisms.banded_mf import decoder_matrix, toeplitz_matrix
+from dpfl.privacy.mechanisms.tree_aggregation import tree_factorization
 from dpfl.privacy.verdict import guarantee_for
 from dpfl.server.central import CentralAggregator
 from dpfl.server.correlated import CorrelatedAggregator, cohort_size

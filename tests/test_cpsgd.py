@@ -1,4 +1,4 @@
-"""cpSGD (dpfl.methods.cpsgd, dpfl.privacy.binomial) against hand computations: the
+"""cpSGD (dpfl.methods.cpsgd, dpfl.privacy.mechanisms.binomial) against hand computations: the
 restricted-support Renyi divergence summed by hand in exact rationals, the binomial tail by
 math.comb, the Gaussian limit, dp-accounting's conversion, and the quantiser/rotation."""
 
@@ -13,7 +13,8 @@ from dp_accounting.rdp import rdp_privacy_accountant as rdp_lib
 from dpfl.config import ConfigError
 from dpfl.methods import cpsgd as cp
 from dpfl.methods import parse_run_config
-from dpfl.privacy.binomial import (
+from dpfl.privacy.accounting.events import history_epsilon, rdp_curve
+from dpfl.privacy.mechanisms.binomial import (
     ORDERS,
     SAFETY,
     binomial_curve,
@@ -23,7 +24,6 @@ from dpfl.privacy.binomial import (
     support_delta,
     support_mass,
 )
-from dpfl.privacy.events import history_epsilon, rdp_curve
 
 
 def _exact(n: int, s: int, alpha: int) -> float:

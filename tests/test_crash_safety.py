@@ -20,8 +20,8 @@ import torch
 from dpfl.durable import atomic_write_text, read_lines
 from dpfl.errors import UserError
 from dpfl.methods import run_config
-from dpfl.privacy.events import PrivacyEvent
-from dpfl.privacy.ledger import Ledger
+from dpfl.privacy.accounting.events import PrivacyEvent
+from dpfl.privacy.accounting.ledger import Ledger
 from dpfl.server.rundir import RunDir, unique_run_name
 
 ROOT = Path(__file__).resolve().parents[1]

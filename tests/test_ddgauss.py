@@ -1,4 +1,4 @@
-"""The distributed discrete Gaussian (dpfl.privacy.ddgauss) against independent references:
+"""The distributed discrete Gaussian (dpfl.privacy.mechanisms.ddgauss) against independent references:
 the discrete Gaussian's pmf summed by hand, tau and Proposition 14 written out, dp-accounting's
 own conversion and Gaussian RDP, and the Skellam path at equal variance."""
 
@@ -13,16 +13,16 @@ from dp_accounting.rdp import rdp_privacy_accountant as rdp_lib
 from dpfl.client.secure import distributed_share
 from dpfl.config import ConfigError
 from dpfl.methods import parse_run_config
-from dpfl.privacy.ddgauss import (
+from dpfl.privacy.accounting.events import history_epsilon, orders_for, rdp_curve
+from dpfl.privacy.mechanisms.ddgauss import (
     ddgauss_event,
     discrete_gaussian,
     overflow_bound,
     tau,
     variance_factors,
 )
-from dpfl.privacy.dgauss_sampler import discrete_gaussian_integer_coins, exp_bounds
-from dpfl.privacy.events import history_epsilon, orders_for, rdp_curve
-from dpfl.privacy.skellam import skellam_event
+from dpfl.privacy.mechanisms.dgauss_sampler import discrete_gaussian_integer_coins, exp_bounds
+from dpfl.privacy.mechanisms.skellam import skellam_event
 from dpfl.privacy.trust import share_variance
 
 DELTA = 1e-5

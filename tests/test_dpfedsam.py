@@ -26,8 +26,8 @@ from dpfl.methods import (
 from dpfl.methods.dpfedsam import DPFedSAMParams, NoisyGradientSAM, sam_step
 from dpfl.models import build_model
 from dpfl.models.evaluation import device_for
-from dpfl.privacy.mechanisms import l2_clip
-from dpfl.privacy.randomness import public_seed
+from dpfl.privacy.mechanisms.randomness import public_seed
+from dpfl.privacy.mechanisms.release import l2_clip
 from dpfl.server.strategy import DPFLStrategy
 from dpfl.tensors import flatten, state_difference
 

@@ -1,4 +1,4 @@
-"""Typed privacy events (issue 50): one class per mechanism in dpfl.privacy.event_types'
+"""Typed privacy events (issue 50): one class per mechanism in dpfl.privacy.accounting.event_types'
 registry, each with its unit, the parameters it takes, its one-step RDP curve and its
 dp-accounting event.
 
@@ -20,10 +20,10 @@ from dp_accounting import dp_event
 from dp_accounting.pld.pld_privacy_accountant import PLDAccountant
 from dp_accounting.rdp.rdp_privacy_accountant import RdpAccountant, compute_epsilon
 
-from dpfl.privacy import events as E
-from dpfl.privacy.accounting import MECHANISMS, check_event_key, dp_event_of
-from dpfl.privacy.budget import PrivacyHistory
-from dpfl.privacy.event_types import (
+from dpfl.privacy.accounting import events as E
+from dpfl.privacy.accounting.accountants import MECHANISMS, check_event_key, dp_event_of
+from dpfl.privacy.accounting.budget import PrivacyHistory
+from dpfl.privacy.accounting.event_types import (
     BINOMIAL_ORDERS,
     RELATIONS,
     EventKey,
@@ -34,16 +34,16 @@ from dpfl.privacy.event_types import (
     register_event_type,
     unregister_event_type,
 )
-from dpfl.privacy.events import (
+from dpfl.privacy.accounting.events import (
     PrivacyEvent,
     history_epsilon,
     history_epsilon_detail,
     orders_for,
     rdp_curve,
 )
-from dpfl.privacy.filter import RenyiFilter
-from dpfl.privacy.ledger import Ledger
-from dpfl.privacy.record import decode_event, decode_events, encode_event, encode_events
+from dpfl.privacy.accounting.filter import RenyiFilter
+from dpfl.privacy.accounting.ledger import Ledger
+from dpfl.privacy.accounting.record import decode_event, decode_events, encode_event, encode_events
 
 D = 1e-5
 BUILTIN = ("dpsgd", "gaussian", "quantile-count", "laplace", "sparse-vector", "skellam",

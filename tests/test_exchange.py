@@ -165,7 +165,7 @@ def test_a_dropped_reply_names_the_client_the_node_is_known_as(caplog, server_id
 
 
 def test_an_unknown_sender_is_named_by_node_and_ledger_key(caplog, server_identity):
-    from dpfl.privacy.ledger import Ledger
+    from dpfl.privacy.accounting.ledger import Ledger
 
     strategy = build_strategy(RunConfig(dataset="digits", model="mlp"))
     strategy._global = ArrayRecord({"w": torch.zeros(2)})

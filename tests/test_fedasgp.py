@@ -39,10 +39,10 @@ from dpfl.methods.fedasgp import (
     update_norm_bound,
 )
 from dpfl.models import build_model
-from dpfl.privacy.budget import PrivacyHistory
+from dpfl.privacy.accounting.budget import PrivacyHistory
+from dpfl.privacy.accounting.events import PrivacyEvent, history_epsilon
 from dpfl.privacy.charging import charge_for
-from dpfl.privacy.events import PrivacyEvent, history_epsilon
-from dpfl.privacy.mechanisms import l2_clip, laplace_noise
+from dpfl.privacy.mechanisms.release import l2_clip, laplace_noise
 from dpfl.privacy.plan import PlanInputs, plan_to_record
 from dpfl.server.validation import ClientUpdate
 

@@ -24,7 +24,7 @@ from dpfl.methods.fedasgp import (
     significant_indices,
 )
 from dpfl.models import build_model
-from dpfl.privacy.ledger import Ledger
+from dpfl.privacy.accounting.ledger import Ledger
 from dpfl.privacy.plan import PlanInputs, planned_event
 from dpfl.server.strategy import RoundContext, RoundRecord
 from dpfl.server.validation import PUBLIC_REPLY_METRICS, TRAIN_LOSS_METRIC, ClientUpdate

@@ -30,7 +30,7 @@ from dpfl.methods.fedcompdp import (
     sparsify_threshold,
 )
 from dpfl.models.evaluation import macro_f1
-from dpfl.privacy.mechanisms import geometric_clip_update
+from dpfl.privacy.mechanisms.release import geometric_clip_update
 from dpfl.server.validation import ClientUpdate
 
 BASE = dict(strategy="fedcompdp", trainer="update-dp", dataset="digits", model="mnist-cnn",

@@ -27,7 +27,7 @@ from dpfl.methods.fedcompdp import (
     unclipped_fraction_range,
 )
 from dpfl.models import build_model
-from dpfl.privacy.ledger import Ledger
+from dpfl.privacy.accounting.ledger import Ledger
 from dpfl.privacy.plan import (
     UNCLIPPED_FRACTION,
     PlanInputs,

@@ -26,8 +26,8 @@ from dpfl.methods.fedsmp import (
     topk_indices,
 )
 from dpfl.models import build_model
-from dpfl.privacy.events import PrivacyEvent, history_epsilon
-from dpfl.privacy.mechanisms import l2_clip
+from dpfl.privacy.accounting.events import PrivacyEvent, history_epsilon
+from dpfl.privacy.mechanisms.release import l2_clip
 from dpfl.privacy.plan import (
     PlanInputs,
     gaussian_norm_bound,
@@ -362,7 +362,7 @@ def test_fedsmp_over_dpsgd_sparsifies_the_dpsgd_update(mask, server_identity):
     from dpfl.methods import build_strategy, guarantee, parse_run_config
     from dpfl.methods.fedsmp import kept_count, randk_indices
     from dpfl.models import build_model
-    from dpfl.privacy.ledger import Ledger
+    from dpfl.privacy.accounting.ledger import Ledger
     from dpfl.tensors import flatten
 
     from flower_helpers import context, message

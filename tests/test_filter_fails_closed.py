@@ -17,10 +17,10 @@ from dp_accounting.rdp.rdp_privacy_accountant import compute_epsilon
 from dpfl.cli import main
 from dpfl.config import ConfigError
 from dpfl.methods import parse_run_config
-from dpfl.privacy.accounting import MECHANISMS
-from dpfl.privacy.budget import PrivacyHistory
-from dpfl.privacy.events import PrivacyEvent, history_rdp, orders_for
-from dpfl.privacy.filter import RenyiFilter, holds_anything
+from dpfl.privacy.accounting.accountants import MECHANISMS
+from dpfl.privacy.accounting.budget import PrivacyHistory
+from dpfl.privacy.accounting.events import PrivacyEvent, history_rdp, orders_for
+from dpfl.privacy.accounting.filter import RenyiFilter, holds_anything
 
 D = 1e-5
 
@@ -128,7 +128,7 @@ def test_a_pld_history_mixing_sparse_vector_and_integer_noise_composes(discrete)
     """Sparse-vector (pure) events beside binomial, DDGauss or Skellam ones under
     accountant=pld raised "no dp-accounting event"; neither has a PLD event, so the history
     takes the RDP bound, or basic composition of the pure part (both valid, the smaller)."""
-    from dpfl.privacy.events import history_epsilon_detail
+    from dpfl.privacy.accounting.events import history_epsilon_detail
 
     svt = PrivacyEvent.pure(1, 0.3, mechanism="sparse-vector", steps=2)
     noise = EVENTS[discrete]

@@ -96,8 +96,8 @@ def test_aadp_per_round_epsilon_lets_the_mean_client_run_every_round(epsilon):
     sigma AADP-FL's client derives from it, fill its Rényi filter in num-rounds rounds: all
     10 are admitted, 11 are not."""
     from dpfl.methods.aadp import dpsgd_round_noise_multiplier
-    from dpfl.privacy.filter import RenyiFilter
-    from dpfl.privacy.mechanisms import DpsgdRelease
+    from dpfl.privacy.accounting.filter import RenyiFilter
+    from dpfl.privacy.mechanisms.release import DpsgdRelease
     from dpfl.privacy.plan import dpsgd_sample_rate, planned_dpsgd_steps
 
     over = frontier.run_overrides(ROOT, f"mnist-eps{epsilon:g}", "aadp", {}, 0, "x")

@@ -17,8 +17,8 @@ from dpfl.methods import METHODS, build_strategy
 from dpfl.methods.fedasgp import FedASGPParams
 from dpfl.methods.fedsmp import FedSMPParams
 from dpfl.models import build_model
-from dpfl.privacy.budget import PrivacyHistory
-from dpfl.privacy.events import PrivacyEvent
+from dpfl.privacy.accounting.budget import PrivacyHistory
+from dpfl.privacy.accounting.events import PrivacyEvent
 from dpfl.server.validation import Rejection
 
 from flower_helpers import message

@@ -1,4 +1,4 @@
-"""AADP-FL's longitudinal clipping (``dpfl.privacy.longitudinal``): the norm bound on
+"""AADP-FL's longitudinal clipping (``dpfl.privacy.mechanisms.longitudinal``): the norm bound on
 adversarial inputs, the output structure (kept coordinates unchanged, the largest ones,
 ties zeroed in index order), agreement with a naive Algorithm-2 loop on small inputs, and
 the backstop of the hard check.
@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 import torch
 
-from dpfl.privacy import longitudinal
-from dpfl.privacy.longitudinal import longitudinal_clip
+from dpfl.privacy.mechanisms import longitudinal
+from dpfl.privacy.mechanisms.longitudinal import longitudinal_clip
 
 F32_MAX = float(np.finfo(np.float32).max)
 

@@ -14,9 +14,9 @@ from dp_accounting.pld.pld_privacy_accountant import PLDAccountant
 from dp_accounting.rdp.rdp_privacy_accountant import RdpAccountant
 from opacus.accountants import RDPAccountant
 
-from dpfl.privacy.events import PrivacyEvent, history_epsilon
-from dpfl.privacy.longitudinal import longitudinal_clip
-from dpfl.privacy.mechanisms import (
+from dpfl.privacy.accounting.events import PrivacyEvent, history_epsilon
+from dpfl.privacy.mechanisms.longitudinal import longitudinal_clip
+from dpfl.privacy.mechanisms.release import (
     DpsgdRelease,
     GaussianMechanism,
     LaplaceMechanism,

@@ -22,8 +22,8 @@ from dpfl.client.node_history import (
 from dpfl.config import RunConfig
 from dpfl.data import client_data
 from dpfl.models import build_model
-from dpfl.privacy.budget import PrivacyHistory
-from dpfl.privacy.events import PrivacyEvent
+from dpfl.privacy.accounting.budget import PrivacyHistory
+from dpfl.privacy.accounting.events import PrivacyEvent
 
 from flower_helpers import context, message
 

@@ -1,4 +1,4 @@
-"""The participation schema without sampling (dpfl.privacy.participation): k participations
+"""The participation schema without sampling (dpfl.privacy.accounting.participation): k participations
 per client, any two at least b rounds apart, over n rounds; its validator, its patterns and
 its one-line statement."""
 
@@ -8,7 +8,7 @@ import itertools
 
 import pytest
 
-from dpfl.privacy.participation import ParticipationSchema
+from dpfl.privacy.accounting.participation import ParticipationSchema
 
 
 def _all_patterns(n: int, k: int, b: int) -> set[tuple[int, ...]]:

@@ -15,9 +15,9 @@ from opacus.accountants import RDPAccountant
 from dpfl.config import RunConfig
 from dpfl.methods import build_strategy, parse_run_config
 from dpfl.methods.pegasus import pegasus_select
-from dpfl.privacy.budget import PrivacyHistory
-from dpfl.privacy.events import PrivacyEvent
-from dpfl.privacy.ledger import Ledger
+from dpfl.privacy.accounting.budget import PrivacyHistory
+from dpfl.privacy.accounting.events import PrivacyEvent
+from dpfl.privacy.accounting.ledger import Ledger
 
 from flower_helpers import message
 

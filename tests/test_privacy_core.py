@@ -14,10 +14,15 @@ from dp_accounting import dp_event
 from dp_accounting.rdp.rdp_privacy_accountant import RdpAccountant, compute_epsilon
 from opacus.accountants import RDPAccountant
 
-from dpfl.privacy.budget import PrivacyHistory
-from dpfl.privacy.events import PrivacyEvent, histories_epsilon, history_epsilon, orders_for
-from dpfl.privacy.filter import RenyiFilter
-from dpfl.privacy.ledger import Ledger, ledger_config, prior_history
+from dpfl.privacy.accounting.budget import PrivacyHistory
+from dpfl.privacy.accounting.events import (
+    PrivacyEvent,
+    histories_epsilon,
+    history_epsilon,
+    orders_for,
+)
+from dpfl.privacy.accounting.filter import RenyiFilter
+from dpfl.privacy.accounting.ledger import Ledger, ledger_config, prior_history
 
 D = 1e-5
 

@@ -12,7 +12,7 @@ from dpfl.client.canary import canary_norm, canary_update, is_canary
 from dpfl.config import ConfigError
 from dpfl.errors import UserError
 from dpfl.methods import run_config
-from dpfl.privacy.canaries import canary_bits, canary_direction
+from dpfl.privacy.audit.canaries import canary_bits, canary_direction
 from dpfl.server.observer import AUDIT_FILE, UpdateObserver, recorded_update_path
 from dpfl.server.validation import ClientUpdate
 
@@ -172,7 +172,7 @@ def test_dpsgd_samples_at_the_public_rate_whatever_the_canaries_add():
 
 
 def test_sparse_canaries_and_the_support_overlap_statistic(tmp_path):
-    from dpfl.privacy.canaries import support_overlap
+    from dpfl.privacy.audit.canaries import support_overlap
 
     dense = canary_direction(5, 2, 1000)
     assert torch.equal(canary_direction(5, 2, 1000, 0), dense)   # the default is unchanged

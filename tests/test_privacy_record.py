@@ -1,22 +1,22 @@
 """One codec for the privacy record (issue 50): the four wire formats (a reply's ``privacy``
 record and the node state, ``ledger-*``, ``server-event-*``, ``plan-*``) round-trip through
-dpfl.privacy.record, and a malformed one is a ValueError, never a guess."""
+dpfl.privacy.accounting.record, and a malformed one is a ValueError, never a guess."""
 
 from __future__ import annotations
 
 import pytest
 
-from dpfl.privacy.budget import PrivacyHistory
-from dpfl.privacy.events import PrivacyEvent
-from dpfl.privacy.ledger import (
+from dpfl.privacy.accounting.budget import PrivacyHistory
+from dpfl.privacy.accounting.events import PrivacyEvent
+from dpfl.privacy.accounting.ledger import (
     Ledger,
     ledger_config,
     prior_history,
     server_events_config,
     server_events_from,
 )
+from dpfl.privacy.accounting.record import EVENT_FIELDS, decode_events, encode_events
 from dpfl.privacy.plan import plan_from_record, plan_to_record
-from dpfl.privacy.record import EVENT_FIELDS, decode_events, encode_events
 
 EVENTS = [PrivacyEvent.dpsgd(1, 0.9, 0.02, 50),
           PrivacyEvent.gaussian(2, 1.3, relation="replace-one"),

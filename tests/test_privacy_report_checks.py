@@ -19,8 +19,8 @@ from dp_accounting.rdp.rdp_privacy_accountant import RdpAccountant
 
 from dpfl.cli import main
 from dpfl.errors import UserError
-from dpfl.privacy.ledger import Ledger
-from dpfl.privacy.mechanisms import GaussianMechanism
+from dpfl.privacy.accounting.ledger import Ledger
+from dpfl.privacy.mechanisms.release import GaussianMechanism
 from dpfl.privacy_report import (
     EXIT_INCONSISTENT,
     Difference,

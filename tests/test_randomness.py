@@ -9,7 +9,7 @@ import pytest
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, RecordDict
 
-import dpfl.privacy.randomness as randomness
+import dpfl.privacy.mechanisms.randomness as randomness
 from dpfl.apps.client import train
 from dpfl.config import RunConfig
 from dpfl.methods import guarantee as guarantee_for

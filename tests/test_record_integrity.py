@@ -34,9 +34,9 @@ from dpfl.data import splits_for
 from dpfl.errors import UserError
 from dpfl.methods import build_strategy, parse_run_config
 from dpfl.models import build_model
-from dpfl.privacy.budget import PrivacyHistory
-from dpfl.privacy.events import PrivacyEvent
-from dpfl.privacy.ledger import Ledger
+from dpfl.privacy.accounting.budget import PrivacyHistory
+from dpfl.privacy.accounting.events import PrivacyEvent
+from dpfl.privacy.accounting.ledger import Ledger
 from dpfl.privacy.plan import dpsgd_norm_bound, planned_event
 from dpfl.privacy_report import EXIT_OVER_BUDGET, build_privacy_report
 from dpfl.runlock import WRITER_LOCK, RunLock, check_unlocked
@@ -529,7 +529,7 @@ def test_a_partition_split_over_two_ledger_keys_is_flagged(tmp_path):
     partition's releases split over node-<id> and client-0, each below the budget 4.2,
     the partition over it, no flag, privacy-report exit 0. The unidentified sender's
     claim is kept with its charge and the partition's figure over both keys is checked."""
-    from dpfl.privacy.events import history_epsilon
+    from dpfl.privacy.accounting.events import history_epsilon
 
     sigma = 4.5
     events = [PrivacyEvent.gaussian(r, sigma, relation="replace-one") for r in range(1, 7)]

@@ -14,7 +14,7 @@ from flwr.app import ArrayRecord, MetricRecord, RecordDict
 from dpfl.apps.client import train
 from dpfl.data import splits_for
 from dpfl.methods import METHODS, build_strategy, guarantee, method_for, parse_run_config
-from dpfl.privacy.ledger import Ledger
+from dpfl.privacy.accounting.ledger import Ledger
 from dpfl.server.validation import PUBLIC_REPLY_METRICS
 
 from flower_helpers import context, message

@@ -40,7 +40,7 @@ def test_pegasus_table_reduction(tmp_path):
                "epsilon": {f"client-{i}": eps for i in range(4)}, "selected-by-round": [sel],
                "mean-epsilon-by-round": [eps], "run-dir": str(tmp_path)}
         (tmp_path / "runs" / f"{method}__seed0.json").write_text(json.dumps(rec))
-    from dpfl.privacy.ledger import Ledger
+    from dpfl.privacy.accounting.ledger import Ledger
 
     Ledger(1e-5).save(tmp_path / "ledger.json")  # old records: the staircase reads the ledger
     text = pegasus_table(tmp_path, "dpfl reproduce pegasus")
@@ -202,8 +202,8 @@ def test_fedasgp_matched_budget_is_the_strict_ledger_of_a_client_in_every_round(
     )
 
     from dpfl.experiments.fedasgp import matched_epsilon
-    from dpfl.privacy.accounting import calibrate_noise
-    from dpfl.privacy.events import PrivacyEvent, history_epsilon
+    from dpfl.privacy.accounting.accountants import calibrate_noise
+    from dpfl.privacy.accounting.events import PrivacyEvent, history_epsilon
 
     assert matched_epsilon(4.0, 30, 1e-5, "rdp") == 120.0
     orders = np.asarray(DEFAULT_RDP_ORDERS)
@@ -281,8 +281,8 @@ def test_fedcompdp_control_cells_calibrate_sigma_to_a_protective_client_level_ep
 
     from dpfl.experiments.fedcompdp import REPRODUCTION
     from dpfl.methods import guarantee, parse_run_config
-    from dpfl.privacy.budget import PrivacyHistory
-    from dpfl.privacy.events import PrivacyEvent
+    from dpfl.privacy.accounting.budget import PrivacyHistory
+    from dpfl.privacy.accounting.events import PrivacyEvent
     from dpfl.privacy.plan import noise_multiplier_for
 
     root = Path(__file__).parent.parent

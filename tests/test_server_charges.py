@@ -22,9 +22,9 @@ from dp_accounting.pld.pld_privacy_accountant import PLDAccountant
 from dp_accounting.rdp.rdp_privacy_accountant import RdpAccountant
 from scipy.stats import norm
 
-from dpfl.privacy.events import PrivacyEvent
-from dpfl.privacy.ledger import Ledger, ledger_config, prior_history
-from dpfl.privacy.mechanisms import GaussianMechanism, QuantileClipTracker
+from dpfl.privacy.accounting.events import PrivacyEvent
+from dpfl.privacy.accounting.ledger import Ledger, ledger_config, prior_history
+from dpfl.privacy.mechanisms.release import GaussianMechanism, QuantileClipTracker
 from dpfl.privacy_report import privacy_report
 
 from rundir_helpers import lines_from_ledger, summary_of
@@ -205,7 +205,7 @@ def test_the_guard_sends_each_client_the_releases_charged_to_it():
     carries it (``server-event-*``, read back with the client's parser); client-1, not
     covered, gets none."""
     from dpfl.methods import run_config
-    from dpfl.privacy.ledger import server_events_from
+    from dpfl.privacy.accounting.ledger import server_events_from
     from dpfl.server.guard import DPGuard
 
     guard = DPGuard(run_config(trainer="update-dp", noise_multiplier=1.0))

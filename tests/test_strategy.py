@@ -125,8 +125,8 @@ def test_a_server_release_is_charged_through_the_guard_to_the_clients_it_covers(
     from dp_accounting.rdp import RdpAccountant
 
     from dpfl.methods import run_config
-    from dpfl.privacy.events import PrivacyEvent
-    from dpfl.privacy.ledger import Ledger
+    from dpfl.privacy.accounting.events import PrivacyEvent
+    from dpfl.privacy.accounting.ledger import Ledger
 
     cfg = run_config(trainer="update-dp", noise_multiplier=2.0, accountant="rdp")
     strategy = build_strategy(cfg)

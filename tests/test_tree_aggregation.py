@@ -1,4 +1,4 @@
-"""Tree aggregation (dpfl.privacy.tree_aggregation) against independent references: the
+"""Tree aggregation (dpfl.privacy.mechanisms.tree_aggregation) against independent references: the
 factorization A = B C, the closed-form variance against B's rows and against draws of the
 streaming generator, Honaker's estimator against least squares, the streaming noise against
 B z, and the sensitivity DP against brute force over every participation pattern."""
@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 import torch
 
-from dpfl.privacy import correlated_accounting as ca
-from dpfl.privacy import tree_aggregation as ta
-from dpfl.privacy.participation import ParticipationSchema
+from dpfl.privacy.accounting import correlated_accounting as ca
+from dpfl.privacy.accounting.participation import ParticipationSchema
+from dpfl.privacy.mechanisms import tree_aggregation as ta
 
 CASES = [(n, est, r) for n in (1, 2, 5, 8, 13, 16) for est in ta.ESTIMATORS
          for r in (None, 1, 3, 4)]

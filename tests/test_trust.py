@@ -17,10 +17,10 @@ from dpfl.apps.loopback import LoopbackGrid, share_app
 from dpfl.client.secure import central_release, distributed_share
 from dpfl.config import ConfigError, RunConfig
 from dpfl.methods import parse_run_config
-from dpfl.privacy.events import PrivacyEvent, history_epsilon
-from dpfl.privacy.ledger import Ledger
-from dpfl.privacy.mechanisms import QuantileClipTracker
-from dpfl.privacy.skellam import (
+from dpfl.privacy.accounting.events import PrivacyEvent, history_epsilon
+from dpfl.privacy.accounting.ledger import Ledger
+from dpfl.privacy.mechanisms.release import QuantileClipTracker
+from dpfl.privacy.mechanisms.skellam import (
     randomized_round,
     rounded_norm_bound,
     sensitivities,
@@ -144,7 +144,7 @@ def test_skellam_event_curve_is_the_theorem_at_integer_orders():
     min(((2a - 1) D2^2 + 6 D1) / (4 mu^2), 3 D1 / (2 mu)); dpfl's curve is >= it at
     every integer order (the surcharge is taken at the largest order) and within 1e-9 of
     it; infinite at fractional orders."""
-    from dpfl.privacy.events import orders_for, rdp_curve
+    from dpfl.privacy.accounting.events import orders_for, rdp_curve
 
     clip, scale, dim, sigma = 1.0, 1e4, 1000, 2.0
     ev = skellam_event(1, sigma, clip, scale, dim, "replace-one")

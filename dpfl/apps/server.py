@@ -37,9 +37,9 @@ from dpfl.methods import (
     parse_run_config,
 )
 from dpfl.models.evaluation import device_for
-from dpfl.privacy.budget import BUDGET_RTOL, PrivacyHistory
-from dpfl.privacy.events import history_terms
-from dpfl.privacy.ledger import Ledger, client_key
+from dpfl.privacy.accounting.budget import BUDGET_RTOL, PrivacyHistory
+from dpfl.privacy.accounting.events import history_terms
+from dpfl.privacy.accounting.ledger import Ledger, client_key
 from dpfl.privacy.trust import (
     check_overflow,
     distributed_noise_multiplier,

@@ -20,7 +20,7 @@ in (the server sees each reply: the strongest auditor of the local trust model);
 that never took part are left out (which clients are sampled does not depend on the bits,
 so the bits of those that took part are still independent fair coins). Guesses: the
 highest sums "included", the lowest "excluded", abstaining in between; the bound is
-:func:`dpfl.privacy.audit.audit_scores` at 95 % confidence (Bonferroni over the abstention
+:func:`dpfl.privacy.audit.one_run.audit_scores` at 95 % confidence (Bonferroni over the abstention
 levels tried). It is compared with the largest accounted epsilon of the audited canary
 clients (the ledger's, replace-one client level): every canary's guarantee is its
 client's. A lower bound above the accounted epsilon of a ``formal`` run is a bug in the
@@ -44,9 +44,9 @@ from dpfl.data import load_dataset
 from dpfl.durable import atomic_write_text, read_lines
 from dpfl.errors import UserError, read_json_file
 from dpfl.methods import guarantee
-from dpfl.privacy.audit import audit_scores
-from dpfl.privacy.canaries import canary_bits
-from dpfl.privacy.ledger import client_key
+from dpfl.privacy.accounting.ledger import client_key
+from dpfl.privacy.audit.canaries import canary_bits
+from dpfl.privacy.audit.one_run import audit_scores
 from dpfl.server.observer import AUDIT_FILE
 
 # keys of config.json that belong to the audited run's identity, not to its training

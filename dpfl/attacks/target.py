@@ -34,7 +34,7 @@ from dpfl.data import (
 )
 from dpfl.errors import UserError, read_json_file
 from dpfl.methods import method_for, parse_run_config
-from dpfl.privacy.canaries import canary_bits
+from dpfl.privacy.audit.canaries import canary_bits
 from dpfl.server.observer import (
     recorded_global_path,
     recorded_global_rounds,

@@ -19,9 +19,9 @@ from flwr.app import ConfigRecord, RecordDict
 from dpfl.client.job import ClientJob
 from dpfl.client.node_history import NodeHistoryError, adopt, history_path, record
 from dpfl.logs import get_logger
-from dpfl.privacy.budget import BUDGET_REFUSAL, PrivacyHistory
-from dpfl.privacy.events import PrivacyEvent
-from dpfl.privacy.ledger import prior_history, server_events_from
+from dpfl.privacy.accounting.budget import BUDGET_REFUSAL, PrivacyHistory
+from dpfl.privacy.accounting.events import PrivacyEvent
+from dpfl.privacy.accounting.ledger import prior_history, server_events_from
 from dpfl.privacy.plan import plan_from_record, plan_problem
 
 log = get_logger("flwr.dpfl.client")

@@ -6,7 +6,7 @@ secret uniformly random unit direction), *before* the method's release (clipping
 sparsification): a canary is a change of that one client's data, so the run's client-level
 guarantee covers it, and the auditor (the server) measures the mechanism exactly as
 deployed. With b_i = 0 the client trains as usual. Bits and directions come from
-``audit-seed``, the auditor's secret (:mod:`dpfl.privacy.canaries`).
+``audit-seed``, the auditor's secret (:mod:`dpfl.privacy.audit.canaries`).
 
 Sample-level DP-SGD (``trainer=dpsgd``): the m canaries are *examples* — out-of-distribution
 inputs (standard normal noise in the model's normalised input space) with random labels,
@@ -23,7 +23,7 @@ import torch
 
 from dpfl.config import RunConfig
 from dpfl.data import ClientData
-from dpfl.privacy.canaries import canary_bits, canary_direction
+from dpfl.privacy.audit.canaries import canary_bits, canary_direction
 
 # domain separation of the canary examples' stream from the bits' and directions' streams
 _EXAMPLES = 0x5A17

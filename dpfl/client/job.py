@@ -16,8 +16,8 @@ import torch
 from dpfl.client.hooks import MethodHooks
 from dpfl.config import RunConfig
 from dpfl.data import ClientData
+from dpfl.privacy.mechanisms.randomness import public_seed
 from dpfl.privacy.plan import PlanFn, PlanInputs, ReleasePlan, shared_plan
-from dpfl.privacy.randomness import public_seed
 from dpfl.tensors import flatten, state_difference, unflatten
 
 # The private mean training loss of the round, always among the ``local`` values the client

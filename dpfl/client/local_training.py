@@ -18,10 +18,10 @@ from dpfl.client.canary import with_canary_examples
 from dpfl.client.job import ClientJob
 from dpfl.client.trainers import TrainResult, train_dpsgd, train_plain
 from dpfl.config import RunConfig
-from dpfl.privacy.events import PrivacyEvent
-from dpfl.privacy.mechanisms import DpsgdRelease
+from dpfl.privacy.accounting.events import PrivacyEvent
+from dpfl.privacy.mechanisms.randomness import mechanism_generator
+from dpfl.privacy.mechanisms.release import DpsgdRelease
 from dpfl.privacy.plan import UNCLIPPED_FRACTION
-from dpfl.privacy.randomness import mechanism_generator
 from dpfl.tensors import flatten
 
 

@@ -36,8 +36,8 @@ from pathlib import Path
 from typing import Any
 
 from dpfl.durable import atomic_write
-from dpfl.privacy.budget import PrivacyHistory
-from dpfl.privacy.events import PrivacyEvent
+from dpfl.privacy.accounting.budget import PrivacyHistory
+from dpfl.privacy.accounting.events import PrivacyEvent
 
 NODE_CONFIG_KEY = "privacy-dir"
 ENV_VAR = "DPFL_PRIVACY_DIR"  # the same setting in the SuperNode's environment

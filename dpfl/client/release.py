@@ -26,9 +26,9 @@ from dpfl.client.job import TRAIN_LOSS, ClientJob
 from dpfl.client.local_training import Trained
 from dpfl.client.secure import UNCLIPPED_KEY, central_release, distributed_share
 from dpfl.config import RunConfig
-from dpfl.privacy.events import PrivacyEvent
+from dpfl.privacy.accounting.events import PrivacyEvent
+from dpfl.privacy.mechanisms.randomness import mechanism_generator
 from dpfl.privacy.plan import EQUAL_WEIGHTS_CLAIM, noise_multiplier_for
-from dpfl.privacy.randomness import mechanism_generator
 from dpfl.privacy.trust import (
     distributed_noise_multiplier,
     distributed_planned_event,

@@ -3,7 +3,7 @@
 - :func:`central_release`: clip the update to C (no noise: the trusted server adds it) and
   say whether it was within C (the bit of Andrew et al. 2021's clipped count).
 - :func:`distributed_share`: clip, scale by s, round at random and add a Skellam share
-  (``dpfl.privacy.skellam``) or a discrete Gaussian one (``dpfl.privacy.ddgauss``): the
+  (``dpfl.privacy.mechanisms.skellam``) or a discrete Gaussian one (``dpfl.privacy.mechanisms.ddgauss``): the
   integer vector SecAgg+ masks.
 - :func:`secure_aggregation_mod`: a ClientApp mod that hands every SecAgg+ message to
   Flower 1.39's own ``secaggplus_mod`` (key exchange, masking, unmasking: unmodified) and
@@ -23,8 +23,8 @@ from flwr.common import ndarrays_to_parameters
 from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS
 from flwr.compat.common.recorddict_compat import parameters_to_arrayrecord
 
-from dpfl.privacy import ddgauss, skellam
-from dpfl.privacy.mechanisms import l2_clip
+from dpfl.privacy.mechanisms import ddgauss, skellam
+from dpfl.privacy.mechanisms.release import l2_clip
 from dpfl.privacy.trust import UNCLIPPED_KEY
 
 __all__ = ["UNCLIPPED_KEY", "central_release", "distributed_share", "secure_aggregation_mod"]

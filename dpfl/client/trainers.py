@@ -194,7 +194,7 @@ def train_dpsgd(model: nn.Module, data: ClientData, cfg: RunConfig, noise_multip
 
     ``sampling_rng`` (CPU) draws the Poisson batches and ``noise_rng`` (on ``device``) the
     noise: both are part of the mechanism and must be secret
-    (:func:`dpfl.privacy.randomness.mechanism_generator`).
+    (:func:`dpfl.privacy.mechanisms.randomness.mechanism_generator`).
 
     ``post_step(model, lr)`` runs after every DP step: it may only use public or
     already-released values (the model itself, the global model, control variates), so it

@@ -35,7 +35,7 @@ from dpfl.experiments.common import (
     table_header,
     write_table,
 )
-from dpfl.privacy.canaries import canary_bits
+from dpfl.privacy.audit.canaries import canary_bits
 
 CLIENTS = 50
 EPSILONS = {"eps1": 1.0, "eps4": 4.0, "eps8": 8.0}

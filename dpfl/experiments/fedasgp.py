@@ -32,7 +32,7 @@ full).
 - ``fedsmp-topk``: Fed-SMP-top_k, the paper's baseline (verdict none: the top-k positions
   are released); not in the default grid.
 - ``cpsgd``: cpSGD (Agarwal et al., NeurIPS 2018) over SecAgg+ (``trust=distributed``),
-  accounted by ``dpfl.privacy.binomial``; not in the default grid (not run yet).
+  accounted by ``dpfl.privacy.mechanisms.binomial``; not in the default grid (not run yet).
 
 Table III (attack accuracy) in shape: cells ``mia-eps0.1``, ``mia-eps0.2``, ``mia-eps0.5``
 read ``conf/fedasgp/mia.toml`` (10 clients, every method over DP-SGD: the paper's own
@@ -168,10 +168,10 @@ def is_mia_cell(cell: str) -> bool:
 def matched_epsilon(eps_round: float, rounds: int, delta: float, accountant: str) -> float:
     """The whole-run epsilon the ledger reports for a DP-FedASGP strict client that takes
     part in all ``rounds`` rounds at ``eps_round`` each: ``rounds`` pure sparse-vector events
-    (replace-one) composed by :func:`dpfl.privacy.events.history_epsilon` (the smaller of
+    (replace-one) composed by :func:`dpfl.privacy.accounting.events.history_epsilon` (the smaller of
     rounds x eps and the pure-DP RDP bound eps-DP => (alpha, alpha eps^2 / 2)-RDP, at
     ``delta``). Every arm of a cell gets it as ``target-epsilon``."""
-    from dpfl.privacy.events import PrivacyEvent, history_epsilon
+    from dpfl.privacy.accounting.events import PrivacyEvent, history_epsilon
 
     events = [PrivacyEvent.pure(r, eps_round, "sparse-vector", relation="replace-one")
               for r in range(1, rounds + 1)]

@@ -128,7 +128,7 @@ def aadp_round_epsilon(preset: dict[str, Any], epsilon: float) -> float:
     whole-run target under RDP (the accountant of its Rényi filter), with a 0.1 % margin so
     the last round is admitted. A client larger than the mean gets more per round (eq. 2)
     and may be stopped by its filter before the last round."""
-    from dpfl.privacy.accounting import calibrate_dpsgd_noise, dpsgd_epsilon
+    from dpfl.privacy.accounting.accountants import calibrate_dpsgd_noise, dpsgd_epsilon
     from dpfl.privacy.plan import dpsgd_sample_rate, steps_per_epoch
 
     n = (int(preset["train-subset"]) - int(preset["server-holdout"])) // CLIENTS

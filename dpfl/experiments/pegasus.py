@@ -133,7 +133,7 @@ def _staircases(record: dict[str, Any], count: int = 8) -> dict[str, list[tuple[
         ledger_path = Path(record.get("run-dir", "")) / "ledger.json"
         if not ledger_path.exists():
             return {}
-        from dpfl.privacy.ledger import Ledger
+        from dpfl.privacy.accounting.ledger import Ledger
 
         ledger = Ledger.load(ledger_path)
         series = {c: ledger.epsilon_by_round(c) for c in ledger.clients}

@@ -38,10 +38,11 @@ from dpfl.methods import (
     pegasus,
 )
 from dpfl.models import MODELS
-from dpfl.privacy.filter import holds_anything
+from dpfl.privacy.accounting.filter import holds_anything
 from dpfl.privacy.trust import OwnSecureNoise, own_noise
 from dpfl.privacy.verdict import Guarantee, guarantee_for
 from dpfl.server.strategy import DPFLStrategy
+from dpfl.server.trust import server_trust
 
 METHODS: dict[str, Method] = {m.name: m for m in (
     fedavg.METHOD, dpfedavg.METHOD, gcfl.METHOD, dpfedprox.METHOD, dpscaffold.METHOD,
@@ -91,7 +92,7 @@ def parse_run_config(raw: Mapping[str, Any]) -> RunConfig:
     method.check(cfg)   # its rules may read its own parameters too
     if method.adaptive and cfg.is_private:
         _check_filter_budget(cfg)
-    if cfg.trust == "distributed" and own_noise(cfg) is None:
+    if server_trust(cfg).secure_sum and own_noise(cfg) is None:
         # the shared secure-noise path quantises C-clipped updates at scale s (a method
         # with its own secure noise, cpSGD, quantises by its own rule)
         need(cfg.clip_norm * cfg.secagg_scale <= MAX_SECAGG_UNITS, "secagg-scale",

@@ -20,7 +20,7 @@ Shared by both trainers (the paper's server logic):
 The client's round, by trainer (:class:`AADPClient`):
 
 - ``trainer=update-dp`` (client level, the paper's Alg. 1): client i clips its update
-  longitudinally to S (``clip-norm``; ``dpfl.privacy.longitudinal.longitudinal_clip``) and
+  longitudinally to S (``clip-norm``; ``dpfl.privacy.mechanisms.longitudinal.longitudinal_clip``) and
   adds Gaussian noise calibrated for (eps_i^t, delta) for that one release under
   replace-one (L2 sensitivity 2S; dp-accounting RDP), instead of the paper's variance
   S^4 l / (|w| eps^2).
@@ -64,8 +64,8 @@ from flwr.serverapp import Grid
 from dpfl.config import RunConfig, need
 from dpfl.errors import UserError
 from dpfl.method import ClientHalf, Method, MethodParams
-from dpfl.privacy.accounting import calibrate_dpsgd_noise, calibrate_noise
-from dpfl.privacy.longitudinal import longitudinal_clip
+from dpfl.privacy.accounting.accountants import calibrate_dpsgd_noise, calibrate_noise
+from dpfl.privacy.mechanisms.longitudinal import longitudinal_clip
 from dpfl.privacy.plan import (
     SHARED_PLAN,
     UPDATE_DP_RELATION,

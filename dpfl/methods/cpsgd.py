@@ -23,12 +23,12 @@ calibrated to ``target-epsilon``. CHOICE: p = 1/2 (the paper allows any p).
 Guarantee. The paper's Theorem 1 gives (epsilon, delta) for the binomial mechanism in
 closed form with constants b_p, c_p, d_p and a condition on N p (1 - p); dpfl does NOT
 charge it. dpfl charges the exact restricted-support accounting of
-:mod:`dpfl.privacy.binomial`: per coordinate the Renyi divergence of Bin(N, 1/2) and its
+:mod:`dpfl.privacy.mechanisms.binomial`: per coordinate the Renyi divergence of Bin(N, 1/2) and its
 shift, conditioned on the common support, summed over the pmf at the L-inf sensitivity
 k - 1 and composed over coordinates by L2 (D2 = 2 B, B = C s + sqrt(d'), replace-one:
 the rounding moves each coordinate by < 1), plus the excluded mass as extra delta, which
 the run refuses unless it is <= 10^-3 delta over all rounds, and which the event's curve
-pays for by converting at delta (1 - 10^-3) (:func:`dpfl.privacy.binomial.binomial_event`).
+pays for by converting at delta (1 - 10^-3) (:func:`dpfl.privacy.mechanisms.binomial.binomial_event`).
 Not exact in one respect: Bin(m, 1/2) is drawn with ``torch.binomial`` (floating-point
 BTRS rejection, like the Skellam path's ``torch.poisson``), not a bit-exact sampler.
 """
@@ -47,10 +47,12 @@ import torch
 from dpfl import memo
 from dpfl.config import RunConfig, need
 from dpfl.method import Method, MethodParams
-from dpfl.privacy import accounting, binomial, calibration_cache, event_types, events
-from dpfl.privacy.mechanisms import l2_clip
+from dpfl.privacy.accounting import accountants as accounting
+from dpfl.privacy.accounting import calibration_cache, event_types, events
+from dpfl.privacy.mechanisms import binomial
+from dpfl.privacy.mechanisms.release import l2_clip
+from dpfl.privacy.mechanisms.skellam import randomized_round
 from dpfl.privacy.plan import UPDATE_DP_RELATION
-from dpfl.privacy.skellam import randomized_round
 from dpfl.privacy.verdict import MethodPrivacy
 from dpfl.server.strategy import DPFLStrategy
 
@@ -182,7 +184,7 @@ class CpsgdParams(MethodParams):
         """The smallest sigma (to 1 %) whose ``num-rounds`` events meet ``target-epsilon``:
         eps(sigma) <= target < eps(sigma / 1.01). Each eps(sigma) sums the binomial's pmf
         over N ~ 4 (sigma C s)^2 trials (tens of seconds at N ~ 1e10), so the answer is
-        memoised on disk (:mod:`dpfl.privacy.calibration_cache`; a kept sigma is returned
+        memoised on disk (:mod:`dpfl.privacy.accounting.calibration_cache`; a kept sigma is returned
         only once eps(sigma) <= target < eps(sigma / 1.01) is confirmed: two evaluations),
         and the bisection starts from the Gaussian's multiplier for the binomial's
         sensitivity, which it approaches as N grows."""
@@ -245,7 +247,7 @@ class CpsgdParams(MethodParams):
         return (f"cpSGD shares ({'rotated, ' if self.cpsgd_rotate else ''}"
                 f"{self.cpsgd_levels}-level stochastic quantisation plus Bin(m, 1/2))",
                 "binomial noise Bin(N, 1/2) of variance >= (sigma C s)^2, accounted by the "
-                "exact restricted-support Renyi divergence of dpfl.privacy.binomial (NOT "
+                "exact restricted-support Renyi divergence of dpfl.privacy.mechanisms.binomial (NOT "
                 "the paper's Theorem 1), its support-mismatch mass <= 1e-3 delta paid by "
                 "converting at delta (1 - 1e-3),")
 

@@ -77,7 +77,7 @@ Variants (``asgp-variant``):
   event) so that runs line up with the strict variant's ledger; it is not a bound.
 - ``strict`` (default): the sparse-vector technique of Lyu, Su & Li, "Understanding the
   Sparse Vector Technique for Differential Privacy", VLDB 2017, Alg. 1 with cutoff
-  c = ``asgp-max-coords``, through :class:`dpfl.privacy.mechanisms.SparseVector`:
+  c = ``asgp-max-coords``, through :class:`dpfl.privacy.mechanisms.release.SparseVector`:
 
   * queries q_j = |g'_j|. Sensitivity under replace-one (any local dataset of the client vs
     any other, the update-DP relation): every |g'_j| lies in [0, C] (||g'||_2 <= C), so
@@ -157,8 +157,8 @@ from dpfl.data import server_validation
 from dpfl.method import TRAIN_LOSS, ClientHalf, Method, MethodParams
 from dpfl.models.evaluation import evaluate_model
 from dpfl.numbers import is_finite_number, is_number
-from dpfl.privacy.events import PrivacyEvent
-from dpfl.privacy.mechanisms import SparseVector, l2_clip, laplace_noise
+from dpfl.privacy.accounting.events import PrivacyEvent
+from dpfl.privacy.mechanisms.release import SparseVector, l2_clip, laplace_noise
 from dpfl.privacy.plan import (
     SHARED_PLAN,
     UPDATE_DP_RELATION,

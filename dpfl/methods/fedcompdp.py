@@ -162,8 +162,8 @@ from dpfl.method import ClientHalf, Method, MethodParams
 from dpfl.models import build_model
 from dpfl.models.evaluation import device_for, evaluate_model, macro_f1
 from dpfl.numbers import is_number
-from dpfl.privacy.events import PrivacyEvent
-from dpfl.privacy.mechanisms import GaussianMechanism, geometric_clip_update
+from dpfl.privacy.accounting.events import PrivacyEvent
+from dpfl.privacy.mechanisms.release import GaussianMechanism, geometric_clip_update
 from dpfl.privacy.plan import (
     BATCH_TAIL,
     UNCLIPPED_FRACTION,

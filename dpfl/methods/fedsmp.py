@@ -62,8 +62,8 @@ import torch
 
 from dpfl.config import RunConfig, need
 from dpfl.method import ClientHalf, Method, MethodParams
-from dpfl.privacy.events import PrivacyEvent
-from dpfl.privacy.mechanisms import l2_clip
+from dpfl.privacy.accounting.events import PrivacyEvent
+from dpfl.privacy.mechanisms.release import l2_clip
 from dpfl.privacy.plan import (
     UPDATE_DP_RELATION,
     PlanFn,

@@ -33,7 +33,7 @@ from flwr.serverapp import Grid
 
 from dpfl.config import RunConfig
 from dpfl.method import Method
-from dpfl.privacy.budget import BUDGET_REFUSAL
+from dpfl.privacy.accounting.budget import BUDGET_REFUSAL
 from dpfl.privacy.plan import PlanFn, shared_plan
 from dpfl.server.strategy import DPFLStrategy, RoundOutcome, RoundRecord
 

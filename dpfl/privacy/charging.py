@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from dpfl.numbers import is_number
-from dpfl.privacy.budget import PrivacyHistory
-from dpfl.privacy.events import PrivacyEvent
+from dpfl.privacy.accounting.budget import PrivacyHistory
+from dpfl.privacy.accounting.events import PrivacyEvent
 from dpfl.privacy.plan import plan_problem
 
 CLIP_RTOL = 1e-9

@@ -31,7 +31,7 @@ equals the mechanism for the worst pattern when max_pi sum_(t in pi) w_t^2 = sen
   part is charged the worst pattern's epsilon, an upper bound on its own.
 
 sigma (``noise_std``, units of the clipping bound) is calibrated with
-:func:`dpfl.privacy.correlated_accounting.calibrate_noise_std` at the charged sensitivity.
+:func:`dpfl.privacy.accounting.correlated_accounting.calibrate_noise_std` at the charged sensitivity.
 """
 
 from __future__ import annotations
@@ -45,15 +45,15 @@ import numpy as np
 from numpy.typing import NDArray
 
 from dpfl.config import RunConfig
-from dpfl.privacy.banded_mf import default_band, optimal_banded, toeplitz_sensitivity
-from dpfl.privacy.correlated_accounting import (
+from dpfl.privacy.accounting.correlated_accounting import (
     calibrate_noise_std,
     correlated_epsilon,
     max_separated_sum,
 )
-from dpfl.privacy.events import PrivacyEvent
-from dpfl.privacy.participation import ParticipationSchema
-from dpfl.privacy.tree_aggregation import Estimator, tree_sensitivity
+from dpfl.privacy.accounting.events import PrivacyEvent
+from dpfl.privacy.accounting.participation import ParticipationSchema
+from dpfl.privacy.mechanisms.banded_mf import default_band, optimal_banded, toeplitz_sensitivity
+from dpfl.privacy.mechanisms.tree_aggregation import Estimator, tree_sensitivity
 
 FloatArray = NDArray[np.float64]
 CORRELATED_RELATION = "add-remove"

@@ -4,7 +4,7 @@ Client and server compute the same plan independently: the client to check its b
 before it trains, the server to check what the client says it did and to charge the
 planned cost when a reply misreports it (a received update was released either way).
 
-A plan is a :class:`~dpfl.privacy.events.PrivacyEvent`:
+A plan is a :class:`~dpfl.privacy.accounting.events.PrivacyEvent`:
 
 - ``trainer=dpsgd`` (sample level, add/remove, Poisson): sigma, q = 1 / ceil(n / B),
   steps = E ceil(n / B), where n is the client's training-set size (public, as in Opacus).
@@ -22,9 +22,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 from dpfl.config import RunConfig
-from dpfl.privacy.accounting import calibrate_dpsgd_noise, calibrate_noise
-from dpfl.privacy.events import PrivacyEvent
-from dpfl.privacy.record import decode_event, encode_event
+from dpfl.privacy.accounting.accountants import calibrate_dpsgd_noise, calibrate_noise
+from dpfl.privacy.accounting.events import PrivacyEvent
+from dpfl.privacy.accounting.record import decode_event, encode_event
 
 if TYPE_CHECKING:
     import torch

@@ -13,13 +13,13 @@ one round costs every client (``trust`` run-config key).
   per round charged to EVERY client, sampled or not (plus the clipped count's
   ``PoissonSampledDpEvent(q, Gaussian(2 sigma_b))`` when C adapts).
 - ``distributed``: clients clip, scale by s, round at random to integers and add a Skellam
-  share of variance mu / n_min (``dpfl.privacy.skellam``); Flower's SecAgg+ masks every
+  share of variance mu / n_min (``dpfl.privacy.mechanisms.skellam``); Flower's SecAgg+ masks every
   share so the server learns only the sum, which carries Sk(>= mu) whenever at least n_min
   clients survive (a round with fewer is discarded: nothing is released). The server knows
   who took part, so there is no amplification and the relation is replace-one; each
   participant is charged one ``skellam`` event per round it sends a masked vector.
   ``secure-noise=ddgauss`` replaces the Skellam share by a discrete Gaussian share
-  N_Z(0, mu / n_min) (``dpfl.privacy.ddgauss``; Kairouz, Liu & Steinke 2021), charged one
+  N_Z(0, mu / n_min) (``dpfl.privacy.mechanisms.ddgauss``; Kairouz, Liu & Steinke 2021), charged one
   ``ddgauss`` event (the paper's bound for a SUM of discrete Gaussians) per round.
   A method with its own integer noise (cpSGD's quantiser and binomial) carries it in its
   run-config parameters (:func:`own_noise`: ``secure_event``, ``secure_sigma``,
@@ -35,9 +35,9 @@ from functools import lru_cache
 from typing import TYPE_CHECKING, Callable, Protocol, runtime_checkable
 
 from dpfl.config import ConfigError, RunConfig
-from dpfl.privacy import ddgauss, skellam
-from dpfl.privacy.accounting import SIGMA_MAX, bisect_sigma, calibrate_events
-from dpfl.privacy.events import PrivacyEvent, history_epsilon
+from dpfl.privacy.accounting.accountants import SIGMA_MAX, bisect_sigma, calibrate_events
+from dpfl.privacy.accounting.events import PrivacyEvent, history_epsilon
+from dpfl.privacy.mechanisms import ddgauss, skellam
 
 if TYPE_CHECKING:
     import torch
@@ -125,7 +125,7 @@ def _calibrate_central(target: float, delta: float, accountant: str, rounds: int
 def secure_event(noise: str, round_: int, sigma: float, clip: float, scale: float, dim: int,
                  num_clients: int) -> PrivacyEvent:
     """One distributed round's charge for ``secure-noise`` ``noise`` (replace-one):
-    :func:`dpfl.privacy.skellam.skellam_event` or :func:`dpfl.privacy.ddgauss.ddgauss_event`
+    :func:`dpfl.privacy.mechanisms.skellam.skellam_event` or :func:`dpfl.privacy.mechanisms.ddgauss.ddgauss_event`
     (its tau at n = ``num_clients``, an upper bound on n_min)."""
     if noise == "ddgauss":
         return ddgauss.ddgauss_event(round_, sigma, clip, scale, dim, DISTRIBUTED_RELATION,
@@ -189,8 +189,8 @@ def _calibrate_distributed(target: float, delta: float, accountant: str, rounds:
 
 def distributed_planned_event(cfg: RunConfig, server_round: int, dim: int,
                               num_clients: int) -> PrivacyEvent:
-    """What a client of a distributed round is charged (``dpfl.privacy.skellam`` or
-    ``dpfl.privacy.ddgauss``, by ``secure-noise``; or the method's own, :func:`own_noise`)."""
+    """What a client of a distributed round is charged (``dpfl.privacy.mechanisms.skellam`` or
+    ``dpfl.privacy.mechanisms.ddgauss``, by ``secure-noise``; or the method's own, :func:`own_noise`)."""
     own = own_noise(cfg)
     if own is not None:
         return own.secure_event(cfg, server_round, dim,

@@ -7,9 +7,9 @@ from dataclasses import asdict, dataclass, replace
 from typing import Any, Sequence
 
 from dpfl.config import RunConfig
+from dpfl.privacy.mechanisms.randomness import REPRODUCIBLE_VERDICT
+from dpfl.privacy.mechanisms.randomness import scope as randomness_scope
 from dpfl.privacy.plan import UPDATE_DP_RELATION
-from dpfl.privacy.randomness import REPRODUCIBLE_VERDICT
-from dpfl.privacy.randomness import scope as randomness_scope
 from dpfl.privacy.trust import (
     CENTRAL_RELATION,
     DISTRIBUTED_RELATION,

@@ -60,6 +60,7 @@ from dpfl.server.rundir import (
     unique_run_name,
 )
 from dpfl.server.runidentity import NUM_CLIENTS, resume_overrides
+from dpfl.server.trust import server_trust
 
 CONNECTION = "dpfl-sim"
 SUPEREXEC_POLL_SECONDS = "0.1"
@@ -388,7 +389,7 @@ def preflight(cfg: RunConfig, num_clients: int, run_dir: Path, num_cpus: float =
     check_data_size(cfg, num_clients, check_dataset(cfg.dataset, cfg.data_dir, cfg.download))
     check_audit_canaries(cfg, num_clients)
     if (cfg.is_private and cfg.noise_multiplier > 0 and not cfg.resume
-            and cfg.trust != "distributed"):
+            and not server_trust(cfg).secure_sum):
         # an explicit sigma: is one round affordable? (calibrated sigmas are by construction;
         # the ServerApp checks every case again, in deployments too; a distributed round's
         # charge depends on the model's size, which only the ServerApp has built)

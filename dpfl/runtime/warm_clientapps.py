@@ -33,7 +33,7 @@ What a fork shares and what it must not:
   SciPy's OpenBLAS: 3 threads in all here) reinitialise in a forked child, as they do in
   PyTorch's DataLoader workers and in every `multiprocessing` fork;
 - the DP noise of dpfl draws fresh operating-system entropy at every release
-  (:mod:`dpfl.privacy.randomness`), never the process's generators; the child still reseeds
+  (:mod:`dpfl.privacy.mechanisms.randomness`), never the process's generators; the child still reseeds
   NumPy's and torch's global generators from the OS, as a new process would have its own;
 - the zygote ignores SIGCHLD (the kernel reaps its children: no zombie); the child restores
   the default, so its own subprocesses can be waited for.

@@ -6,7 +6,7 @@ Models", ICLR 2018 (DP-FedAvg with the fixed-denominator estimator): each client
 round independently with probability q; the round's model delta is
 (sum_i clip_C(Delta_i) + N(0, sigma^2 C^2 I)) / (q N). Adaptive C: Andrew, Thakkar, McMahan
 & Ramaswamy, "Differentially Private Learning with Adaptive Clipping", NeurIPS 2021, from
-the clients' within-C bits (:class:`dpfl.privacy.mechanisms.QuantileClipTracker`, the same
+the clients' within-C bits (:class:`dpfl.privacy.mechanisms.release.QuantileClipTracker`, the same
 estimator FedCompDP's ``private-quantile`` uses).
 """
 
@@ -22,9 +22,9 @@ from flwr.app import Array, ArrayRecord, Message, MessageType, MetricRecord, Rec
 from flwr.serverapp.strategy import DifferentialPrivacyServerSideFixedClipping, FedAvg
 
 from dpfl.config import RunConfig
-from dpfl.privacy.events import PrivacyEvent
-from dpfl.privacy.mechanisms import QuantileClipTracker, l2_clip
-from dpfl.privacy.randomness import public_seed, secret_generator
+from dpfl.privacy.accounting.events import PrivacyEvent
+from dpfl.privacy.mechanisms.randomness import public_seed, secret_generator
+from dpfl.privacy.mechanisms.release import QuantileClipTracker, l2_clip
 from dpfl.privacy.trust import (
     CENTRAL_RELATION,
     FLOWER_RELATION,

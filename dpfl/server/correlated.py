@@ -7,14 +7,14 @@ McMahan, Rush & Thakurta, ICML 2023 / Choquette-Choo et al., NeurIPS 2023 (bande
 factorization). Each round the server
 
 - draws a cohort of fixed size m = round(fraction-train x N) among the connected clients the
-  schema (:class:`dpfl.privacy.participation.ParticipationSchema`: at most k
+  schema (:class:`dpfl.privacy.accounting.participation.ParticipationSchema`: at most k
   participations, any two >= b rounds apart) still allows — "availability", not Poisson:
   nothing is claimed about how the cohort was drawn;
 - refuses (never aggregates) an update of a client outside the schema (a node it could not
   identify before selecting it, or a second node claiming the same client);
 - releases the model delta (sum_i clip_C(Delta_i) + sigma C y_t) / m, where y_t is the
-  streaming noise increment of the factorization (:class:`dpfl.privacy.tree_aggregation.
-  TreeNoise`, :class:`dpfl.privacy.banded_mf.BandedNoise`): the sum of the deltas up to
+  streaming noise increment of the factorization (:class:`dpfl.privacy.mechanisms.tree_aggregation.
+  TreeNoise`, :class:`dpfl.privacy.mechanisms.banded_mf.BandedNoise`): the sum of the deltas up to
   round t carries the prefix noise (B z)_t, so with a linear server step (SGD) the model is
   theta_0 + lr (prefix sum of clipped sums + sigma C (B z)_t) / m — DP-FTRL;
 - charges each client that took part one Gaussian event per participation (or, for a tree
@@ -35,12 +35,12 @@ import torch
 
 from dpfl.config import RunConfig
 from dpfl.logs import get_logger
-from dpfl.privacy.banded_mf import BandedNoise
+from dpfl.privacy.accounting.events import PrivacyEvent
+from dpfl.privacy.accounting.ledger import client_key
 from dpfl.privacy.correlated_charging import TREE_ESTIMATOR, correlated_charge
-from dpfl.privacy.events import PrivacyEvent
-from dpfl.privacy.ledger import client_key
-from dpfl.privacy.mechanisms import l2_clip
-from dpfl.privacy.tree_aggregation import TreeNoise
+from dpfl.privacy.mechanisms.banded_mf import BandedNoise
+from dpfl.privacy.mechanisms.release import l2_clip
+from dpfl.privacy.mechanisms.tree_aggregation import TreeNoise
 from dpfl.server.central import CLIP_KEY, central_randomness
 from dpfl.server.nodes import NodeRegistry
 

@@ -28,7 +28,7 @@ from flwr.common.constant import SUPERLINK_NODE_ID
 from flwr.serverapp import Grid
 
 from dpfl.logs import get_logger
-from dpfl.privacy.ledger import CLIENT_PREFIX
+from dpfl.privacy.accounting.ledger import CLIENT_PREFIX
 from dpfl.server.reply import claimed_partition
 from dpfl.server.validation import client_label
 

@@ -31,10 +31,15 @@ from flwr.app import Message
 
 from dpfl.config import RunConfig
 from dpfl.logs import get_logger
-from dpfl.privacy.budget import PrivacyHistory
+from dpfl.privacy.accounting.budget import PrivacyHistory
+from dpfl.privacy.accounting.events import PrivacyEvent
+from dpfl.privacy.accounting.ledger import (
+    CLIENT_PREFIX,
+    client_key,
+    ledger_config,
+    server_events_config,
+)
 from dpfl.privacy.charging import Charge, charge_for
-from dpfl.privacy.events import PrivacyEvent
-from dpfl.privacy.ledger import CLIENT_PREFIX, client_key, ledger_config, server_events_config
 from dpfl.privacy.plan import (
     SHARED_PLAN,
     ReleasePlan,

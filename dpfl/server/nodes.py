@@ -14,7 +14,7 @@ from typing import Any, Mapping
 
 from dpfl.config import parse_node_partitions
 from dpfl.logs import get_logger
-from dpfl.privacy.ledger import client_key
+from dpfl.privacy.accounting.ledger import client_key
 from dpfl.server.validation import client_label
 
 log = get_logger("flwr.dpfl.nodes")

@@ -25,7 +25,7 @@ import torch
 
 from dpfl.config import RunConfig
 from dpfl.durable import append_line, atomic_write
-from dpfl.privacy.canaries import canary_direction, canary_score, support_overlap
+from dpfl.privacy.audit.canaries import canary_direction, canary_score, support_overlap
 from dpfl.server.validation import ClientUpdate
 from dpfl.tensorfile import save_tensors
 

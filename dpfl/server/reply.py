@@ -20,8 +20,8 @@ from flwr.app import Message, RecordDict
 from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS, Key
 
 from dpfl.numbers import is_finite_number, is_number
+from dpfl.privacy.accounting.events import PrivacyEvent
 from dpfl.privacy.charging import reported_events
-from dpfl.privacy.events import PrivacyEvent
 
 
 def _partition_id(metrics: dict[str, Any]) -> int | None:

@@ -24,7 +24,7 @@ from dpfl.config import RunConfig
 from dpfl.durable import append_line, atomic_write, atomic_write_text, read_lines
 from dpfl.errors import UserError, damaged_text, read_json_file, writable_dir_problem
 from dpfl.logs import get_logger
-from dpfl.privacy.ledger import Ledger
+from dpfl.privacy.accounting.ledger import Ledger
 from dpfl.runlock import LOCK_FILES, WRITER_LOCK, RunLock
 from dpfl.tensorfile import UnsafeTensorFile, load_tensors, save_tensors
 

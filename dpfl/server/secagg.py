@@ -3,7 +3,7 @@
 Flower's ``SecAggPlusWorkflow`` runs the protocol for the legacy ``Strategy`` API
 (``LegacyContext``, ``configure_fit``/``aggregate_fit``) and dequantises the sum in floating
 point. dpfl's strategies use the Message API and need the EXACT integer sum (the Skellam
-noise of ``dpfl.privacy.skellam`` is only exact in the integers), so this module sends the
+noise of ``dpfl.privacy.mechanisms.skellam`` is only exact in the integers), so this module sends the
 same four stages with the same records — the clients run Flower's own, unmodified
 ``secaggplus_mod`` (``dpfl.client.secure``) — and reconstructs the sum with Flower's own
 primitives (Shamir ``combine_shares``, ``generate_shared_key``, ``pseudo_rand_gen``) in

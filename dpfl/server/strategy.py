@@ -37,9 +37,9 @@ from dpfl.config import RunConfig
 from dpfl.errors import UserError
 from dpfl.logs import get_logger
 from dpfl.numbers import is_finite_number
+from dpfl.privacy.accounting.events import PrivacyEvent
+from dpfl.privacy.accounting.ledger import client_key
 from dpfl.privacy.charging import Charge
-from dpfl.privacy.events import PrivacyEvent
-from dpfl.privacy.ledger import client_key
 from dpfl.privacy.plan import (
     EQUAL_WEIGHTS_CLAIM,
     PlanFn,

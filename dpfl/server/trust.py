@@ -18,7 +18,7 @@ from __future__ import annotations
 from typing import Any
 
 from dpfl.config import RunConfig
-from dpfl.privacy.events import PrivacyEvent
+from dpfl.privacy.accounting.events import PrivacyEvent
 from dpfl.privacy.plan import ReleasePlan
 from dpfl.privacy.trust import UNCLIPPED_KEY, distributed_planned_event, noise_shares
 from dpfl.server.central import CentralAggregator, FlowerCentralAggregator

@@ -24,7 +24,7 @@ import torch
 from flwr.app import ArrayRecord
 
 from dpfl.numbers import is_finite_number, is_number
-from dpfl.privacy.ledger import client_key
+from dpfl.privacy.accounting.ledger import client_key
 from dpfl.server.reply import ParsedReply
 
 

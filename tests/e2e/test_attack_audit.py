@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from dpfl.privacy.canaries import canary_bits
+from dpfl.privacy.audit.canaries import canary_bits
 
 from federation import ROOT, client_runtime_args, simulate_digits
 

@@ -10,8 +10,8 @@ from dp_accounting import dp_event
 from dp_accounting.pld import pld_privacy_accountant
 
 from dpfl.config import RunConfig, validate
+from dpfl.privacy.accounting.events import PrivacyEvent, history_epsilon
 from dpfl.privacy.correlated_charging import correlated_charge, schema_of
-from dpfl.privacy.events import PrivacyEvent, history_epsilon
 
 from federation import read_run, simulate_digits
 

@@ -143,11 +143,11 @@ def test_aadp_renyi_filter_stops_a_client(tmp_path):
     filter at target-epsilon: with a budget of 8 and per-round budgets 4 x (2/3, 4/3), some
     client's filter refuses a round. The refusal is recorded with a budget reason, charges
     nothing, and is exactly the filter's verdict on the recorded events (derived here from
-    ledger.json with dpfl.privacy.filter, not from hard-coded numbers).
+    ledger.json with dpfl.privacy.accounting.filter, not from hard-coded numbers).
     aadp-threshold is tiny so the per-round budgets never rise: the planned event of a
     refused round then has the public parameters of the client's earlier ones."""
-    from dpfl.privacy.events import PrivacyEvent
-    from dpfl.privacy.filter import RenyiFilter
+    from dpfl.privacy.accounting.events import PrivacyEvent
+    from dpfl.privacy.accounting.filter import RenyiFilter
 
     run = _simulate(tmp_path, "a", "strategy=aadp", "trainer=update-dp", "partitioning=size",
                     "num-rounds=3", "lr=0.05", "clip-norm=1.0", "server-lr=0.01",

@@ -251,7 +251,7 @@ def test_superlink_restarted_mid_run_resumes_from_checkpoint(tmp_path):
     - the client released round 2 and the restart lost the reply: the node keeps that
       release, so its report counts one more round-2 event than the ledger holds; the
       ledger flags the mismatch and takes the report as the client's floor
-      (dpfl.privacy.ledger.Ledger.record), and the client never passes its budget (it
+      (dpfl.privacy.accounting.ledger.Ledger.record), and the client never passes its budget (it
       refuses round 3 when the lost round used it up)."""
     _require()
     from opacus.accountants import RDPAccountant

@@ -19,9 +19,9 @@ import sys
 import time
 from pathlib import Path
 
-from dpfl.privacy.budget import PrivacyHistory
-from dpfl.privacy.events import PrivacyEvent
-from dpfl.privacy.ledger import Ledger
+from dpfl.privacy.accounting.budget import PrivacyHistory
+from dpfl.privacy.accounting.events import PrivacyEvent
+from dpfl.privacy.accounting.ledger import Ledger
 
 from federation import ONE_ACTOR, ROOT, read_run
 

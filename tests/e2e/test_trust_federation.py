@@ -3,7 +3,7 @@
 
 import pytest
 
-from dpfl.privacy.events import PrivacyEvent, history_epsilon
+from dpfl.privacy.accounting.events import PrivacyEvent, history_epsilon
 from dpfl.privacy.trust import central_events
 
 from federation import read_run, simulate_digits
@@ -57,7 +57,7 @@ def test_distributed_dp_over_secagg_plus_survives_a_dropout(tmp_path, noise, n_r
     shares, discrete Gaussian ones, or cpSGD's quantised binomial ones (``strategy=cpsgd``,
     charged ``binomial`` events): one short round each for the last two)."""
     # cpSGD with a given noise multiplier: calibrating its binomial accounting to a target
-    # epsilon sums pmfs for minutes (dpfl.privacy.binomial); the charge is the same code
+    # epsilon sums pmfs for minutes (dpfl.privacy.mechanisms.binomial); the charge is the same code
     noise_args = (("strategy=cpsgd", "noise-multiplier=4.0") if noise == "cpsgd"
                   else (f"secure-noise={noise}",))
     run = simulate_digits(tmp_path, "distributed", "trainer=update-dp", "trust=distributed",

@@ -52,8 +52,8 @@ from functools import lru_cache
 import numpy as np
 from scipy.special import gammaln
 
-from dpfl.privacy.event_types import BINOMIAL_ORDERS
-from dpfl.privacy.events import PrivacyEvent
+from dpfl.privacy.accounting.event_types import BINOMIAL_ORDERS
+from dpfl.privacy.accounting.events import PrivacyEvent
 
 # the orders at which the binomial curve is computed (its RDP is infinite at the others)
 ORDERS = BINOMIAL_ORDERS

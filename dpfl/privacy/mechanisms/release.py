@@ -2,9 +2,9 @@
 
 ``release(x, generator, round_) -> (output, PrivacyEvent)``: the output is what may be
 published, the event is what to charge for it (turned into an epsilon by
-:mod:`dpfl.privacy.events` with Opacus or dp-accounting). The ``generator`` is required:
+:mod:`dpfl.privacy.accounting.events` with Opacus or dp-accounting). The ``generator`` is required:
 DP noise is drawn only from an explicit generator, secret unless the run is reproducible
-(:func:`dpfl.privacy.randomness.mechanism_generator`). Clipping has no event of its own: it
+(:func:`dpfl.privacy.mechanisms.randomness.mechanism_generator`). Clipping has no event of its own: it
 sets the sensitivity the noise is calibrated to (:func:`l2_clip`).
 
 - :class:`GaussianMechanism`: clip, then add N(0, (sigma C)^2 I) (client-level update DP,
@@ -24,10 +24,10 @@ from typing import Callable
 
 import torch
 
-from dpfl.privacy.events import PrivacyEvent
+from dpfl.privacy.accounting.events import PrivacyEvent
 
 # A clipping function (x, bound) -> y with ||y||_2 <= bound (e.g. AADP-FL's longitudinal
-# clipping, dpfl.privacy.longitudinal).
+# clipping, dpfl.privacy.mechanisms.longitudinal).
 ClipFn = Callable[[torch.Tensor, float], torch.Tensor]
 
 
@@ -257,9 +257,9 @@ class QuantileClipTracker:
     by default the number of norms given, as when every selected client replied); with
     m clients replying b = (sum_i b_i + noise) / m. The count involves every
     participating client: charge its event to each of them
-    (:meth:`dpfl.privacy.ledger.Ledger.charge_server_release`). C is chosen from earlier
+    (:meth:`dpfl.privacy.accounting.ledger.Ledger.charge_server_release`). C is chosen from earlier
     outputs, so a run that uses it needs adaptive composition
-    (:class:`dpfl.privacy.filter.RenyiFilter`)."""
+    (:class:`dpfl.privacy.accounting.filter.RenyiFilter`)."""
 
     clip: float
     target_quantile: float = 0.5

@@ -2,7 +2,7 @@
 with One (1) Training Run", NeurIPS 2023).
 
 The audit: m canaries, each included in the training input independently with probability
-1/2 (:mod:`dpfl.privacy.canaries`). After the single run the auditor scores every canary,
+1/2 (:mod:`dpfl.privacy.audit.canaries`). After the single run the auditor scores every canary,
 guesses "included" for the k+ highest scores and "excluded" for the k- lowest, abstains on
 the rest (r = k+ + k- guesses), and counts the v correct guesses. If the run was
 (epsilon, delta)-DP with respect to each canary, v cannot be much larger than it would be
@@ -28,7 +28,7 @@ import scipy.special
 import scipy.stats
 import torch
 
-from dpfl.privacy.canaries import canary_bits
+from dpfl.privacy.audit.canaries import canary_bits
 
 # Default abstention levels: k+ = k- = m // d for each d (2 = no abstention, r = m).
 DEFAULT_DIVISORS = (2, 4, 10, 20, 50, 100)

@@ -36,7 +36,7 @@ import math
 
 import torch
 
-from dpfl.privacy.events import PrivacyEvent
+from dpfl.privacy.accounting.events import PrivacyEvent
 
 # the largest RDP order dpfl's client-level accountant uses (dp-accounting's grid)
 MAX_ORDER = 1024

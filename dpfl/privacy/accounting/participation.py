@@ -11,8 +11,8 @@ single-participation setting of Kairouz et al., ICML 2021, DP-FTRL with one pass
 
 Rounds are numbered as the server numbers them (Flower's first server round is 1:
 ``first_round``); the *index* of a round, ``round - first_round`` in ``0..n-1``, is the
-column of the matrices in :mod:`dpfl.privacy.tree_aggregation` and
-:mod:`dpfl.privacy.banded_mf`. Nothing here samples: the schema is what a server ledger
+column of the matrices in :mod:`dpfl.privacy.mechanisms.tree_aggregation` and
+:mod:`dpfl.privacy.mechanisms.banded_mf`. Nothing here samples: the schema is what a server ledger
 enforces (:meth:`ParticipationSchema.check`) and what the accountants maximise over
 (:meth:`ParticipationSchema.patterns`).
 """

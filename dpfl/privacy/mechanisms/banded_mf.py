@@ -16,7 +16,7 @@ Streaming Differential Privacy").
   B's first column is beta = cumsum(r). Errors (MMRT23, Sec. 2, per unit noise):
   ``total`` ||B||_F^2 = sum_t (n - t) beta_t^2, ``max`` max_t ||B[t]||^2 = sum_t beta_t^2
   (the last row: B's rows are nested prefixes of beta).
-- Sensitivity (CGMMRTX23, banded theorem; :mod:`dpfl.privacy.correlated_accounting`): with
+- Sensitivity (CGMMRTX23, banded theorem; :mod:`dpfl.privacy.accounting.correlated_accounting`): with
   band b <= the schema's separation, columns >= b apart are orthogonal and
   sens^2 = max_pi sum_(i in pi) ||C[:, i]||^2. The column norms of a banded Toeplitz C are
   non-increasing in i (the last b - 1 columns are cut off), so rounds 0, sep, 2 sep, ... are
@@ -51,8 +51,8 @@ import torch
 from numpy.typing import ArrayLike, NDArray
 from scipy import optimize, signal
 
-from dpfl.privacy.participation import ParticipationSchema
-from dpfl.privacy.tree_aggregation import NoiseStep, stream_generator
+from dpfl.privacy.accounting.participation import ParticipationSchema
+from dpfl.privacy.mechanisms.tree_aggregation import NoiseStep, stream_generator
 
 Objective = Literal["total", "max"]
 OBJECTIVES: tuple[Objective, ...] = ("total", "max")

@@ -15,9 +15,9 @@ Choices made here (the paper's pipeline differs in two places):
   Skellam path does; rotation would only save bits, not change the guarantee;
 - UNCONDITIONAL randomised rounding (as dpfl's Skellam path), not the paper's conditional
   rounding: the integer vector's norm is then always <= B = C s + sqrt(d)
-  (:func:`dpfl.privacy.skellam.rounded_norm_bound`), no conditioning probability beta.
+  (:func:`dpfl.privacy.mechanisms.skellam.rounded_norm_bound`), no conditioning probability beta.
 
-Sampler (:func:`dpfl.privacy.dgauss_sampler.discrete_gaussian`): Canonne, Kamath &
+Sampler (:func:`dpfl.privacy.mechanisms.dgauss_sampler.discrete_gaussian`): Canonne, Kamath &
 Steinke, "The Discrete Gaussian for Differential Privacy", NeurIPS 2020, Algorithm 3
 (discrete Laplace proposal, rejection to the discrete Gaussian), EXACT and batched: every
 coin U < exp(-gamma) compares a lazily drawn uniform real with exp(-gamma), decided by a
@@ -51,9 +51,9 @@ import math
 
 import torch
 
-from dpfl.privacy.dgauss_sampler import discrete_gaussian
-from dpfl.privacy.events import PrivacyEvent
-from dpfl.privacy.skellam import randomized_round, rounded_norm_bound
+from dpfl.privacy.accounting.events import PrivacyEvent
+from dpfl.privacy.mechanisms.dgauss_sampler import discrete_gaussian
+from dpfl.privacy.mechanisms.skellam import randomized_round, rounded_norm_bound
 
 
 def tau(n: int, sigma2: float) -> float:

@@ -35,8 +35,8 @@ from typing import Any, Mapping, Sequence
 
 from dpfl.durable import atomic_write_text
 from dpfl.errors import UserError, one_line, read_json_file
-from dpfl.privacy.budget import BUDGET_RTOL, PrivacyHistory
-from dpfl.privacy.events import (
+from dpfl.privacy.accounting.budget import BUDGET_RTOL, PrivacyHistory
+from dpfl.privacy.accounting.events import (
     ACCOUNTANTS,
     PrivacyEvent,
     histories_epsilon,
@@ -44,11 +44,11 @@ from dpfl.privacy.events import (
     history_unit,
     rdp_to_epsilon,
 )
-from dpfl.privacy.record import decode_events, encode_events
+from dpfl.privacy.accounting.record import decode_events, encode_events
 
 log = logging.getLogger("flwr.dpfl.ledger")
 MISMATCH_RTOL = 1e-6
-# the instruction keys of the ledger's record (dpfl.privacy.record's format)
+# the instruction keys of the ledger's record (dpfl.privacy.accounting.record's format)
 LEDGER_PREFIX = "ledger-"
 # A partition's key in the ledger, the run's records and every server message; a sender
 # whose partition is not known is charged as ``node-<node id>`` instead.

@@ -54,7 +54,7 @@ from typing import Sequence
 
 import numpy as np
 
-from dpfl.privacy.events import PrivacyEvent, history_rdp, history_unit, orders_for
+from dpfl.privacy.accounting.events import PrivacyEvent, history_rdp, history_unit, orders_for
 
 # dp-accounting's compute_epsilon only applies the conversion above for orders > 1.01
 # (it is numerically unstable as alpha -> 1); the filter uses the same orders.

@@ -18,10 +18,10 @@ sparse-vector technique). Epsilon always comes from the field's libraries:
 
 What an event's mechanism means for its accounting (unit, parameters taken, one-step RDP
 curve, dp-accounting event, whether ``epsilon`` is a pure cost or a surcharge) is said by
-ONE class per mechanism, registered in :mod:`dpfl.privacy.event_types`
+ONE class per mechanism, registered in :mod:`dpfl.privacy.accounting.event_types`
 (:attr:`PrivacyEvent.kind`); this module composes histories and never branches on a
 mechanism's name. Every non-Opacus path (RDP curves, PLD) turns an event into a
-dp-accounting ``DpEvent`` through ONE function, :func:`dpfl.privacy.accounting.dp_event_of`
+dp-accounting ``DpEvent`` through ONE function, :func:`dpfl.privacy.accounting.accountants.dp_event_of`
 (:meth:`PrivacyEvent.to_dp_event`), which asks the event's type.
 
 ``pld`` is the tightest valid choice for both units. Its epsilon, like every epsilon here,
@@ -47,7 +47,7 @@ import numpy as np
 from dp_accounting import dp_event
 
 from dpfl.numbers import is_finite_number
-from dpfl.privacy.accounting import (
+from dpfl.privacy.accounting.accountants import (
     DPSGD_ACCOUNTANTS,
     MECHANISMS,
     PRV_CLIENT_LEVEL,
@@ -55,7 +55,13 @@ from dpfl.privacy.accounting import (
     dpsgd_history_epsilon_detail,
     events_epsilon_detail,
 )
-from dpfl.privacy.event_types import RELATIONS, EventKey, EventType, event_type, mechanisms
+from dpfl.privacy.accounting.event_types import (
+    RELATIONS,
+    EventKey,
+    EventType,
+    event_type,
+    mechanisms,
+)
 
 __all__ = ["ACCOUNTANTS", "MECHANISMS", "PRV_CLIENT_LEVEL", "PrivacyEvent", "dp_event_of",
            "histories_epsilon", "history_epsilon", "history_epsilon_detail", "history_rdp",
@@ -74,10 +80,10 @@ class PrivacyEvent:
     or the surcharge of an integer-noise one (what it means is the mechanism's, see
     :attr:`kind`).
 
-    ``mechanism`` names a type registered in :mod:`dpfl.privacy.event_types`
+    ``mechanism`` names a type registered in :mod:`dpfl.privacy.accounting.event_types`
     (:attr:`kind`), which knows the event's unit, RDP curve and dp-accounting event. A
     parameter the event's accounting would ignore is refused (ValueError, see
-    :meth:`dpfl.privacy.event_types.EventType.check`): ``rate`` below 1 or ``sigma`` on a
+    :meth:`dpfl.privacy.accounting.event_types.EventType.check`): ``rate`` below 1 or ``sigma`` on a
     pure event, ``epsilon`` on a Gaussian one, a DP-SGD event not under add-remove, and a
     rate below 1 under replace-one."""
 
@@ -169,7 +175,7 @@ def orders_for(unit: str) -> np.ndarray:
 @lru_cache(maxsize=4096)
 def rdp_curve(key: EventKey) -> np.ndarray:
     """RDP of ONE step of the event with this key, at :func:`orders_for` its unit: its
-    registered type's curve (:meth:`dpfl.privacy.event_types.EventType.curve`)."""
+    registered type's curve (:meth:`dpfl.privacy.accounting.event_types.EventType.curve`)."""
     kind = event_type(key[0])
     kind.check(key)
     return kind.curve(orders_for(kind.unit), key)

@@ -36,7 +36,7 @@ import numpy as np
 import torch
 from numpy.typing import NDArray
 
-from dpfl.privacy.participation import ParticipationSchema
+from dpfl.privacy.accounting.participation import ParticipationSchema
 
 Estimator = Literal["plain", "efficient"]
 ESTIMATORS: tuple[Estimator, ...] = ("plain", "efficient")
@@ -58,7 +58,7 @@ class NoiseStep(NamedTuple):
 def stream_generator(noise_std: float, generator: torch.Generator | None, seed: int | None,
                      device: torch.device | str | None) -> torch.Generator:
     """The generator a streaming noise draws its z from (:class:`TreeNoise`,
-    :class:`dpfl.privacy.banded_mf.BandedNoise`): ``generator``, else a fresh one seeded
+    :class:`dpfl.privacy.mechanisms.banded_mf.BandedNoise`): ``generator``, else a fresh one seeded
     with ``seed`` (or from the OS when None). ValueError for a ``noise_std`` below 0 or NaN."""
     if not noise_std >= 0:
         raise ValueError(f"noise_std must be >= 0, got {noise_std}")

@@ -26,7 +26,7 @@ units of the clipping bound), is
   program over the diagonal, their Alg. 3): :func:`banded_sensitivity`.
 
 Epsilon: dp-accounting's Gaussian mechanism at noise multiplier sigma / (sens x clip),
-composed once, PLD or RDP (:mod:`dpfl.privacy.accounting`); no amplification claimed.
+composed once, PLD or RDP (:mod:`dpfl.privacy.accounting.accountants`); no amplification claimed.
 """
 
 from __future__ import annotations
@@ -38,8 +38,8 @@ from dataclasses import dataclass
 import numpy as np
 from numpy.typing import ArrayLike, NDArray
 
-from dpfl.privacy import accounting
-from dpfl.privacy.participation import ParticipationSchema
+from dpfl.privacy.accounting import accountants as accounting
+from dpfl.privacy.accounting.participation import ParticipationSchema
 
 FloatArray = NDArray[np.float64]
 # |X_ij| below this (relative to max |X|) counts as zero in the structural checks
@@ -223,7 +223,7 @@ def calibrate_noise_std(target_epsilon: float, delta: float, sensitivity: float,
                         rel_tol: float = 1e-4) -> float:
     """Smallest noise std (to ``rel_tol``) whose :func:`correlated_epsilon` meets
     ``target_epsilon``: the Gaussian noise multiplier found by bisection over dp-accounting
-    (:func:`dpfl.privacy.accounting.calibrate_noise`, one release) x sensitivity x clip."""
+    (:func:`dpfl.privacy.accounting.accountants.calibrate_noise`, one release) x sensitivity x clip."""
     if not sensitivity > 0 or not clip_norm > 0:
         raise ValueError("sensitivity and clip_norm must be > 0")
     z = accounting.calibrate_noise(float(target_epsilon), float(delta), 1,

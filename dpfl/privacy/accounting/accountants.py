@@ -10,7 +10,7 @@ No home-made accountant: every epsilon below comes from ``opacus.accountants`` o
   by up to 2C, i.e. the effective noise multiplier is sigma / 2. That halving and the
   Poisson wrapping live in ONE place, :func:`dp_event_of` (the translation of a dpfl
   event into a dp-accounting ``DpEvent``), which :func:`gaussian_event`,
-  :func:`dpsgd_event` and :meth:`dpfl.privacy.events.PrivacyEvent.to_dp_event` go
+  :func:`dpsgd_event` and :meth:`dpfl.privacy.accounting.events.PrivacyEvent.to_dp_event` go
   through.
 - Sampling ``poisson``: each unit joins a round independently with probability q (the
   Opacus DP-SGD model, add-remove only). ``fixed``: a fixed-size sample without
@@ -59,16 +59,16 @@ from dp_accounting.pld import privacy_loss_distribution as pld_lib
 from dp_accounting.rdp import rdp_privacy_accountant
 
 from dpfl import memo
-from dpfl.privacy import calibration_cache
-from dpfl.privacy.event_types import RELATIONS, EventKey, event_type, mechanisms
+from dpfl.privacy.accounting import calibration_cache
+from dpfl.privacy.accounting.event_types import RELATIONS, EventKey, event_type, mechanisms
 
 if TYPE_CHECKING:
     from opacus.accountants import IAccountant
 
 log = logging.getLogger("flwr.dpfl.accounting")
 
-# dpfl's mechanisms (the ``mechanism`` of :class:`dpfl.privacy.events.PrivacyEvent`): one
-# class each in dpfl.privacy.event_types' registry, which says what each takes and how it
+# dpfl's mechanisms (the ``mechanism`` of :class:`dpfl.privacy.accounting.events.PrivacyEvent`): one
+# class each in dpfl.privacy.accounting.event_types' registry, which says what each takes and how it
 # is accounted. MECHANISMS: the built-in names (the registry's at import).
 MECHANISMS = mechanisms()
 PRV_CLIENT_LEVEL = ("accountant 'prv' is Opacus' DP-SGD accountant; use 'pld' or 'rdp' for "
@@ -136,7 +136,7 @@ def _interval_label(interval: float) -> str:
 
 def check_event_key(key: EventKey) -> None:
     """ValueError when a dpfl event's parameters would be ignored by its accounting, as its
-    registered type says (:meth:`dpfl.privacy.event_types.EventType.check`): e.g. a
+    registered type says (:meth:`dpfl.privacy.accounting.event_types.EventType.check`): e.g. a
     ``rate`` below 1 on a pure event (Laplace, sparse vector: no subsampled analysis here),
     a ``sigma`` on a pure event or an ``epsilon`` on a Gaussian one, a DP-SGD event under
     ``replace-one`` (Opacus' model is add-remove) and a Poisson rate below 1 under
@@ -146,11 +146,11 @@ def check_event_key(key: EventKey) -> None:
 
 
 def dp_event_of(key: EventKey) -> dp_event.DpEvent:
-    """THE translation of a dpfl event (its key, :attr:`dpfl.privacy.events.PrivacyEvent.key`)
+    """THE translation of a dpfl event (its key, :attr:`dpfl.privacy.accounting.events.PrivacyEvent.key`)
     into ONE step of a dp-accounting ``DpEvent``; every non-Opacus accountant path (RDP
     curves, PLD, :func:`gaussian_event`, :func:`dpsgd_event`, sigma calibration) goes
     through here, to the event's registered type
-    (:meth:`dpfl.privacy.event_types.EventType.dp_event`):
+    (:meth:`dpfl.privacy.accounting.event_types.EventType.dp_event`):
 
     - ``laplace``: ``LaplaceDpEvent(1 / epsilon)`` (sensitivity 1, scale 1 / epsilon).
     - ``dpsgd``: ``GaussianDpEvent(sigma)`` on a Poisson(rate) sample, add-remove (the
@@ -160,7 +160,7 @@ def dp_event_of(key: EventKey) -> dp_event.DpEvent:
       below 1 wraps it in ``PoissonSampledDpEvent(rate, .)`` (add-remove only).
     - ``sparse-vector``, ``skellam``, ``ddgauss`` and ``binomial`` have no dp-accounting
       event (ValueError): their RDP enters through their type's curve
-      (:func:`dpfl.privacy.events.rdp_curve`).
+      (:func:`dpfl.privacy.accounting.events.rdp_curve`).
     """
     kind = event_type(key[0])
     kind.check(key)
@@ -556,7 +556,7 @@ def bisect_sigma(eps: Callable[[float], float], lo: float, hi: float, target: fl
 
 
 # Two noise multipliers at which a calibration's composition is written into its memo key
-# (:mod:`dpfl.privacy.calibration_cache`): the events' parameters are affine in sigma.
+# (:mod:`dpfl.privacy.accounting.calibration_cache`): the events' parameters are affine in sigma.
 _KEY_PROBES = (0.8731, 3.1416)
 
 
@@ -573,7 +573,7 @@ def _calibrate_pld(items: Callable[[float], Composition], delta: float, target: 
     refined on 1e-3 and finally on the accounting function itself (1e-4 with its
     fallbacks), which decides the answer: eps(sigma) <= target < eps(sigma (1 - rel_tol)).
 
-    Answers are memoised on disk (:mod:`dpfl.privacy.calibration_cache`); a memoised sigma
+    Answers are memoised on disk (:mod:`dpfl.privacy.accounting.calibration_cache`); a memoised sigma
     is returned only if the accounting function confirms eps(sigma) <= target <
     eps(sigma (1 - rel_tol)) (two evaluations: it meets the target and is the smallest)."""
     key = memo_version() + "\n" + repr(

@@ -8,8 +8,8 @@ are then tampered with as a hostile node would.
            node 103 claims partition 3 again.
 
 Run it against any checkout (PYTHONPATH=<checkout>) to compare versions:
-  .venv/bin/python results/integrity/hostile_node.py            # no operator map
-  .venv/bin/python results/integrity/hostile_node.py --map      # node-partitions set
+  .venv/bin/python bench/hostile_node.py            # no operator map
+  .venv/bin/python bench/hostile_node.py --map      # node-partitions set
 """
 
 import sys
@@ -19,12 +19,12 @@ import torch
 from flwr.app import ArrayRecord, MetricRecord, RecordDict
 from flwr.supercore.task_identity import TaskIdentity
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from dpfl.apps.client import train  # noqa: E402
 from dpfl.data import splits_for  # noqa: E402
 from dpfl.methods import build_strategy, parse_run_config  # noqa: E402
 from dpfl.models import build_model  # noqa: E402
-from dpfl.privacy.ledger import Ledger  # noqa: E402
+from dpfl.privacy.accounting.ledger import Ledger  # noqa: E402
 
 from flower_helpers import context, message  # noqa: E402
 

@@ -4,16 +4,16 @@ A privacy event travels in four places, all in this one format (a list per field
 entry per event, each key with its place's prefix):
 
 - a reply's ``privacy`` record and the node's own history in ``context.state``: no prefix
-  (:class:`dpfl.privacy.budget.PrivacyHistory`);
+  (:class:`dpfl.privacy.accounting.budget.PrivacyHistory`);
 - an instruction's ``ledger-*`` keys: the server's record of every partition's events, with
-  a ``ledger-client`` column naming each row's partition (:func:`dpfl.privacy.ledger.ledger_config`);
+  a ``ledger-client`` column naming each row's partition (:func:`dpfl.privacy.accounting.ledger.ledger_config`);
 - an instruction's ``server-event-*`` keys: the server's own releases charged to this client
-  (:func:`dpfl.privacy.ledger.server_events_config`);
+  (:func:`dpfl.privacy.accounting.ledger.server_events_config`);
 - an instruction's ``plan-*`` keys: one planned event, without its round (the instruction's
   round): :func:`encode_event` / :func:`decode_event` (:mod:`dpfl.privacy.plan`).
 
 :func:`decode_events` is the one validation: every column present, all of one length, each
-row a valid :class:`~dpfl.privacy.events.PrivacyEvent`; anything else is a ``ValueError``
+row a valid :class:`~dpfl.privacy.accounting.events.PrivacyEvent`; anything else is a ``ValueError``
 (or the event's own ``TypeError``/``ValueError``), never a guess.
 """
 
@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from dpfl.privacy.events import PrivacyEvent
+from dpfl.privacy.accounting.events import PrivacyEvent
 
 EVENT_FIELDS = ("round", "mechanism", "sigma", "rate", "steps", "epsilon", "relation")
 # a planned event: its round is the instruction's

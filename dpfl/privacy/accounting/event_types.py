@@ -4,7 +4,7 @@ Built like Opacus' ``opacus.accountants`` registry (``register_accountant`` /
 ``create_accountant``: a name maps to a class) and dp-accounting's ``DpEvent`` classes (each
 documents the mechanism it stands for): every mechanism dpfl charges has ONE subclass of
 :class:`EventType` here, registered under the name a
-:class:`~dpfl.privacy.events.PrivacyEvent` carries in its ``mechanism`` field. The class
+:class:`~dpfl.privacy.accounting.events.PrivacyEvent` carries in its ``mechanism`` field. The class
 says everything the accounting needs to know about its events:
 
 - ``unit``: ``"sample"`` (DP-SGD steps, Opacus' accountants and orders) or ``"client"``
@@ -18,23 +18,23 @@ says everything the accounting needs to know about its events:
   slack of its RDP curve);
 - :meth:`EventType.dp_event`: ONE step as a dp-accounting ``DpEvent``, or None where
   dp-accounting has none (the PLD accountant then falls back, see
-  :func:`dpfl.privacy.events.history_epsilon_detail`);
+  :func:`dpfl.privacy.accounting.events.history_epsilon_detail`);
 - :meth:`EventType.curve`: the RDP of one step at given orders (by default dp-accounting's
   ``RdpAccountant`` on :meth:`EventType.dp_event`).
 
-Design: :class:`~dpfl.privacy.events.PrivacyEvent` stays ONE frozen value type with its
-seven fields (the wire format of :mod:`dpfl.privacy.record` and the JSON ledgers, its
+Design: :class:`~dpfl.privacy.accounting.events.PrivacyEvent` stays ONE frozen value type with its
+seven fields (the wire format of :mod:`dpfl.privacy.accounting.record` and the JSON ledgers, its
 equality, hashing, ``key`` and ``to_dict`` unchanged); it delegates to the registered type
 through ``event.kind`` (``event_type(event.mechanism)``). The types are stateless: they work
 on an event's key ``(mechanism, sigma, rate, epsilon, relation)``, the hashable value the
-RDP-curve and signature caches of :mod:`dpfl.privacy.events` are keyed by. Typed
+RDP-curve and signature caches of :mod:`dpfl.privacy.accounting.events` are keyed by. Typed
 subclasses of the value would need a dispatching constructor for the codec and pickling;
 a registry of types keeps the value plain.
 
 Adding a mechanism: one subclass of :class:`EventType` decorated with :func:`register`
 (here for a built-in, or anywhere before its events are built) and its tests; the
 constructor's validation, the codec, every accountant (``rdp``, ``pld`` with its fallbacks)
-and the reports find it through the registry. The caches of :mod:`dpfl.privacy.events` are
+and the reports find it through the registry. The caches of :mod:`dpfl.privacy.accounting.events` are
 keyed by mechanism name: a name is registered once (:func:`unregister_event_type` is for
 tests, which then clear those caches).
 """
@@ -57,7 +57,7 @@ RELATIONS = ("add-remove", "replace-one")
 EventKey: TypeAlias = tuple[str, float, float, float, str]
 Unit: TypeAlias = Literal["sample", "client"]
 EpsilonRole: TypeAlias = Literal["none", "cost", "surcharge"]
-# the orders at which the binomial mechanism's curve is computed (dpfl.privacy.binomial);
+# the orders at which the binomial mechanism's curve is computed (dpfl.privacy.mechanisms.binomial);
 # its curve is infinite at the others
 BINOMIAL_ORDERS = (2, 3, 4, 5, 6, 8, 10, 12, 14, 16, 20, 24, 28, 32, 40, 48, 56, 63)
 
@@ -154,7 +154,7 @@ def register(cls: T) -> T:
 
 
 def unregister_event_type(name: str) -> None:
-    """Remove a registered type (for tests; clear :mod:`dpfl.privacy.events`' caches too)."""
+    """Remove a registered type (for tests; clear :mod:`dpfl.privacy.accounting.events`' caches too)."""
     _REGISTRY.pop(name, None)
 
 
@@ -281,7 +281,7 @@ class _GaussianPlusSurcharge(EventType):
 
 @register
 class Skellam(_GaussianPlusSurcharge):
-    """The distributed Skellam mechanism (:mod:`dpfl.privacy.skellam`; Agarwal, Kairouz &
+    """The distributed Skellam mechanism (:mod:`dpfl.privacy.mechanisms.skellam`; Agarwal, Kairouz &
     Liu 2021, Thm 3.5): integer orders > 1, epsilon the discreteness surcharge."""
 
     name = "skellam"
@@ -293,7 +293,7 @@ class Skellam(_GaussianPlusSurcharge):
 
 @register
 class DDGauss(_GaussianPlusSurcharge):
-    """The distributed discrete Gaussian (:mod:`dpfl.privacy.ddgauss`; Kairouz, Liu &
+    """The distributed discrete Gaussian (:mod:`dpfl.privacy.mechanisms.ddgauss`; Kairouz, Liu &
     Steinke 2021, Proposition 14): every order alpha >= 1, epsilon the slack tau d."""
 
     name = "ddgauss"
@@ -305,7 +305,7 @@ class DDGauss(_GaussianPlusSurcharge):
 
 @register
 class Binomial(_GaussianPlusSurcharge):
-    """The binomial mechanism of cpSGD (:mod:`dpfl.privacy.binomial`): the orders of
+    """The binomial mechanism of cpSGD (:mod:`dpfl.privacy.mechanisms.binomial`): the orders of
     :data:`BINOMIAL_ORDERS`, epsilon the slack over the Gaussian-equivalent curve."""
 
     name = "binomial"

@@ -7,7 +7,7 @@ accountant whether the next round would cross the budget; if so the client refus
 
 Non-adaptive histories (parameters fixed before the run) compare the composed epsilon with
 the budget. Adaptive histories (parameters chosen from earlier outputs) are checked by a
-:class:`~dpfl.privacy.filter.RenyiFilter` with the budget as its (epsilon, delta).
+:class:`~dpfl.privacy.accounting.filter.RenyiFilter` with the budget as its (epsilon, delta).
 """
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ from typing import Any, Mapping
 
 from flwr.app import ConfigRecord, RecordDict
 
-from dpfl.privacy.events import PrivacyEvent, history_epsilon, history_unit
-from dpfl.privacy.filter import RenyiFilter
-from dpfl.privacy.record import decode_events, encode_events
+from dpfl.privacy.accounting.events import PrivacyEvent, history_epsilon, history_unit
+from dpfl.privacy.accounting.filter import RenyiFilter
+from dpfl.privacy.accounting.record import decode_events, encode_events
 
 STATE_KEY = "dpfl.privacy"
 # Relative slack when comparing with the budget: calibration meets the target only to the
