@@ -519,14 +519,20 @@ def update_noise_scale(cfg: RunConfig) -> float:
     return joint_update_noise(sigma, stds) / sigma if stds else 1.0
 
 
+def sent_clip(cfg: RunConfig, config: Mapping[str, Any]) -> float:
+    """C_t as the round's config carries it (C_0: ``max-grad-norm`` under DP-SGD,
+    ``clip-norm`` under update DP)."""
+    return float(config.get(CLIP_KEY, cfg.max_grad_norm if cfg.trainer == "dpsgd"
+                            else cfg.clip_norm))
+
+
 def fedcompdp_plan(cfg: RunConfig, inputs: PlanInputs) -> ReleasePlan:
     """The round's C_t as the server sent it (eqs. 3-4: of the update, or per sample under
     DP-SGD), the update noise raised by the scalars released with it (update DP), and
     under DP-SGD with ``private-quantile`` the per-step count's noise and the gradient
     noise it raises (sigma_g / sigma)."""
-    dpsgd = cfg.trainer == "dpsgd"
-    clip = float(inputs.config.get(CLIP_KEY, cfg.max_grad_norm if dpsgd else cfg.clip_norm))
-    if not dpsgd:
+    clip = sent_clip(cfg, inputs.config)
+    if cfg.trainer != "dpsgd":
         return ReleasePlan(clip=clip, noise_scale=update_noise_scale(cfg))
     p = _p(cfg)
     if p.adpc != "private-quantile" or inputs.num_examples is None:
@@ -560,7 +566,7 @@ class FedCompDPClient(ClientHalf):
             return (MethodHooks(local_values=values) if p.sparsify == "none" else
                     MethodHooks(noisy_grad=sparsify_and_clip(p.sparsify, tau, None),
                                 local_values=values))
-        clip = float(config.get(CLIP_KEY, cfg.clip_norm)) if p.local_grad_clip else None
+        clip = sent_clip(cfg, config) if p.local_grad_clip else None
         if p.sparsify == "none" and clip is None:
             return MethodHooks(local_values=values)
         return MethodHooks(pre_step=sparsify_and_clip(p.sparsify, tau, clip),

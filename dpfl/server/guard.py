@@ -95,10 +95,13 @@ class DPGuard:
         """Training-set sizes per partition id (public; the registry's)."""
         return self.nodes.sizes
 
-    def planned_event(self, partition_id: int, server_round: int) -> PrivacyEvent:
+    def planned_event(self, partition_id: int, server_round: int,
+                      plan: ReleasePlan | None = None) -> PrivacyEvent:
         """The release the server asks of ``partition_id`` in ``server_round``: under the
-        run's trust model, from the method's plan."""
-        return self.trust.planned_event(self.cfg, self.plan(partition_id, server_round),
+        run's trust model, from the method's plan (``plan``, when already computed)."""
+        if plan is None:
+            plan = self.plan(partition_id, server_round)
+        return self.trust.planned_event(self.cfg, plan,
                                         self.partition_sizes[partition_id], server_round,
                                         self.dim, len(self.partition_sizes))
 
@@ -108,11 +111,17 @@ class DPGuard:
         clip-norm (update DP)."""
         return self.plan(None, server_round).round_clip(self.cfg)
 
-    def noise_scale(self, server_round: int) -> float:
+    def round_plans(self, server_round: int) -> dict[int | None, ReleasePlan]:
+        """Every partition's plan of ``server_round`` (an unknown partition's before the
+        sizes are bound), each computed once for the round's bounds."""
+        return {p: self.plan(p, server_round) for p in sorted(self.partition_sizes) or [None]}
+
+    def noise_scale(self, server_round: int,
+                    plans: dict[int | None, ReleasePlan] | None = None) -> float:
         """How much more noise than sigma C the method's clients add to the update (the
-        largest over partitions; 1: none)."""
-        pids = sorted(self.partition_sizes) or [None]
-        return max(self.plan(p, server_round).noise_scale for p in pids)
+        largest over partitions' ``plans``, by default the round's; 1: none)."""
+        plans = self.round_plans(server_round) if plans is None else plans
+        return max(plan.noise_scale for plan in plans.values())
 
     def plan_record(self, node_id: int, server_round: int) -> dict[str, Any]:
         """``plan-*`` keys for a node whose partition is known (else none), and the
@@ -163,11 +172,11 @@ class DPGuard:
             return min(bound, user) if user else bound
         if self.cfg.trainer != "update-dp":
             return user
-        pids = sorted(self.partition_sizes) or [None]
-        sigmas = {self.plan(p, server_round).sigma for p in pids}
+        plans = self.round_plans(server_round)
+        sigmas = {plan.sigma for plan in plans.values()}
         if None in sigmas:  # the run's sigma (for update-dp it does not depend on n)
             sigmas = (sigmas - {None}) | {noise_multiplier_for(self.cfg, 1)}
-        sigma = max(sigmas) * self.noise_scale(server_round)
+        sigma = max(sigmas) * self.noise_scale(server_round, plans)
         bound = gaussian_norm_bound(self.planned_clip(server_round), sigma, dim)
         return min(bound, user) if user else bound
 
@@ -176,13 +185,13 @@ class DPGuard:
         round (:func:`dpfl.privacy.plan.dpsgd_norm_bound` at its planned sigma, scaled by
         the method's noise scale, its steps, the round's clip and the public size; the
         loosest over partitions)."""
-        pids = sorted(self.partition_sizes)
-        if not pids:
+        if not self.partition_sizes:
             return math.inf
+        plans = self.round_plans(server_round)
         bounds, clip = [], self.planned_clip(server_round)
-        scale = self.noise_scale(server_round)
-        for pid in pids:
-            event = self.planned_event(pid, server_round)
+        scale = self.noise_scale(server_round, plans)
+        for pid in sorted(self.partition_sizes):
+            event = self.planned_event(pid, server_round, plans[pid])
             bounds.append(dpsgd_norm_bound(self.cfg, self.partition_sizes[pid],
                                            event.sigma * scale, int(event.steps), dim,
                                            clip=clip))

@@ -358,8 +358,6 @@ class DPFLStrategy(FedAvg):
         """Validate and charge every reply, aggregate the accepted ones, step the model."""
         if self._global is None:
             raise RuntimeError("finish_round called before start_round")
-        if self.round.server_round != server_round:   # a Flower adapter's own round loop
-            self.round = RoundContext(server_round, self.sent_configs.get(server_round, {}))
         dim = sum(int(torch.Size(s).numel()) for _, s, _ in self._template)
         # central: a clipped update (float32 rounding aside); the server clips again
         if isinstance(self.central, FlowerCentralAggregator):
