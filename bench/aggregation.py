@@ -57,9 +57,8 @@ def cra_aggregate(u: torch.Tensor, norms: torch.Tensor, w_prev: torch.Tensor,
 
 def method_strategy(strategy: str, m: int, **keys) -> DPFLStrategy:
     """A method's real strategy with M public partition sizes bound."""
-    out = build_strategy(run_config(strategy=strategy, trainer="update-dp", **keys))
-    out.bind_partition_sizes({i: 100 + 7 * i for i in range(m)})
-    return out
+    return build_strategy(run_config(strategy=strategy, trainer="update-dp", **keys),
+                          {i: 100 + 7 * i for i in range(m)})
 
 
 def method_aggregate(strategy: DPFLStrategy, accepted: list[ClientUpdate],

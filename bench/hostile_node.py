@@ -42,10 +42,9 @@ class Grid:
 
 
 cfg = parse_run_config(CONFIG)
-strategy = build_strategy(cfg)
-strategy.bind_partition_sizes({i: len(s.train) for i, s in enumerate(splits_for(cfg, 4))})
 ledger = Ledger(cfg.delta, cfg.accountant)
-strategy.bind_ledger(ledger)
+strategy = build_strategy(cfg, {i: len(s.train) for i, s in enumerate(splits_for(cfg, 4))},
+                          ledger=ledger)
 contexts = {n: context(CONFIG, p, 4) for n, p in NODES.items()}
 
 

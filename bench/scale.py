@@ -3,7 +3,12 @@ clients (and 10,000 at q = 0.01), central DP-FedAvg (trust=central, Poisson q = 
 MNIST.
 
     python bench/scale.py [--clients 100 300 1000] [--rounds 4] [--trust central]
-        [--fraction-train 0.1] [--engine indexed flower] [key=value ...]
+        [--fraction-train 0.1] [--engine indexed flower] [--layout cohort one]
+        [key=value ...]
+
+``--layout``: cohort nodes (the default: ``cohort-nodes`` automatic, each simulated node
+trains a cohort of clients per message) and/or one node per client (``cohort-nodes=0``);
+with both, interleaved per size, with their ratio.
 
 Prints per federation size: the peak resident memory of the whole simulation (every
 process of the run's tree, read from /proc every 0.5 s); the round's cycle time (between
@@ -79,10 +84,13 @@ def wait_with_peak_rss(proc: subprocess.Popen) -> tuple[int, int]:
 
 def run_federation(clients: int, rounds: int, trust: str, out: Path,
                    extra: list[str], engine: str = "indexed",
-                   fraction: float = 0.1) -> tuple[Path, int]:
+                   fraction: float = 0.1, layout: str = "cohort") -> tuple[Path, int]:
     """One simulation; (run directory, peak RSS bytes of its process tree). ``engine``:
-    "indexed" (dpfl.server.node_index, the default) or "flower" (Flower's own scan)."""
-    name = f"scale-{trust}-{clients}-{engine}"
+    "indexed" (dpfl.server.node_index, the default) or "flower" (Flower's own scan);
+    ``layout``: "cohort" (cohort nodes, automatic) or "one" (one node per client)."""
+    name = f"scale-{trust}-{clients}-{engine}-{layout}"
+    if layout == "one":
+        extra = [*extra, "cohort-nodes=0"]
     env = {**os.environ, "DPFL_FLOWER_NODE_INDEX": "1" if engine == "indexed" else "0"}
     cmd = [sys.executable, "-m", "dpfl.cli", "simulate", "--clients", str(clients),
            "--output-dir", str(out), f"run-name={name}", "trainer=update-dp",
@@ -139,27 +147,39 @@ def main() -> None:
                         default=["indexed"],
                         help="Flower's instruction lookup: dpfl's per-node index, Flower's "
                              "own scan, or both (interleaved per size, with their ratio)")
+    parser.add_argument("--layout", nargs="+", choices=("cohort", "one"),
+                        default=["cohort"],
+                        help="cohort nodes (default), one node per client, or both "
+                             "(interleaved per size, with their ratio)")
     parser.add_argument("extra", nargs="*", help="run-config overrides key=value")
     args = parser.parse_args()
-    print(f"{'clients':>8} {'engine':>8} {'peak GiB':>9} {'cycle s':>8} {'compute s':>10} "
+    print(f"{'clients':>8} {'engine':>8} {'layout':>7} {'peak GiB':>9} {'cycle s':>8} "
+          f"{'compute s':>10} "
           f"{'exchange s':>11} {'Flower ovh':>11} {'round ovh':>10} {'server s':>9} "
           f"{'sampled':>8} {'state B':>8}")
     with tempfile.TemporaryDirectory() as tmp:
         for n in args.clients:
-            cycles: dict[str, tuple[float, float]] = {}
+            cycles: dict[tuple[str, str], tuple[float, float]] = {}
             for engine in args.engine:
-                cycles[engine] = _measure(n, engine, args, Path(tmp))
-            if len(cycles) == 2:
-                (fc, fe), (ic, ie) = cycles["flower"], cycles["indexed"]
-                print(f"{n:>8} indexed / flower: cycle {ic / fc:.2f}x, exchange "
-                      f"{ie / fe:.2f}x", flush=True)
+                for layout in args.layout:
+                    cycles[engine, layout] = _measure(n, engine, layout, args, Path(tmp))
+            for layout in args.layout:
+                if len(args.engine) == 2:
+                    (fc, fe), (ic, ie) = cycles["flower", layout], cycles["indexed", layout]
+                    print(f"{n:>8} {layout}: indexed / flower: cycle {ic / fc:.2f}x, "
+                          f"exchange {ie / fe:.2f}x", flush=True)
+            for engine in args.engine:
+                if len(args.layout) == 2:
+                    (oc, oe), (cc, ce) = cycles[engine, "one"], cycles[engine, "cohort"]
+                    print(f"{n:>8} {engine}: cohort / one node per client: cycle "
+                          f"{cc / oc:.2f}x, exchange {ce / oe:.2f}x", flush=True)
 
 
-def _measure(n: int, engine: str, args: argparse.Namespace,
+def _measure(n: int, engine: str, layout: str, args: argparse.Namespace,
              tmp: Path) -> tuple[float, float]:
-    """Run one size with one engine, print its row; (cycle s, exchange s)."""
+    """Run one size with one engine and layout, print its row; (cycle s, exchange s)."""
     run, peak = run_federation(n, args.rounds, args.trust, tmp, args.extra, engine,
-                               args.fraction_train)
+                               args.fraction_train, layout)
     rounds = [json.loads(line) for line in
               (run / "rounds.jsonl").read_text().splitlines()]
     later = rounds[1:] or rounds
@@ -173,7 +193,8 @@ def _measure(n: int, engine: str, args: argparse.Namespace,
     compute = client_compute_seconds(n, args.extra) * sampled / args.actors
     state = max((c.get("node-state-bytes", 0) for r in rounds
                  for c in r["clients"].values()), default=0)
-    print(f"{n:>8} {engine:>8} {peak / 2 ** 30:>9.2f} {cycle:>8.2f} {compute:>10.2f} "
+    print(f"{n:>8} {engine:>8} {layout:>7} {peak / 2 ** 30:>9.2f} {cycle:>8.2f} "
+          f"{compute:>10.2f} "
           f"{exchange:>11.2f} {1 - compute / exchange:>11.0%} "
           f"{1 - compute / cycle:>10.0%} {server:>9.2f} {sampled:>8.1f} {state:>8}",
           flush=True)

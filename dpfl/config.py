@@ -194,6 +194,11 @@ class RunConfig:
     # seconds the server waits for min-train-nodes connected nodes (at start and before
     # each round) before it stops the run, saying so
     node_wait: float = 600.0
+    # simulation: SuperNodes that host the clients, a cohort each (-1 auto, 0 one per client;
+    # read by dpfl simulate), and the clients they host between them (0: one node per
+    # client; set by dpfl simulate, read by the ServerApp: dpfl.server.cohort)
+    cohort_nodes: int = -1
+    cohort_clients: int = 0
     seed: int = 42
     # true = DP noise and Poisson sampling seeded from public values (bit-identical reruns,
     # verdict none); false = secret OS entropy per client and round (dpfl.privacy.mechanisms.randomness)
@@ -399,6 +404,14 @@ KEY_HELP: dict[str, str] = {
     "node-wait": "seconds the server waits for `min-train-nodes` connected nodes (at start "
                  "and before each round) before it stops the run early, saying so (the run "
                  "folder's `stopped.json`, a non-zero exit)",
+    "cohort-nodes": "simulation: how many SuperNodes host the clients, each training its "
+                    "cohort (client i on node i mod K) one after another per round: -1 = "
+                    "automatic (twice the ClientApps that run at once, when the federation "
+                    "has more clients than that), 0 = one node per client; a deployment "
+                    "always has one client per node",
+    "cohort-clients": "the clients a simulation's SuperNodes host between them (set by "
+                      "`dpfl simulate` from `--clients` and `cohort-nodes`; 0 = one client "
+                      "per node)",
     "seed": "seeds model initialisation, partitioning and evaluation (never DP noise unless "
             "`reproducible=true`); 0 to 2^32 − 1",
     "reproducible": "`true`: DP noise and sampling seeded from `seed` (bit-identical reruns, "
@@ -650,6 +663,10 @@ def validate(cfg: RunConfig) -> RunConfig:
     need(cfg.round_timeout >= MIN_ROUND_TIMEOUT, "round-timeout",
          f"must be >= {MIN_ROUND_TIMEOUT:g} (seconds)", cfg.round_timeout)
     need(cfg.node_wait > 0, "node-wait", "must be > 0", cfg.node_wait)
+    need(cfg.cohort_nodes >= -1, "cohort-nodes", "must be -1 (automatic), 0 (one node per "
+         "client) or a number of nodes", cfg.cohort_nodes)
+    need(cfg.cohort_clients >= 0, "cohort-clients", "must be >= 0 (0 = one client per node)",
+         cfg.cohort_clients)
     need(cfg.evaluate_every >= 0, "evaluate-every", "must be >= 0 (0 = 20 to 40 in a run)",
          cfg.evaluate_every)
     need(0 <= cfg.seed <= MAX_SEED, "seed", f"must be in [0, {MAX_SEED}]", cfg.seed)

@@ -67,7 +67,10 @@ class RoutineFlowerRecords(logging.Filter):
 
     def filter(self, record: logging.LogRecord) -> bool:
         args = record.args if isinstance(record.args, tuple) else ()
-        return (record.levelno, record.msg, args) not in self.ROUTINE
+        try:
+            return (record.levelno, record.msg, args) not in self.ROUTINE
+        except TypeError:   # unhashable arguments (e.g. Flower logs a list): not routine
+            return True
 
 
 def quiet_routine_flower_records() -> None:

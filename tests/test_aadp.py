@@ -54,8 +54,7 @@ def test_schedule_fires_exactly_when_the_condition_holds():
 
 def test_strategy_raises_budgets_only_when_stable():
     cfg = run_config(strategy="aadp", trainer="update-dp", aadp_threshold=1e-3)
-    s = build_strategy(cfg)
-    s.bind_partition_sizes({0: 100, 1: 100})
+    s = build_strategy(cfg, {0: 100, 1: 100})
     s.server_step(torch.zeros(3), torch.full((3,), 1e-2))
     assert s.budgets == {0: 4.0, 1: 4.0}
     s.server_step(torch.zeros(3), torch.full((3,), 1e-2))

@@ -81,11 +81,11 @@ def test_a_per_round_epsilon_no_sigma_reaches_stops_the_run_at_start():
     """eq. 2 at aadp-epsilon 1e-4 gives every client ~1e-4 per round, below the search's
     floor (~3.5e-3 at order 1024): the strategy refuses when it learns the sizes, naming the
     key; eq. 3 only raises eps_i^t later, so round 1 is the one to check."""
-    strategy = build_strategy(_cfg(batch_size=256, aadp_epsilon=1e-4))
+    cfg = _cfg(batch_size=256, aadp_epsilon=1e-4)
     with pytest.raises(UserError, match="run-config key 'aadp-epsilon'.*partition 0"):
-        strategy.bind_partition_sizes({0: 200, 1: 200})
-    ok = build_strategy(_cfg(batch_size=256, aadp_epsilon=0.05))
-    ok.bind_partition_sizes({0: 100, 1: 200})   # eps_i 0.033 and 0.067: below 0.103, fine
+        build_strategy(cfg, {0: 200, 1: 200})
+    # eps_i 0.033 and 0.067: below 0.103, fine
+    ok = build_strategy(_cfg(batch_size=256, aadp_epsilon=0.05), {0: 100, 1: 200})
     assert ok.release_plan(0, 1).sigma > ok.release_plan(1, 1).sigma > 0
 
 
@@ -108,9 +108,8 @@ def test_client_and_server_plan_the_same_dpsgd_round_across_rounds_and_sizes():
     its own size, the method's plan function over the ConfigRecord as received) equals the
     server's (from the config it sent)."""
     cfg = _cfg(batch_size=64, local_epochs=2, aadp_epsilon=1.0, aadp_eps_max=5.0)
-    strategy = build_strategy(cfg)
     sizes = {0: 1000, 1: 1700, 2: 333}
-    strategy.bind_partition_sizes(sizes)
+    strategy = build_strategy(cfg, sizes)
     model = build_model("mlp", (1, 8, 8), 10)
     params = sum(p.numel() for p in model.parameters())
     sigmas, sent = {}, {}
@@ -153,11 +152,9 @@ def test_client_app_sends_the_planned_dpsgd_round_then_the_filter_refuses(server
     from flower_helpers import context, message
 
     cfg = parse_run_config(DIGITS)
-    strategy = build_strategy(cfg)
     sizes = {i: len(s.train) for i, s in enumerate(splits_for(cfg, 2))}
-    strategy.bind_partition_sizes(sizes)
     ledger = Ledger(cfg.delta, cfg.accountant, budget=cfg.target_epsilon)
-    strategy.bind_ledger(ledger)
+    strategy = build_strategy(cfg, sizes, ledger=ledger)
 
     class Grid:
         def get_node_ids(self):

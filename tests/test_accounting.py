@@ -259,3 +259,25 @@ def test_pld_has_no_fixed_size_sampling_and_sigma_is_capped(monkeypatch):
     for name in ("rdp", "pld"):
         with pytest.raises(ValueError, match="unreachable with sigma <= 10"):
             calibrate_noise(0.1, 1e-5, 1, accountant=name, rel_tol=1e-3)
+
+
+def test_a_resumed_ledger_continues_the_recorded_history_in_place():
+    """Ledger.continue_from (resume): the run's one ledger — the object the server's guard
+    holds — takes over every recorded client, charge and population release, and keeps its
+    own budget; epsilon is the recorded history's, bit for bit."""
+    from dpfl.privacy.accounting.events import PrivacyEvent
+    from dpfl.privacy.accounting.ledger import Ledger
+
+    recorded = Ledger(1e-5, "rdp", budget=99.0)
+    gaussian = PrivacyEvent.gaussian(1, 2.0, relation="replace-one")
+    recorded.record("client-0", 1, [gaussian])
+    recorded.charge_population_release(1, [gaussian], ["client-0", "client-1"])
+    live = Ledger(1e-5, "rdp", budget=4.0)
+    live.charge_population_release(1, [gaussian], ["client-7"])   # a stale population
+    held = live
+    live.continue_from(recorded)
+    assert held is live and live.budget == 4.0
+    assert live.charges == recorded.charges and set(live.clients) == set(recorded.clients)
+    assert live.epsilon("client-0") == recorded.epsilon("client-0")
+    assert live.epsilon("client-1") == recorded.epsilon("client-1") > 0
+    assert live.epsilon("client-7") == 0.0   # the old population's cache is gone

@@ -31,10 +31,8 @@ SIZES = {0: 100, 1: 100, 2: 100}
 
 def _strategy(**cfg):
     cfg = RunConfig(**{"dataset": "digits", "model": "mlp", "accountant": "rdp", **cfg})
-    strategy = build_strategy(cfg)
     ledger = Ledger(cfg.delta, cfg.accountant)
-    strategy.bind_ledger(ledger)
-    strategy.bind_partition_sizes(SIZES)
+    strategy = build_strategy(cfg, SIZES, ledger=ledger)
     strategy._global, strategy._template = GLOBAL, array_template(GLOBAL)
     return strategy, ledger
 

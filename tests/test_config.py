@@ -70,8 +70,11 @@ def test_fedavg_requires_plain_trainer():
 ACCEPTED_TRAINERS = {"fedavg": {"plain"}, "dpscaffold": {"dpsgd"}, "cpsgd": {"update-dp"}}
 DP_TRAINERS = {"dpsgd", "update-dp"}
 # keys a strategy needs under a trainer, added by _parse (DP-FedASGP over DP-SGD: the server's
-# validation split, its proxy for the clients' losses)
+# validation split, its proxy for the clients' losses; FedCompDP's default cra-score=server-val
+# scores on it too)
 NEEDED = {("fedasgp", "dpsgd"): {"server_holdout": 1000},
+          ("fedcompdp", "dpsgd"): {"server_holdout": 1000},
+          ("fedcompdp", "update-dp"): {"server_holdout": 1000},
           ("cpsgd", "update-dp"): {"trust": "distributed"}}
 
 

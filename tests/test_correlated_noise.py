@@ -48,9 +48,8 @@ def test_default_is_todays_gaussian_central_mechanism():
     cfg = _cfg()
     assert cfg.central_noise == "gaussian"
     assert guarantee_for(cfg).sampling == "poisson"
-    from dpfl.server.strategy import DPFLStrategy
-    strategy = DPFLStrategy(cfg)
-    strategy.bind_partition_sizes({i: 10 for i in range(4)})
+    from dpfl.server.strategy import DPFLStrategy, StrategyInputs
+    strategy = DPFLStrategy(cfg, inputs=StrategyInputs({i: 10 for i in range(4)}))
     assert type(strategy.central) is CentralAggregator
 
 
@@ -300,14 +299,13 @@ def test_state_dict_resumes_the_same_noise_stream(mode):
 def test_correlated_central_strategy_round_refuses_and_charges_participants_only():
     """The strategy's round: the aggregator is chosen by central-noise, an update of a
     client beyond its k is refused and never charged."""
-    from dpfl.server.strategy import DPFLStrategy, RoundRecord
+    from dpfl.server.strategy import DPFLStrategy, RoundRecord, StrategyInputs
     from dpfl.server.validation import ClientUpdate, array_template
     cfg = _cfg(central_noise="tree", num_rounds=4, max_participations=1, fraction_train=0.5)
-    strategy = DPFLStrategy(cfg)
-    strategy.bind_partition_sizes({i: 10 for i in range(4)})
-    assert isinstance(strategy.central, CorrelatedAggregator)
     ledger = Ledger(delta=DELTA, accountant="pld")
-    strategy.bind_ledger(ledger)
+    strategy = DPFLStrategy(cfg, inputs=StrategyInputs({i: 10 for i in range(4)},
+                                                       ledger=ledger))
+    assert isinstance(strategy.central, CorrelatedAggregator)
     from flwr.app import ArrayRecord
     arrays = ArrayRecord({"w": torch.zeros(3)})
     strategy._global = arrays

@@ -167,11 +167,10 @@ def test_a_dropped_reply_names_the_client_the_node_is_known_as(caplog, server_id
 def test_an_unknown_sender_is_named_by_node_and_ledger_key(caplog, server_identity):
     from dpfl.privacy.accounting.ledger import Ledger
 
-    strategy = build_strategy(RunConfig(dataset="digits", model="mlp"))
+    strategy = build_strategy(RunConfig(dataset="digits", model="mlp"), {0: 100},
+                              ledger=Ledger(1e-5, "rdp"))
     strategy._global = ArrayRecord({"w": torch.zeros(2)})
     strategy._template = array_template(strategy._global)
-    strategy.bind_partition_sizes({0: 100})
-    strategy.bind_ledger(Ledger(1e-5, "rdp"))
     caplog.set_level(logging.INFO, logger="flwr.dpfl.guard")
     strategy.finish_round(1, RoundRecord(1), [_update(5, 9)])
     [line] = [r.getMessage() for r in caplog.records if r.name == "flwr.dpfl.guard"]

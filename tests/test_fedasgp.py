@@ -328,9 +328,8 @@ DIGITS = {"dataset": "digits", "model": "mlp", "batch-size": 64, "num-rounds": 2
 def test_client_app_release_equals_the_servers_plan_and_is_accepted(variant, server_identity):
     raw = {**DIGITS, "asgp-variant": variant, "asgp-max-coords": 25}
     cfg = run_config(**{k.replace("-", "_"): v for k, v in raw.items()})
-    strategy = build_strategy(cfg)
     sizes = {pid: len(client_data(cfg, pid, 2).y_train) for pid in (0, 1)}
-    strategy.bind_partition_sizes(sizes)
+    strategy = build_strategy(cfg, sizes)
     torch.manual_seed(0)
     model = build_model("mlp", (1, 8, 8), 10)
     arrays = ArrayRecord(model.state_dict())
@@ -375,8 +374,7 @@ def test_first_round_budget_check_and_a_misreported_event():
     """The server's plan is the method's pure event; a reply reporting a Gaussian (or
     another epsilon) is rejected and charged the costlier."""
     cfg = _cfg(asgp_epsilon=0.5)
-    strategy = build_strategy(cfg)
-    strategy.bind_partition_sizes({0: 100})
+    strategy = build_strategy(cfg, {0: 100})
     plan = strategy.planned_event(0, 2)
     assert plan == PrivacyEvent.pure(2, round_svt(cfg).epsilon, "sparse-vector",
                                      relation="replace-one")
@@ -420,16 +418,14 @@ def _update(pid, flat, **metrics):
 
 
 def test_reply_problems():
-    strict = build_strategy(_cfg(asgp_max_coords=3))
-    strict.bind_partition_sizes({0: 10, 1: 30})
+    strict = build_strategy(_cfg(asgp_max_coords=3), {0: 10, 1: 30})
     flat = torch.zeros(50)
     flat[:3] = 1.0
     assert strict.reply_problem(_update(0, flat)) is None
     flat[10] = -1.0
     assert "non-zero coordinates" in strict.reply_problem(_update(0, flat))
     assert "unknown" in strict.reply_problem(_update(7, torch.zeros(50)))
-    paper = build_strategy(_cfg(asgp_variant="paper"))
-    paper.bind_partition_sizes({0: 10})
+    paper = build_strategy(_cfg(asgp_variant="paper"), {0: 10})
     dense = torch.ones(50)
     assert paper.reply_problem(_update(0, dense, **{LOSS_KEY: 0.3, SIGNIFICANT_KEY: 0.5})) is None
     for bad in (None, float("nan"), float("inf"), -0.1, True, "1.0"):
@@ -442,8 +438,7 @@ def test_reply_problems():
 def test_strict_weights_and_round_metrics():
     from dpfl.server.strategy import RoundRecord
 
-    strategy = build_strategy(_cfg())
-    strategy.bind_partition_sizes({0: 10, 1: 30})
+    strategy = build_strategy(_cfg(), {0: 10, 1: 30})
     a, b = torch.zeros(100), torch.zeros(100)
     a[:4], b[:2] = 1.0, 1.0
     updates = [_update(0, a), _update(1, b)]
@@ -539,8 +534,7 @@ def _paper_round(losses, caplog):
     from flower_helpers import FakeGrid
 
     cfg = _cfg(asgp_variant="paper", dataset="digits", model="mlp")
-    strategy = build_strategy(cfg)
-    strategy.bind_partition_sizes({pid: 100 for pid in range(len(losses))})
+    strategy = build_strategy(cfg, {pid: 100 for pid in range(len(losses))})
     torch.manual_seed(0)
     model = build_model("mlp", (1, 8, 8), 10)
     arrays = ArrayRecord(model.state_dict())

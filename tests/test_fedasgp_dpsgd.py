@@ -85,11 +85,9 @@ def test_release_keeps_exactly_m_under_ties_and_zeroes_a_diverged_update():
 # -- eq. 16 with the server's proxy losses, by hand ----------------------------------------------
 
 def _tiny_strategy(x, y, sizes):
-    strategy = build_strategy(_cfg(num_rounds=2))
     model = nn.Sequential(nn.Flatten(), nn.Linear(2, 2, bias=False))
     nn.init.zeros_(model[1].weight)
-    strategy.bind_model(model)
-    strategy.bind_partition_sizes(sizes)
+    strategy = build_strategy(_cfg(num_rounds=2), sizes, model=model)
     strategy.val = (x, y)                       # the server's validation split
     strategy._global = ArrayRecord(model.state_dict())   # w_t = 0
     strategy.round = RoundContext(1, {})
@@ -142,8 +140,7 @@ def test_the_plan_and_norm_bound_are_the_shared_dpsgd_ones():
     cfg = _cfg(target_epsilon=4.0)
     method = METHODS["fedasgp"]
     assert method.plan(cfg, PlanInputs(1, {}, 0, 500, 0)).event is None
-    strategy = build_strategy(cfg)
-    strategy.bind_partition_sizes({0: 500, 1: 700})
+    strategy = build_strategy(cfg, {0: 500, 1: 700})
     assert strategy.release_plan(0, 1).event is None
     assert strategy.planned_event(1, 2) == planned_event(cfg, 700, 2)
     assert strategy.planned_event(1, 2).mechanism == "dpsgd"
@@ -186,12 +183,10 @@ def test_client_app_reply_carries_a_dpsgd_event_and_no_clear_loss_or_count(serve
            "num-rounds": 2, "target-epsilon": 8.0, "strategy": "fedasgp",
            "trainer": "dpsgd", "server-holdout": 50}
     cfg = parse_run_config(raw)
-    strategy = build_strategy(cfg)
-    strategy.bind_partition_sizes({i: len(s.train) for i, s in enumerate(splits_for(cfg, 2))})
-    strategy.bind_ledger(Ledger(cfg.delta, cfg.accountant, budget=8.0))
     torch.manual_seed(0)
     model = build_model("mlp", (1, 8, 8), 10)
-    strategy.bind_model(model)
+    strategy = build_strategy(cfg, {i: len(s.train) for i, s in enumerate(splits_for(cfg, 2))},
+                              model=model, ledger=Ledger(cfg.delta, cfg.accountant, budget=8.0))
 
     class Grid:
         def get_node_ids(self):

@@ -266,7 +266,7 @@ def test_zero_step_adds_no_constraint():
     (dict(adpc="off"), True),
     (dict(adpc="raw-norm"), False),
     (dict(cra_score="client-f1"), False),
-    (dict(cra_score="client-f1", client_f1_noise=0.5), True),
+    (dict(cra_score="client-f1", client_f1_noise=1.0), True),   # 0.5: no joint release
 ])
 def test_verdict_per_reading(changes, formal):
     g = guarantee(cfg(**changes))
@@ -311,8 +311,7 @@ def test_norm_bound_and_round_clip_follow_the_method():
     """The guard bounds a reply of round t by C_t + sigma_Delta C_t (sqrt(d) + 10), with
     sigma_Delta the raised update noise of private-quantile (s_b = sigma: 2 / sqrt(3)), and
     expects the reply's privacy record to state C_t."""
-    s = build_strategy(cfg(adpc="private-quantile", clip_norm=2.0))
-    s.bind_partition_sizes({0: 10, 1: 10})
+    s = build_strategy(cfg(adpc="private-quantile", clip_norm=2.0), {0: 10, 1: 10})
     s.send_config(1)
     s.clip = 0.5
     s.send_config(2)
@@ -343,9 +342,10 @@ def test_strategy_state_survives_a_checkpoint_round_trip(tmp_path):
 
 # -- a client's reported F1 is bounded before it weighs anything ------------------------------
 
-def _cra_strategy(**changes):
+def _cra_strategy(sizes=None, **changes):
     return build_strategy(cfg(**{"adpc": "off", "cra_score": "client-f1",
-                                 "client_f1_noise": 0.0, "cd_correction": False, **changes}))
+                                 "client_f1_noise": 0.0, "cd_correction": False, **changes}),
+                          sizes)
 
 
 def test_a_claimed_f1_of_one_cannot_take_the_aggregate():
@@ -412,8 +412,7 @@ def test_a_claimed_f1_through_the_strategys_round(server_identity, caplog):
 
     from flower_helpers import FakeGrid, message
 
-    s = _cra_strategy(model="mlp")
-    s.bind_partition_sizes({pid: 100 for pid in range(5)})
+    s = _cra_strategy({pid: 100 for pid in range(5)}, model="mlp")
     torch.manual_seed(0)
     model = build_model("mlp", (1, 8, 8), 10)
     _, record = s.start_round(1, ArrayRecord(model.state_dict()), FakeGrid(range(1, 6)))

@@ -62,8 +62,7 @@ def test_server_clip_update_from_hand_worked_fractions():
     (90 + 90) / 400 = 0.45 < gamma 0.5, so C_1 = 2 exp(0.2 x 0.05) = 2 e^0.01 (grows);
     round 2: 1.0 and 0.8 at equal sizes pool to 0.9, C_2 = C_1 e^(-0.08); the plan and the
     guard's planned clip follow the round's C_t."""
-    s = build_strategy(cfg(max_grad_norm=2.0))
-    s.bind_partition_sizes({0: 100, 1: 300})
+    s = build_strategy(cfg(max_grad_norm=2.0), {0: 100, 1: 300})
     assert s.send_config(1) == {CLIP_KEY: 2.0} and s.guard.planned_clip(1) == 2.0
     s.after_aggregation([update(0, 100, **{UNCLIPPED_FRACTION: 0.9}),
                          update(1, 300, **{UNCLIPPED_FRACTION: 0.3})])
@@ -79,8 +78,7 @@ def test_server_clip_update_from_hand_worked_fractions():
 
 
 def test_clip_is_bounded_and_fixed_without_adpc():
-    s = build_strategy(cfg(adpc_max_clip=2.5, adpc_lr=10.0))
-    s.bind_partition_sizes({0: 10})
+    s = build_strategy(cfg(adpc_max_clip=2.5, adpc_lr=10.0), {0: 10})
     s.after_aggregation([update(0, 10, **{UNCLIPPED_FRACTION: -0.5})])   # all clipped
     assert s.clip == 2.5
     off = build_strategy(cfg(adpc="off", max_grad_norm=0.7))
@@ -161,8 +159,7 @@ def test_fraction_range_on_a_hand_case():
 
 
 def test_replies_missing_or_outside_the_honest_fraction_range_are_rejected():
-    s = build_strategy(cfg())
-    s.bind_partition_sizes({0: 500})
+    s = build_strategy(cfg(), {0: 500})
     low, high = s.fraction_range(0)
     assert low < 0 < 1 < high < 2.5
     assert s.reply_problem(update(0, 500, **{UNCLIPPED_FRACTION: 0.4})) is None
@@ -176,9 +173,8 @@ def test_norm_bound_uses_the_rounds_clip_and_the_raised_gradient_noise():
     """The guard's DP-SGD bound at C_t and sigma_g = sigma (1 - 1/25)^(-1/2) (count std
     5 sigma), the loosest over partitions; adpc=off: the planned sigma and max-grad-norm."""
     c = cfg(max_grad_norm=1.0)
-    s = build_strategy(c)
     sizes = {0: 120, 1: 400}
-    s.bind_partition_sizes(sizes)
+    s = build_strategy(c, sizes)
     s.send_config(1)
     s.clip = 0.3
     s.send_config(2)
@@ -191,25 +187,22 @@ def test_norm_bound_uses_the_rounds_clip_and_the_raised_gradient_noise():
                    for n in sizes.values())
     assert s.guard.norm_bound(1000, 2) == pytest.approx(hand(0.3, scale))
     assert s.guard.norm_bound(1000, 1) == pytest.approx(hand(1.0, scale))
-    off = build_strategy(cfg(max_grad_norm=1.0, adpc="off"))
-    off.bind_partition_sizes(sizes)
+    off = build_strategy(cfg(max_grad_norm=1.0, adpc="off"), sizes)
     off.send_config(1)
     assert off.guard.norm_bound(1000, 1) == pytest.approx(hand(1.0, 1.0))
 
 
 def test_an_absolute_count_std_must_exceed_every_planned_sigma():
-    s = build_strategy(cfg(adpc_count_stddev=1e3))
-    s.bind_partition_sizes({0: 120, 1: 400})
+    s = build_strategy(cfg(adpc_count_stddev=1e3), {0: 120, 1: 400})
     sigma = planned_event(s.cfg, 120, 1).sigma            # the smaller partition: noisier
     assert s.guard.noise_scale(1) == pytest.approx((1 - (sigma / 1e3) ** 2) ** -0.5)
     with pytest.raises(ConfigError, match="adpc-count-stddev"):
-        build_strategy(cfg(adpc_count_stddev=0.5)).bind_partition_sizes({0: 120, 1: 400})
+        build_strategy(cfg(adpc_count_stddev=0.5), {0: 120, 1: 400})
 
 
 def test_primal_dual_rho_is_in_units_of_the_noise_free_update():
     c = cfg(lr=0.05, momentum=0.5, cd_rho=2.0, max_grad_norm=0.8)
-    s = build_strategy(c)
-    s.bind_partition_sizes({0: 100, 1: 640})
+    s = build_strategy(c, {0: 100, 1: 640})
     steps = planned_dpsgd_steps(640, c)                    # the larger partition: 20 steps
     assert steps == 20
     assert s.rho() == pytest.approx(2.0 * 0.05 * 20 * 0.8 / 0.5)
@@ -232,10 +225,9 @@ def test_without_cra_the_weights_are_the_public_sizes():
     (dict(opacus_mode="ghost"), "opacus-mode"),
 ])
 def test_refused_readings_under_dpsgd(changes, key):
-    c = cfg(**changes)
     for check in (build_strategy, guarantee):
         with pytest.raises(ConfigError, match=f"'{key}'"):
-            check(c)
+            check(cfg(**changes))
 
 
 @pytest.mark.parametrize("changes", [
@@ -278,19 +270,17 @@ def test_client_app_reply_is_dpsgd_at_the_plan_with_the_fraction_and_accepted(se
     raw = {k.replace("_", "-"): v for k, v in BASE.items()}
     raw.update({"lr": 0.1, "num-rounds": 2, "target-epsilon": 8.0, "batch-size": 64})
     c = parse_run_config(raw)
-    s = build_strategy(c)
     sizes = {i: len(sp.train) for i, sp in enumerate(splits_for(c, 2))}
-    s.bind_partition_sizes(sizes)
-    s.bind_ledger(Ledger(c.delta, c.accountant, budget=8.0))
+    torch.manual_seed(0)
+    model = build_model("mlp", (1, 8, 8), 10)
+    s = build_strategy(c, sizes, model=model,
+                       ledger=Ledger(c.delta, c.accountant, budget=8.0))
     s.clip = 0.6
 
     class Grid:
         def get_node_ids(self):
             return [11, 12]
 
-    torch.manual_seed(0)
-    model = build_model("mlp", (1, 8, 8), 10)
-    s.bind_model(model)
     messages, record = s.start_round(1, ArrayRecord(model.state_dict()), Grid())
     replies, fractions = [], []
     for pid, m in enumerate(messages):

@@ -190,8 +190,7 @@ def test_event_is_the_shared_gaussian_plan(mask):
     assert METHODS["fedsmp"].plan(cfg, PlanInputs(4, {}, 0, 120, 0)).event is None
     assert event == planned_event(cfg, 120, 4) == PrivacyEvent.gaussian(
         4, sigma, relation="replace-one")
-    strategy = build_strategy(cfg)
-    strategy.bind_partition_sizes({0: 120})
+    strategy = build_strategy(cfg, {0: 120})
     assert strategy.planned_event(0, 4) == event
     # a client taking part in every round ends at the target (calibrated for 7 rounds)
     history = [PrivacyEvent.gaussian(r, sigma, relation="replace-one") for r in range(1, 8)]
@@ -314,9 +313,8 @@ DIGITS = {"dataset": "digits", "model": "mlp", "batch-size": 64, "num-rounds": 2
 def test_client_app_reply_is_planned_charged_and_accepted(mask, server_identity):
     raw = {**DIGITS, "fedsmp-mask": mask}
     cfg = run_config(**{k.replace("-", "_"): v for k, v in raw.items()})
-    strategy = build_strategy(cfg)
     sizes = {pid: len(client_data(cfg, pid, 2).y_train) for pid in (0, 1)}
-    strategy.bind_partition_sizes(sizes)
+    strategy = build_strategy(cfg, sizes)
     torch.manual_seed(0)
     model = build_model("mlp", (1, 8, 8), 10)
     arrays = ArrayRecord(model.state_dict())
@@ -372,9 +370,8 @@ def test_fedsmp_over_dpsgd_sparsifies_the_dpsgd_update(mask, server_identity):
                   "trainer": "dpsgd", "fedsmp-mask": mask, "fedsmp-ratio": 0.1}
     cfg = parse_run_config(run_config)
     assert guarantee(cfg).verdict == "formal"
-    strategy = build_strategy(cfg)
-    strategy.bind_partition_sizes({i: len(s.train) for i, s in enumerate(splits_for(cfg, 2))})
-    strategy.bind_ledger(Ledger(cfg.delta, cfg.accountant, budget=8.0))
+    strategy = build_strategy(cfg, {i: len(s.train) for i, s in enumerate(splits_for(cfg, 2))},
+                              ledger=Ledger(cfg.delta, cfg.accountant, budget=8.0))
 
     class Grid:
         def get_node_ids(self):

@@ -105,11 +105,8 @@ def _reply(kind, template, node, rng, extra_template=None, method_metrics=None):
 def test_thousand_crafted_replies(name, server_identity):
     cfg = RunConfig(strategy=name, trainer=TRAINER.get(name, "dpsgd"), dataset="digits",
                     model="mlp", max_update_norm=1e3, **METHOD_CONFIG.get(name, {}))
-    strategy = build_strategy(cfg)
     model = build_model("mlp", (1, 8, 8), 10)
-    strategy.bind_model(model)
-    if hasattr(strategy, "bind_partition_sizes"):
-        strategy.bind_partition_sizes({i: 100 for i in range(50)})
+    strategy = build_strategy(cfg, {i: 100 for i in range(50)}, model=model)
     arrays = ArrayRecord(model.state_dict())
     _, rec = strategy.start_round(1, arrays, FakeGrid(list(range(1, 1001))))
     template = strategy._template
@@ -156,9 +153,8 @@ def _plain_round(extra_metrics, caplog):
     """One round of plain FedAvg (no DP: every reply metric is accepted) over 4 nodes
     of partitions 0-3 (100 examples each); node i's metrics get extra_metrics[i]."""
     strategy = build_strategy(RunConfig(strategy="fedavg", trainer="plain", dataset="digits",
-                                        model="mlp"))
+                                        model="mlp"), {pid: 100 for pid in range(4)})
     model = build_model("mlp", (1, 8, 8), 10)
-    strategy.bind_partition_sizes({pid: 100 for pid in range(4)})
     _, rec = strategy.start_round(1, ArrayRecord(model.state_dict()), FakeGrid([1, 2, 3, 4]))
     gen = torch.Generator().manual_seed(0)
     replies = [message(RecordDict({
@@ -210,8 +206,7 @@ def test_a_central_clip_bit_that_is_not_a_number_in_0_1_is_rejected(server_ident
     round (float(list)), any value outside [0, 1] is not a bit: rejected with its reason."""
     cfg = RunConfig(trainer="update-dp", trust="central", noise_multiplier=1.0,
                     fraction_train=1.0, dataset="digits", model="mlp", num_rounds=2)
-    strategy = build_strategy(cfg)
-    strategy.bind_partition_sizes({pid: 100 for pid in range(4)})
+    strategy = build_strategy(cfg, {pid: 100 for pid in range(4)})
     _, rec = strategy.start_round(1, ArrayRecord({"weight": torch.zeros(1, 3)}),
                                   FakeGrid([1, 2, 3, 4]))
     bits = {1: [1.0], 2: 7.0, 3: float("nan"), 4: 1.0}
@@ -227,12 +222,12 @@ def test_a_central_clip_bit_that_is_not_a_number_in_0_1_is_rejected(server_ident
     assert torch.isfinite(_flat(outcome.arrays)).all()
 
 
-def _scaffold(server_round=1):
+def _scaffold(server_round=1, sizes_of=None):
+    """A DP-SCAFFOLD strategy over an mlp; ``sizes_of(cfg)``: its partition sizes."""
     cfg = RunConfig(strategy="dpscaffold", trainer="dpsgd", dataset="digits", model="mlp",
                     noise_multiplier=1.0, num_rounds=2, batch_size=32, lr=0.1)
-    strategy = build_strategy(cfg)
     model = build_model("mlp", (1, 8, 8), 10)
-    strategy.bind_model(model)
+    strategy = build_strategy(cfg, sizes_of(cfg) if sizes_of else None, model=model)
     return cfg, strategy, model
 
 
@@ -240,8 +235,7 @@ def test_a_huge_scaffold_control_delta_is_rejected(server_identity, caplog):
     """DP-SCAFFOLD's Delta c_i moves c, which every client adds to each step and which
     widens the next round's norm bound: one finite but huge Delta c_i (1e30) is rejected
     with its reason instead of becoming c."""
-    cfg, strategy, model = _scaffold()
-    strategy.bind_partition_sizes({0: 700, 1: 700})
+    cfg, strategy, model = _scaffold(sizes_of=lambda cfg: {0: 700, 1: 700})
     bound = strategy.control_delta_bound(1)
     assert 0 < bound < 1e4
     _, rec = strategy.start_round(1, ArrayRecord(model.state_dict()), FakeGrid([1, 2]))
@@ -269,11 +263,10 @@ def test_honest_scaffold_control_deltas_are_within_the_bound(server_identity):
 
     from flower_helpers import context
 
-    cfg, strategy, model = _scaffold()
+    cfg, strategy, model = _scaffold(sizes_of=lambda cfg: {
+        pid: len(client_data(cfg, pid, 2).y_train) for pid in (0, 1)})
     raw = {"strategy": "dpscaffold", "trainer": "dpsgd", "dataset": "digits", "model": "mlp",
            "noise-multiplier": 1.0, "num-rounds": 2, "batch-size": 32, "lr": 0.1}
-    strategy.bind_partition_sizes({pid: len(client_data(cfg, pid, 2).y_train)
-                                   for pid in (0, 1)})
     contexts = {node: context(raw, node - 1, 2) for node in (1, 2)}
     arrays = ArrayRecord(model.state_dict())
     for server_round in (1, 2):

@@ -199,9 +199,8 @@ def test_fedexp_strategy_applies_the_step(server_identity):
 def test_scaffold_strategy_moves_its_control_variate(server_identity):
     """c <- c + (|S|/N) mean Delta c_i through aggregate_train, sent to the clients with the
     next round, and reported in the round metrics."""
-    strategy = build_strategy(RunConfig(strategy="dpscaffold"))
     model = _two_param_model([0.0, 0.0])
-    strategy.bind_model(model)
+    strategy = build_strategy(RunConfig(strategy="dpscaffold"), model=model)
     arrays = ArrayRecord(model.state_dict())
     grid = FakeGrid([1, 2, 3, 4])  # N = 4, two of them reply: |S|/N = 1/2
     msgs = list(strategy.configure_train(1, arrays, ConfigRecord(), grid))

@@ -64,9 +64,8 @@ def _ledger(eps_by_client):
 
 
 def test_strategy_selects_from_the_ledger_and_counts_unseen_clients_as_zero():
-    strategy = build_strategy(RunConfig(strategy="pegasus", min_train_nodes=2))
     ledger = _ledger({"client-0": 400, "client-1": 100, "client-2": 50})
-    strategy.bind_ledger(ledger)
+    strategy = build_strategy(RunConfig(strategy="pegasus", min_train_nodes=2), ledger=ledger)
     strategy.nodes.node_client = {10: "client-0", 11: "client-1", 12: "client-2"}
     grid = FakeGrid([10, 11, 12, 13])  # node 13 has not reported yet: epsilon 0
     assert strategy.select_nodes(1, grid) == [10, 11, 12, 13]  # round 1: everyone
@@ -86,8 +85,8 @@ def _refusal(node: int, pid: int, reason: str) -> Message:
 def test_a_budget_refusal_takes_the_node_out_of_later_selections(server_identity):
     """Through the strategy: a node that refused at its budget in round 2 is not selected
     in round 3; one that refused for another reason (a plan mismatch) still is."""
-    strategy = build_strategy(RunConfig(strategy="pegasus", min_train_nodes=2))
-    strategy.bind_ledger(_ledger({"client-1": 100, "client-2": 100}))
+    strategy = build_strategy(RunConfig(strategy="pegasus", min_train_nodes=2),
+                              ledger=_ledger({"client-1": 100, "client-2": 100}))
     strategy.nodes.node_client = {11: "client-1", 12: "client-2"}
     grid = FakeGrid([10, 11, 12])   # node 10 (client-0) never trained: eps 0, below the mean
     arrays = ArrayRecord({"weight": torch.zeros(1, 2)})
@@ -247,18 +246,16 @@ def test_a_resumed_pegasus_run_selects_with_the_clients_its_nodes_replied_as():
     """Issue 50: the node -> client map PEGASUS selects through is checkpointed with the
     pins (NodeRegistry); before, a resume forgot it and counted every node's epsilon as 0."""
     ledger = _ledger({"client-0": 400, "client-1": 100, "client-2": 50})
-    before = build_strategy(RunConfig(strategy="pegasus", min_train_nodes=2))
-    before.bind_partition_sizes({0: 100, 1: 100, 2: 100})
+    before = build_strategy(RunConfig(strategy="pegasus", min_train_nodes=2),
+                            {0: 100, 1: 100, 2: 100}, ledger=ledger)
     for node, pid in ((10, 0), (11, 1), (12, 2)):
         before.nodes.note_reply(node, pid)
     before.nodes.note_reply(13, 7)   # not a partition of this run: not remembered
     state = before.state_dict()
-    after = build_strategy(RunConfig(strategy="pegasus", min_train_nodes=2))
-    after.bind_partition_sizes({0: 100, 1: 100, 2: 100})
+    after = build_strategy(RunConfig(strategy="pegasus", min_train_nodes=2),
+                           {0: 100, 1: 100, 2: 100}, ledger=ledger)
     after.load_state_dict(state)
-    after.bind_ledger(ledger)
     assert after.nodes.node_client == {10: "client-0", 11: "client-1", 12: "client-2"}
-    before.bind_ledger(ledger)
     grid = FakeGrid([10, 11, 12, 13])
     assert after.select_nodes(2, grid) == before.select_nodes(2, grid) != [10, 11, 12, 13]
     # an older checkpoint (pins only) still loads

@@ -314,11 +314,10 @@ class _Grid:
 def _federation(extra: dict):
     run_config = {**HOSTILE, **extra}
     cfg = parse_run_config(run_config)
-    strategy = build_strategy(cfg)
     splits = list(splits_for(cfg, len(NODES)))
-    strategy.bind_partition_sizes({i: len(s.train) for i, s in enumerate(splits)})
     ledger = Ledger(cfg.delta, cfg.accountant, budget=cfg.target_epsilon)
-    strategy.bind_ledger(ledger)
+    strategy = build_strategy(cfg, {i: len(s.train) for i, s in enumerate(splits)},
+                              ledger=ledger)
     contexts = {node: context(run_config, pid, len(NODES)) for node, pid in NODES.items()}
     return strategy, ledger, contexts, splits
 

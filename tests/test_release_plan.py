@@ -49,8 +49,7 @@ def test_the_server_plans_from_the_config_it_sent_and_the_client_from_the_one_it
     received ConfigRecord is the same."""
     cfg = run_config(strategy="fedcompdp", trainer="update-dp", clip_norm=2.0,
                      server_holdout=100)
-    s = build_strategy(cfg)
-    s.bind_partition_sizes({0: 10, 1: 10})
+    s = build_strategy(cfg, {0: 10, 1: 10})
     sent = s.send_config(1)
     s.clip = 0.5
     assert s.guard.planned_clip(1) == 2.0 and s.guard.planned_clip(2) == 0.5

@@ -32,10 +32,8 @@ D = 1e-5
 def _strategy():
     cfg = RunConfig(dataset="digits", model="mlp", accountant="rdp", trainer="update-dp",
                     noise_multiplier=2.0, node_partitions="10:0,11:1")
-    strategy = build_strategy(cfg)
     ledger = Ledger(cfg.delta, cfg.accountant)
-    strategy.bind_ledger(ledger)
-    strategy.bind_partition_sizes({0: 100, 1: 100})
+    strategy = build_strategy(cfg, {0: 100, 1: 100}, ledger=ledger)
     strategy._global, strategy._template = GLOBAL, array_template(GLOBAL)
     return strategy, ledger
 

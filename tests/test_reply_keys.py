@@ -51,13 +51,11 @@ def _round(name: str, trainer: str, variant: dict):
     run_config = {**BASE, "strategy": name, "trainer": trainer, **SETUP.get(name, {}),
                   **variant}
     cfg = parse_run_config(run_config)
-    strategy = build_strategy(cfg)
     sizes = {i: len(s.train) for i, s in enumerate(splits_for(cfg, len(NODES)))}
-    strategy.bind_partition_sizes(sizes)
-    strategy.bind_ledger(Ledger(cfg.delta, cfg.accountant, budget=cfg.target_epsilon))
     torch.manual_seed(0)
     model = method_for(cfg).build_model(cfg, (1, 8, 8), 10)
-    strategy.bind_model(model)
+    strategy = build_strategy(cfg, sizes, model=model,
+                              ledger=Ledger(cfg.delta, cfg.accountant, budget=cfg.target_epsilon))
     messages, record = strategy.start_round(1, ArrayRecord(model.state_dict()), _Grid())
     replies = []
     for pid, m in enumerate(messages):

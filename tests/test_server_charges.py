@@ -207,11 +207,12 @@ def test_the_guard_sends_each_client_the_releases_charged_to_it():
     from dpfl.methods import run_config
     from dpfl.privacy.accounting.ledger import server_events_from
     from dpfl.server.guard import DPGuard
+    from dpfl.server.nodes import NodeRegistry
 
-    guard = DPGuard(run_config(trainer="update-dp", noise_multiplier=1.0))
-    guard.nodes.bind_sizes({0: 100, 1: 100})
+    cfg = run_config(trainer="update-dp", noise_multiplier=1.0)
+    guard = DPGuard(cfg, nodes=NodeRegistry(cfg.node_partitions, {0: 100, 1: 100}),
+                    ledger=Ledger(D, "rdp"))
     guard.nodes.node_partition.update({7: 0, 8: 1})
-    guard.bind_ledger(Ledger(D, "rdp"))
     count = PrivacyEvent.gaussian(1, 2 * SIGMA_B, relation="replace-one")
     guard.charge_server_release(1, [count], [0], "adaptive-clipping count")
     sent = guard.plan_record(7, 2)

@@ -129,9 +129,8 @@ def test_a_server_release_is_charged_through_the_guard_to_the_clients_it_covers(
     from dpfl.privacy.accounting.ledger import Ledger
 
     cfg = run_config(trainer="update-dp", noise_multiplier=2.0, accountant="rdp")
-    strategy = build_strategy(cfg)
     ledger = Ledger(cfg.delta, "rdp")
-    strategy.bind_ledger(ledger)
+    strategy = build_strategy(cfg, ledger=ledger)
     count = PrivacyEvent.gaussian(0, 20.0, relation="replace-one", mechanism="quantile-count")
     for rnd in (1, 2):
         for pid in (0, 1, 2):

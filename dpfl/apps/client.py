@@ -6,9 +6,11 @@ message. A simulation loads the ClientApp in its main thread before it starts Ra
 ServerApp's thread imports torch: with a heavy module here Ray waited ~2.5 s for those
 imports (results/speed/startup-before.txt).
 
-Messages: ``train`` (one round of local training), ``evaluate`` (local validation), and
+Messages: ``train`` (one round of local training), ``evaluate`` (local validation),
 ``query.warm`` (before round 1 in a simulation: imports, data and the first plan's noise
-multiplier, so that the first instruction does not wait on them).
+multiplier, so that the first instruction does not wait on them), and their cohort bundles
+``train.cohort``, ``evaluate.cohort``, ``query.cohort`` (a simulated node that hosts several
+clients: each of them through the same handler, :mod:`dpfl.apps.cohort_host`).
 """
 
 from __future__ import annotations
@@ -63,3 +65,14 @@ def warm(msg: Message, context: Context) -> Message:
     from dpfl.apps.client_handlers import warm as handler
 
     return handler(msg, context)
+
+
+@app.train("cohort")
+@app.evaluate("cohort")
+@app.query("cohort")
+def cohort(msg: Message, context: Context) -> Message:
+    """A simulation's cohort bundle: several clients of this node, each run through its
+    ordinary handler (:func:`dpfl.apps.cohort_host.run_cohort`)."""
+    from dpfl.apps.cohort_host import run_cohort
+
+    return run_cohort(msg, context)

@@ -50,6 +50,7 @@ from dpfl.privacy.trust import (
 )
 from dpfl.privacy.verdict import Guarantee, over_history
 from dpfl.server import runregistry
+from dpfl.server.cohort import CohortGrid
 from dpfl.server.evaluation import classification_metrics, divergence
 from dpfl.server.exchange import ReplyExchange
 from dpfl.server.node_index import index_instructions_by_node
@@ -60,7 +61,8 @@ from dpfl.server.report import epsilon_table
 from dpfl.server.rundir import CONFIG_FILE, RunDir
 from dpfl.server.runidentity import NUM_CLIENTS, check_resume
 from dpfl.server.secagg import SecAggPlusServer, SecureSum
-from dpfl.server.strategy import DPFLStrategy, RoundRecord
+from dpfl.server.strategy import DPFLStrategy, RoundRecord, wait_for_nodes
+from dpfl.server.trust import server_trust
 from dpfl.tensors import flatten
 
 log = get_logger("flwr.dpfl.server")
@@ -180,9 +182,32 @@ def warm_nodes(grid: Grid, nodes: list[int]) -> list[str]:
     process per message, where warming would only cost."""
     if getattr(grid, "state", None) is None or os.environ.get("DPFL_WARM_NODES", "1") == "0":
         return []
+    if isinstance(grid, CohortGrid):   # a host imports once: one client of each host
+        nodes = grid.one_client_per_host(nodes)
     messages = [Message(content=RecordDict(), message_type=f"{MessageType.QUERY}.{WARM}",
                         dst_node_id=node) for node in nodes]
     return list(grid.push_messages(messages))
+
+
+def cohort_grid(grid: Grid, cfg: RunConfig) -> Grid:
+    """``grid`` as the ServerApp uses it: with ``cohort-clients`` = N in a simulation, a
+    :class:`~dpfl.server.cohort.CohortGrid` of N client nodes over the simulation's host
+    nodes; else ``grid`` itself. Refused where a cohort cannot be: a deployment (a node is
+    a device), SecAgg+ (its stages are per node), an operator's node map."""
+    if cfg.cohort_clients == 0:
+        return grid
+    if getattr(grid, "state", None) is None:
+        raise ConfigError("run-config key 'cohort-clients': cohort nodes are for simulations; "
+                          "in a deployment every SuperNode is one client (set 0)")
+    if server_trust(cfg).secure_sum:
+        raise ConfigError("run-config key 'cohort-clients': SecAgg+ (trust=distributed) runs "
+                          "its stages per node: one client per node (set 0)")
+    if cfg.node_partitions:
+        raise ConfigError("run-config key 'cohort-clients': node-partitions maps nodes to "
+                          "clients; a cohort simulation maps them itself (set one of them)")
+    log.info("cohort simulation: %d clients over the simulation's nodes",
+             cfg.cohort_clients)
+    return CohortGrid(grid, cfg.cohort_clients)
 
 
 def await_warm_nodes(fed: Federation) -> None:
@@ -225,21 +250,27 @@ def setup(grid: Grid, cfg: RunConfig) -> Federation:
 
 
 def _set_up(grid: Grid, cfg: RunConfig, run_dir: RunDir, t_start: float) -> Federation:
+    grid = cohort_grid(grid, cfg)
     # a resume continues the run's identity, fixed at its start (dpfl.server.runidentity)
     saved = run_dir.saved_config() if cfg.resume else None
     if saved is not None:
         check_resume(saved, cfg.to_dict(), str(run_dir.path))
-    strategy = build_strategy(cfg)
     ds = load_dataset(cfg.dataset, cfg.data_dir, cfg.download)
     x_test, y_test = test_tensors(cfg.dataset, cfg.data_dir, cfg.download)
     torch.manual_seed(cfg.seed)
     model = method_for(cfg).build_model(cfg, ds.input_shape, ds.num_classes)
-    strategy.bind_model(model)
-    nodes = strategy.wait_for_nodes(grid, cfg.min_train_nodes)
+    nodes = wait_for_nodes(grid, cfg.min_train_nodes, cfg.node_wait)
     num_nodes = len(nodes)
     warm_ids = warm_nodes(grid, nodes)
     if saved is not None:
         check_resume(saved, {NUM_CLIENTS: num_nodes}, str(run_dir.path))
+    splits = list(splits_for(cfg, num_nodes))
+    # the run's one ledger (a resume continues it from disk in place: Ledger.continue_from)
+    ledger = Ledger(cfg.delta, cfg.accountant,
+                    budget=cfg.target_epsilon if cfg.is_private else None)
+    # public sizes: the server plans each client's release (and a method may allocate by them)
+    strategy = build_strategy(cfg, {i: len(s.train) for i, s in enumerate(splits)}, model,
+                              ledger)
     overflow = check_trust(strategy, cfg, num_nodes, strategy.guard.dim)
     limits = [("record-updates", cfg.record_updates)]
     if cfg.trainer != "dpsgd":   # canary clients (DP-SGD canaries are examples, any number)
@@ -256,9 +287,6 @@ def _set_up(grid: Grid, cfg: RunConfig, run_dir: RunDir, t_start: float) -> Fede
              cfg.dataset, num_nodes, cfg.num_rounds)
     log.info("privacy guarantee: %s (unit=%s, relation=%s, sampling=%s, delta=%g)",
              claim.verdict, claim.unit, claim.relation, claim.sampling, claim.delta)
-    splits = list(splits_for(cfg, num_nodes))
-    # public sizes: the server plans each client's release (and a method may allocate by them)
-    strategy.bind_partition_sizes({i: len(s.train) for i, s in enumerate(splits)})
     check_operator_map(strategy, num_nodes, grid)
     if not cfg.resume:
         first_round_affordable(strategy, cfg)
@@ -266,9 +294,6 @@ def _set_up(grid: Grid, cfg: RunConfig, run_dir: RunDir, t_start: float) -> Fede
     # drawn when the run ends, with the other plots (matplotlib's import and the render took
     # ~1.1 s on the way to round 1: results/speed/startup-before.txt)
     counts = label_counts(ds.y_train, splits, ds.num_classes) if cfg.plots else None
-    ledger = Ledger(cfg.delta, cfg.accountant,
-                    budget=cfg.target_epsilon if cfg.is_private else None)
-    strategy.bind_ledger(ledger)
     return Federation(grid, cfg, run_dir, claim, strategy, model, x_test, y_test,
                       device_for(), num_nodes, ArrayRecord(model.state_dict()), ledger,
                       ReplyExchange(grid, namer=strategy.client_name), t_start,
@@ -309,9 +334,7 @@ def resume(fed: Federation) -> bool:
     if point.model is not None:
         fed.arrays = ArrayRecord(point.model)
         fed.strategy.load_state_dict(point.strategy)
-    fed.ledger = point.ledger
-    fed.ledger.budget = fed.cfg.target_epsilon if fed.cfg.is_private else None
-    fed.strategy.bind_ledger(fed.ledger)
+    fed.ledger.continue_from(point.ledger)   # the guard's ledger: the same object
     fed.start = point.round + 1
     fed.rounds = point.rounds
     fed.initial = point.initial or classification_metrics(

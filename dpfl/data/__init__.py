@@ -90,17 +90,22 @@ def server_validation(cfg) -> tuple[torch.Tensor, torch.Tensor]:
     return to_tensor(ds.name, ds.x_train[idx]), torch.from_numpy(ds.y_train[idx])
 
 
-@lru_cache(maxsize=64)
+@lru_cache(maxsize=1)
+def _training_tensors(dataset: str, data_dir: str, download: bool
+                      ) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """The whole training set as normalised tensors, once per process (a node that trains
+    many clients slices it per client instead of normalising each client's images again)."""
+    ds = load_dataset(dataset, data_dir, download)
+    return to_tensor(ds.name, ds.x_train), torch.from_numpy(ds.y_train), ds.num_classes
+
+
 def _client_data(cfg, partition_id: int, num_partitions: int) -> ClientData:
-    ds = load_dataset(cfg.dataset, cfg.data_dir, cfg.download)
+    x, y, num_classes = _training_tensors(cfg.dataset, cfg.data_dir, cfg.download)
     split = splits_for(cfg, num_partitions)[partition_id]
-    return ClientData(
-        x_train=to_tensor(ds.name, ds.x_train[split.train]),
-        y_train=torch.from_numpy(ds.y_train[split.train]),
-        x_val=to_tensor(ds.name, ds.x_train[split.val]),
-        y_val=torch.from_numpy(ds.y_train[split.val]),
-        num_classes=ds.num_classes,
-    )
+    train = torch.as_tensor(split.train, dtype=torch.long)
+    val = torch.as_tensor(split.val, dtype=torch.long)
+    return ClientData(x_train=x[train], y_train=y[train], x_val=x[val], y_val=y[val],
+                      num_classes=num_classes)
 
 
 def client_data(cfg, partition_id: int, num_partitions: int) -> ClientData:

@@ -10,6 +10,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Mapping
 
+import torch
+
 from dpfl.config import (
     KEY_CHOICES,
     KEY_HELP,
@@ -39,9 +41,10 @@ from dpfl.methods import (
 )
 from dpfl.models import MODELS
 from dpfl.privacy.accounting.filter import holds_anything
+from dpfl.privacy.accounting.ledger import Ledger
 from dpfl.privacy.trust import OwnSecureNoise, own_noise
 from dpfl.privacy.verdict import Guarantee, guarantee_for
-from dpfl.server.strategy import DPFLStrategy
+from dpfl.server.strategy import DPFLStrategy, StrategyInputs
 from dpfl.server.trust import server_trust
 
 METHODS: dict[str, Method] = {m.name: m for m in (
@@ -126,11 +129,15 @@ def configured(cfg: RunConfig) -> RunConfig:
     return cfg
 
 
-def build_strategy(cfg: RunConfig) -> DPFLStrategy:
-    """Instantiate the strategy of ``cfg``'s method."""
+def build_strategy(cfg: RunConfig, partition_sizes: Mapping[int, int] | None = None,
+                   model: torch.nn.Module | None = None,
+                   ledger: Ledger | None = None) -> DPFLStrategy:
+    """Instantiate the strategy of ``cfg``'s method with what it is built from
+    (:class:`~dpfl.server.strategy.StrategyInputs`)."""
     cfg = configured(cfg)
     method = METHODS[cfg.strategy]
-    return method.strategy(cfg, adaptive=method.adaptive, plan=method.plan)
+    inputs = StrategyInputs(dict(partition_sizes or {}), model, ledger)
+    return method.strategy(cfg, adaptive=method.adaptive, plan=method.plan, inputs=inputs)
 
 
 def guarantee(cfg: RunConfig) -> Guarantee:

@@ -77,7 +77,7 @@ from dpfl.privacy.plan import (
     shared_plan,
 )
 from dpfl.privacy.verdict import MethodPrivacy
-from dpfl.server.strategy import DPFLStrategy
+from dpfl.server.strategy import DPFLStrategy, StrategyInputs
 from dpfl.server.validation import ClientUpdate
 
 # "calibrated" = Gaussian for sensitivity 2S and the round's (eps_i, delta); "paper" = the
@@ -185,23 +185,19 @@ class AADPStrategy(DPFLStrategy):
     """AADP-FL (see module docstring)."""
 
     def __init__(self, cfg: RunConfig, adaptive: bool = True,
-                 plan: PlanFn = shared_plan) -> None:
-        super().__init__(cfg, adaptive, plan)
+                 plan: PlanFn = shared_plan, inputs: StrategyInputs | None = None) -> None:
+        super().__init__(cfg, adaptive, plan, inputs)
         self.nadam = NadamState(gamma=cfg.params.aadp_gamma)
-        self.budgets: dict[int, float] = {}
+        # eq. 2 from the public sizes; under DP-SGD every partition's first-round sigma is
+        # computed here, so that an eps_i^1 no sigma reaches stops the run at start (eq. 3
+        # only raises eps_i^t later)
+        self.budgets: dict[int, float] = allocate_budgets(
+            self.partition_sizes, cfg.params.aadp_epsilon) if self.partition_sizes else {}
         self.raised_at: list[int] = []
+        if cfg.trainer == "dpsgd":
+            self._check_first_sigmas()
 
-    def bind_model(self, model: torch.nn.Module) -> None:
-        super().bind_model(model)
-
-    def bind_partition_sizes(self, sizes: Mapping[int, int]) -> None:
-        """Training-set sizes per partition id (public: derived from the run-config). Under
-        DP-SGD every partition's first-round sigma is computed here, so that an eps_i^1 no
-        sigma reaches stops the run at start (eq. 3 only raises eps_i^t later)."""
-        super().bind_partition_sizes(sizes)
-        self.budgets = allocate_budgets(self.partition_sizes, self.cfg.params.aadp_epsilon)
-        if self.cfg.trainer != "dpsgd":
-            return
+    def _check_first_sigmas(self) -> None:
         for pid, eps in sorted(self.budgets.items()):
             try:
                 dpsgd_round_noise_multiplier(self.cfg, eps, self.partition_sizes[pid])
@@ -215,7 +211,7 @@ class AADPStrategy(DPFLStrategy):
     def select_nodes(self, server_round: int, grid: Grid) -> list[int]:
         """Each node joins independently with probability ``fraction-train`` (at least
         ``min-train-nodes``, topped up at random)."""
-        nodes = self.wait_for_nodes(grid, self.min_available_nodes)
+        nodes = self.available_nodes(grid)
         chosen = [n for n in nodes if self.rng.random() < self.cfg.fraction_train]
         rest = [n for n in nodes if n not in chosen]
         while len(chosen) < min(self.min_train_nodes, len(nodes)):

@@ -23,7 +23,7 @@ from dpfl.config import TRUSTS as ALL_TRUSTS
 from dpfl.config import RunConfig, need
 from dpfl.method import Method, MethodParams
 from dpfl.privacy.plan import PlanFn, shared_plan
-from dpfl.server.strategy import DPFLStrategy
+from dpfl.server.strategy import DPFLStrategy, StrategyInputs
 
 
 @dataclass(frozen=True)
@@ -48,8 +48,8 @@ class DPFedAvgMStrategy(DPFLStrategy):
     """DP-FedAvg's aggregation with a momentum server step."""
 
     def __init__(self, cfg: RunConfig, adaptive: bool = False,
-                 plan: PlanFn = shared_plan) -> None:
-        super().__init__(cfg, adaptive, plan)
+                 plan: PlanFn = shared_plan, inputs: StrategyInputs | None = None) -> None:
+        super().__init__(cfg, adaptive, plan, inputs)
         self.velocity: torch.Tensor | None = None
 
     def server_step(self, global_flat: torch.Tensor, aggregated: torch.Tensor) -> torch.Tensor:

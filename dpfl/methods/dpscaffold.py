@@ -36,9 +36,10 @@ from torch import nn
 
 from dpfl.client.hooks import MethodHooks
 from dpfl.client.trainers import PostStep, TrainResult
+from dpfl.config import RunConfig
 from dpfl.method import ClientHalf, Method
-from dpfl.privacy.plan import dpsgd_norm_bound
-from dpfl.server.strategy import DPFLStrategy
+from dpfl.privacy.plan import PlanFn, dpsgd_norm_bound, shared_plan
+from dpfl.server.strategy import DPFLStrategy, StrategyInputs
 from dpfl.server.validation import ClientUpdate, Template
 from dpfl.tensors import unflatten
 
@@ -105,9 +106,14 @@ def scaffold_server_control(control: torch.Tensor, deltas: torch.Tensor, num_cli
 class DPScaffoldStrategy(DPFLStrategy):
     """Uniform mean of updates, server control variate maintained from Delta c_i."""
 
-    def bind_model(self, model: torch.nn.Module) -> None:
-        super().bind_model(model)
-        self._control_template = OrderedDict((n, p.detach().float()) for n, p in model.named_parameters())
+    def __init__(self, cfg: RunConfig, adaptive: bool = False,
+                 plan: PlanFn = shared_plan, inputs: StrategyInputs | None = None) -> None:
+        super().__init__(cfg, adaptive, plan, inputs)
+        # the server control variate c, shaped as the model's parameters (none without one)
+        model = inputs.model if inputs is not None else None
+        self._control_template = OrderedDict(
+            (n, p.detach().float()) for n, p in model.named_parameters()
+        ) if model is not None else OrderedDict()
         self.control = torch.zeros(sum(p.numel() for p in self._control_template.values()))
 
     def extra_records(self, server_round: int) -> dict[str, ArrayRecord]:

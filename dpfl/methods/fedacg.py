@@ -48,7 +48,7 @@ from dpfl.config import RunConfig, need
 from dpfl.method import ClientHalf, Method, MethodParams
 from dpfl.methods.dpfedprox import proximal_step
 from dpfl.privacy.plan import PlanFn, shared_plan
-from dpfl.server.strategy import DPFLStrategy, RoundRecord
+from dpfl.server.strategy import DPFLStrategy, RoundRecord, StrategyInputs
 from dpfl.tensors import flatten, unflatten
 
 
@@ -84,8 +84,8 @@ class FedACGStrategy(DPFLStrategy):
     """Sends the lookahead model; the server step is FedACG's momentum update."""
 
     def __init__(self, cfg: RunConfig, adaptive: bool = False,
-                 plan: PlanFn = shared_plan) -> None:
-        super().__init__(cfg, adaptive, plan)
+                 plan: PlanFn = shared_plan, inputs: StrategyInputs | None = None) -> None:
+        super().__init__(cfg, adaptive, plan, inputs)
         self.momentum: torch.Tensor | None = None
         self._base: torch.Tensor | None = None     # x_{t-1} of the open round
 

@@ -43,7 +43,7 @@ Client (Algorithm 1, lines 15-28; ``trainer=update-dp``, noise added on the clie
   dpfl's ``train-loss``; a sum over batches would scale with the batch count, i.e. with
   n_i, and count n_i twice in eq. 16). n_i is not reported: under ``update-dp`` a client
   sends num-examples = 1, and dataset sizes are public in dpfl (the server derives every
-  partition's size from the run-config, ``bind_partition_sizes``), so the server uses its
+  partition's size from the run-config, ``StrategyInputs``), so the server uses its
   own ``partition_sizes``.
 
 Server (eq. 16, Algorithm 1 lines 7-10): gamma_i = (n_i L + n L_i) / (2 n L), L = sum L_i,
@@ -169,7 +169,7 @@ from dpfl.privacy.plan import (
 )
 from dpfl.privacy.verdict import MethodPrivacy
 from dpfl.server.aggregation import MAX_WEIGHT_ODDS, capped_shares
-from dpfl.server.strategy import DPFLStrategy, RoundRecord
+from dpfl.server.strategy import DPFLStrategy, RoundRecord, StrategyInputs
 from dpfl.server.validation import MAX_REPORTED_LOSS, ClientUpdate
 from dpfl.tensors import flatten, largest_magnitude_indices, unflatten
 
@@ -513,8 +513,8 @@ class FedASGPStrategy(DPFLStrategy):
     (update-dp), or the shared DP-SGD ones and the server's proxy losses (dpsgd)."""
 
     def __init__(self, cfg: RunConfig, adaptive: bool = False,
-                 plan: PlanFn = shared_plan) -> None:
-        super().__init__(cfg, adaptive, plan)
+                 plan: PlanFn = shared_plan, inputs: StrategyInputs | None = None) -> None:
+        super().__init__(cfg, adaptive, plan, inputs)
         self.last_weights: dict[int, float] = {}
         self.last_fraction: list[float] = []
         self.last_losses: list[float] = []
@@ -523,12 +523,10 @@ class FedASGPStrategy(DPFLStrategy):
         # round's metrics pass over the M x d updates again
         self._released: dict[tuple[int, int], int] = {}
         self._losses: dict[tuple[int, int], float] = {}
-        self.eval_model: nn.Module | None = None
+        # the server's copy of the model for the proxy losses (dpsgd)
+        model = inputs.model if inputs is not None else None
+        self.eval_model: nn.Module | None = copy.deepcopy(model) if model is not None else None
         self.val: tuple[torch.Tensor, torch.Tensor] | None = None
-
-    def bind_model(self, model: nn.Module) -> None:
-        super().bind_model(model)
-        self.eval_model = copy.deepcopy(model)
 
     def update_norm_bound(self, dim: int, server_round: int) -> float | None:
         """The Laplace bound (update-dp); under dpsgd the guard's DP-SGD bound (None)."""
@@ -550,7 +548,7 @@ class FedASGPStrategy(DPFLStrategy):
     def proxy_loss(self, flat: torch.Tensor) -> float:
         """L_i under dpsgd: :func:`validation_loss` of w_t + Delta_i on the server's split."""
         if self.eval_model is None:
-            raise RuntimeError("fedasgp under trainer=dpsgd needs bind_model before a round")
+            raise RuntimeError("fedasgp under trainer=dpsgd needs the model (StrategyInputs)")
         if self.val is None:
             self.val = server_validation(self.cfg)
         state = self._global.to_torch_state_dict()

@@ -178,7 +178,7 @@ from dpfl.privacy.plan import (
 )
 from dpfl.privacy.verdict import MethodPrivacy
 from dpfl.server.aggregation import capped_shares, server_sgd_step
-from dpfl.server.strategy import DPFLStrategy, RoundRecord
+from dpfl.server.strategy import DPFLStrategy, RoundRecord, StrategyInputs
 from dpfl.server.validation import ClientUpdate
 from dpfl.tensors import flatten, unflatten
 
@@ -476,11 +476,30 @@ def _p(cfg: RunConfig) -> FedCompDPParams:
     return cfg.params
 
 
+def fedcompdp_rules(cfg: RunConfig) -> None:
+    """The method's rules on a parsed config (``Method.rules``: an invalid one stops the run
+    at start, in the launcher as in the ServerApp): the readings DP-SGD refuses
+    (:func:`check_dpsgd`), the joint release's noise must exist, and cra-score=server-val
+    needs the server's validation split."""
+    check_dpsgd(cfg)
+    p = _p(cfg)
+    try:
+        if cfg.trainer == "update-dp" and noise_multiplier_for(cfg, 1) > 0:
+            update_noise_scale(cfg)
+    except ValueError as exc:
+        key = ("client-f1-noise" if p.cra_score == "client-f1" and p.client_f1_noise > 0
+               else "adpc-count-stddev")
+        raise ConfigError(f"run-config key '{key}': {exc}") from None
+    if p.cra and p.cra_score == "server-val" and cfg.server_holdout < 1:
+        raise ConfigError("run-config key 'server-holdout': cra-score=server-val needs "
+                          "the server's validation split: set server-holdout >= 1 "
+                          "(e.g. 1000)")
+
+
 def check_dpsgd(cfg: RunConfig) -> None:
     """Under DP-SGD: the readings that cannot be sample-level DP, or need the per-sample
-    norms, are refused with a ConfigError naming the key (module docstring). Called by the
-    strategy (the server refuses the run before any round) and by the guarantee (the
-    method's parameters are parsed after ``Method.rules`` run, so rules cannot read them)."""
+    norms, are refused with a ConfigError naming the key (module docstring). Part of the
+    method's rules, and asked again by the guarantee."""
     if cfg.trainer != "dpsgd":
         return
     p = _p(cfg)
@@ -539,7 +558,7 @@ def fedcompdp_plan(cfg: RunConfig, inputs: PlanInputs) -> ReleasePlan:
         return ReleasePlan(clip=clip)
     sigma = noise_multiplier_for(cfg, inputs.num_examples)
     count_std = dpsgd_count_std(p.adpc_count_stddev, sigma)
-    # a count std <= sigma has no joint release: refused at start (bind_partition_sizes)
+    # a count std <= sigma has no joint release: refused at start (the strategy's constructor)
     scale = joint_gradient_noise(sigma, count_std) / sigma if count_std > sigma else math.inf
     return ReleasePlan(clip=clip, count_std=count_std, noise_scale=scale)
 
@@ -618,10 +637,9 @@ class FedCompDPStrategy(DPFLStrategy):
     """ADPC, CRA and the primal-dual correction around the shared base (module docstring)."""
 
     def __init__(self, cfg: RunConfig, adaptive: bool = False,
-                 plan: PlanFn = shared_plan) -> None:
-        super().__init__(cfg, adaptive, plan)
-        p = _p(cfg)
-        check_dpsgd(cfg)
+                 plan: PlanFn = shared_plan, inputs: StrategyInputs | None = None) -> None:
+        super().__init__(cfg, adaptive, plan, inputs)
+        fedcompdp_rules(cfg)   # a RunConfig built in code has not been through them
         self.dpsgd = cfg.trainer == "dpsgd"
         self.clip = cfg.max_grad_norm if self.dpsgd else cfg.clip_norm
         self.last_fraction: float | None = None     # DP-SGD: the round's pooled b~
@@ -630,32 +648,19 @@ class FedCompDPStrategy(DPFLStrategy):
         self.constraints: Constraints | None = None
         self.last_weights: dict[int, float] = {}
         self.last_active = 0
-        self.eval_model: nn.Module | None = None
+        model = inputs.model if inputs is not None else None
+        self.eval_model: nn.Module | None = copy.deepcopy(model) if model is not None else None
         self.val: tuple[torch.Tensor, torch.Tensor] | None = None
         self.sigma = noise_multiplier_for(cfg, 1) if cfg.trainer == "update-dp" else 0.0
-        try:   # the joint release's noise must exist (stopped at start otherwise)
-            if self.sigma > 0:
-                update_noise_scale(cfg)
-        except ValueError as exc:
-            key = ("client-f1-noise" if p.cra_score == "client-f1" and p.client_f1_noise > 0
-                   else "adpc-count-stddev")
-            raise ConfigError(f"run-config key '{key}': {exc}") from None
-        if p.cra and p.cra_score == "server-val" and cfg.server_holdout < 1:
-            raise ConfigError("run-config key 'server-holdout': cra-score=server-val needs "
-                              "the server's validation split: set server-holdout >= 1 "
-                              "(e.g. 1000)")
+        self._check_count_noise()
 
-    def bind_model(self, model: nn.Module) -> None:
-        super().bind_model(model)
-        self.eval_model = copy.deepcopy(model)
-
-    def bind_partition_sizes(self, sizes: Mapping[int, int]) -> None:
+    def _check_count_noise(self) -> None:
         """DP-SGD: an absolute ``adpc-count-stddev`` must exceed every partition's planned
         sigma (the joint release needs s > sigma)."""
-        super().bind_partition_sizes(sizes)
         p = _p(self.cfg)
         if self.dpsgd and p.adpc == "private-quantile" and p.adpc_count_stddev > 0:
-            worst = max((self.guard.planned_event(pid, 1).sigma for pid in sizes), default=0)
+            worst = max((self.guard.planned_event(pid, 1).sigma for pid in self.partition_sizes),
+                        default=0)
             need(p.adpc_count_stddev > worst, "adpc-count-stddev",
                  f"must exceed every client's planned sigma under trainer=dpsgd (largest "
                  f"{worst:.4g}; 0 = 5 sigma per client)", p.adpc_count_stddev)
@@ -906,4 +911,5 @@ METHOD = Method(
     privacy=fedcompdp_privacy,
     presets="fedcompdp",
     model=fedcompdp_model,
+    rules=fedcompdp_rules,
 )

@@ -73,7 +73,7 @@ from dpfl.privacy.plan import (
 )
 from dpfl.privacy.verdict import MethodPrivacy
 from dpfl.server.aggregation import weighted_mean
-from dpfl.server.strategy import DPFLStrategy, RoundRecord
+from dpfl.server.strategy import DPFLStrategy, RoundRecord, StrategyInputs
 from dpfl.server.validation import ClientUpdate
 from dpfl.tensors import largest_magnitude_indices
 
@@ -195,8 +195,8 @@ class FedSMPStrategy(DPFLStrategy):
     rand-k rescale."""
 
     def __init__(self, cfg: RunConfig, adaptive: bool = False,
-                 plan: PlanFn = shared_plan) -> None:
-        super().__init__(cfg, adaptive, plan)
+                 plan: PlanFn = shared_plan, inputs: StrategyInputs | None = None) -> None:
+        super().__init__(cfg, adaptive, plan, inputs)
         self._mask: tuple[tuple[int, int], torch.Tensor] | None = None
         # each checked reply's count of non-zero coordinates (the reply check counts them
         # anyway), for the round's kept-fraction metric without another pass over the updates

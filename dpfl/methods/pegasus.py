@@ -35,7 +35,7 @@ from dpfl.config import RunConfig
 from dpfl.method import Method
 from dpfl.privacy.accounting.budget import BUDGET_REFUSAL
 from dpfl.privacy.plan import PlanFn, shared_plan
-from dpfl.server.strategy import DPFLStrategy, RoundOutcome, RoundRecord
+from dpfl.server.strategy import DPFLStrategy, RoundOutcome, RoundRecord, StrategyInputs
 
 
 def pegasus_select(epsilons: Mapping[int, float],
@@ -56,12 +56,12 @@ class PegasusStrategy(DPFLStrategy):
     """DP-FedAvg aggregation with PEGASUS selection."""
 
     def __init__(self, cfg: RunConfig, adaptive: bool = False,
-                 plan: PlanFn = shared_plan) -> None:
-        super().__init__(cfg, adaptive, plan)
+                 plan: PlanFn = shared_plan, inputs: StrategyInputs | None = None) -> None:
+        super().__init__(cfg, adaptive, plan, inputs)
         self.out_of_budget: set[int] = set()   # nodes that refused at their budget
 
     def select_nodes(self, server_round: int, grid: Grid) -> list[int]:
-        nodes = self.wait_for_nodes(grid, self.min_available_nodes)
+        nodes = self.available_nodes(grid)
         if server_round == 1 or self.ledger is None:
             return nodes
         eps = {n: self.ledger.epsilon(client) if (client := self.nodes.client_of(n)) else 0.0

@@ -34,6 +34,7 @@ import threading
 import time
 import tomllib
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Callable, Iterator
 
@@ -397,11 +398,10 @@ def preflight(cfg: RunConfig, num_clients: int, run_dir: Path, num_cpus: float =
         level = flower.level
         flower.setLevel(logging.ERROR)  # no strategy warnings here
         try:
-            strategy = build_strategy(configured(cfg))
+            strategy = build_strategy(configured(cfg), {
+                i: len(s.train) for i, s in enumerate(splits_for(cfg, num_clients))})
         finally:
             flower.setLevel(level)
-        strategy.bind_partition_sizes({i: len(s.train)
-                                       for i, s in enumerate(splits_for(cfg, num_clients))})
         first_round_affordable(strategy, cfg)
 
 
@@ -480,6 +480,8 @@ def simulate(app_dir: Path, num_clients: int | None, overrides: dict[str, object
         num_clients = int(saved[NUM_CLIENTS]) if NUM_CLIENTS in saved else num_clients
         cfg = parse_run_config({**defaults["config"], **overrides})
     num_clients = DEFAULT_CLIENTS if num_clients is None else num_clients
+    layout = node_layout(cfg, num_clients, num_cpus, parallel, ray_address is not None)
+    overrides["cohort-clients"] = layout.cohort_clients
     # every check before the lock: a refused launch writes nothing (not even the lock file
     # or its "taking over" line); after it, what another launch may have changed meanwhile
     preflight(cfg, num_clients, run_dir, num_cpus, ray_address, parallel)
@@ -502,13 +504,14 @@ def simulate(app_dir: Path, num_clients: int | None, overrides: dict[str, object
                 pass
         raise
     try:
-        return _launch(app_dir, cfg, num_clients, overrides, output_root, run_dir, flwr_home,
-                       num_cpus, timeout, quiet, prints_summary, ray_address, parallel)
+        return _launch(app_dir, cfg, layout.supernodes, overrides, output_root, run_dir,
+                       flwr_home, num_cpus, timeout, quiet, prints_summary, ray_address,
+                       parallel)
     finally:
         lock.release()
 
 
-def _launch(app_dir: Path, cfg: RunConfig, num_clients: int, overrides: dict[str, object],
+def _launch(app_dir: Path, cfg: RunConfig, supernodes: int, overrides: dict[str, object],
             output_root: Path, run_dir: Path, flwr_home: Path | None, num_cpus: float,
             timeout: float | None, quiet: bool, prints_summary: bool = False,
             ray_address: str | None = None, parallel: int | None = None) -> Path:
@@ -534,7 +537,7 @@ def _launch(app_dir: Path, cfg: RunConfig, num_clients: int, overrides: dict[str
         cmd = [flower_bin("flwr"), "run", str(app), CONNECTION, "--stream",
                "--run-config", run_config_arg(overrides),
                "--federation-config",
-               federation_config(num_clients, num_cpus, parallel)]
+               federation_config(supernodes, num_cpus, parallel)]
         out = subprocess.DEVNULL if quiet else subprocess.PIPE
         proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.PIPE,
                                 cwd=str(app_dir), preexec_fn=die_with_parent)
@@ -610,6 +613,40 @@ def relay_stream(stream: IO[bytes], out: IO[bytes] | None = None) -> None:
             continue
         out.write(raw if binary else text)  # type: ignore[arg-type]
         out.flush()
+
+
+@dataclass(frozen=True)
+class NodeLayout:
+    """How a simulation hosts its clients: ``supernodes`` simulated SuperNodes, and
+    ``cohort_clients`` clients between them (0: one client per node)."""
+
+    supernodes: int
+    cohort_clients: int
+
+
+def node_layout(cfg: RunConfig, num_clients: int, num_cpus: float, parallel: int | None,
+                cluster: bool = False) -> NodeLayout:
+    """The simulation's nodes for ``num_clients`` clients under ``cohort-nodes``: K > 0
+    nodes when K < clients; automatic (-1): twice the ClientApps that run at once (so that
+    a round's cohorts balance over them), when there are more clients than that, on a
+    private Ray and not under SecAgg+ (whose stages are per node); else one node per
+    client."""
+    one_each = NodeLayout(num_clients, 0)
+    k = cfg.cohort_nodes
+    if k == 0:
+        return one_each
+    if server_trust(cfg).secure_sum:
+        if k > 0:
+            raise UserError("run-config key 'cohort-nodes': SecAgg+ (trust=distributed) runs "
+                            "its stages per node: one client per node (set 0 or -1)")
+        return one_each
+    if k < 0:
+        if cluster:   # the cluster's size is its own: keep Flower's one node per client
+            return one_each
+        actors = parallel if parallel is not None else max(
+            1, int((os.cpu_count() or 1) // num_cpus))
+        k = 2 * actors
+    return one_each if k >= num_clients else NodeLayout(k, num_clients)
 
 
 def federation_config(num_clients: int, num_cpus: float, parallel: int | None) -> str:

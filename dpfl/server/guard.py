@@ -35,6 +35,7 @@ from dpfl.privacy.accounting.budget import PrivacyHistory
 from dpfl.privacy.accounting.events import PrivacyEvent
 from dpfl.privacy.accounting.ledger import (
     CLIENT_PREFIX,
+    Ledger,
     client_key,
     ledger_config,
     server_events_config,
@@ -74,7 +75,8 @@ class DPGuard:
 
     def __init__(self, cfg: RunConfig, plan: PlanOf = _shared, adaptive: bool = False,
                  method_bound: NormBound = _gaussian_bound,
-                 nodes: NodeRegistry | None = None) -> None:
+                 nodes: NodeRegistry | None = None, ledger: Ledger | None = None,
+                 dim: int = 0) -> None:
         self.cfg = cfg
         # who each node is (partition sizes, the operator's map, pins, the connected set):
         # the strategy's registry, shared
@@ -83,10 +85,10 @@ class DPGuard:
         self.trust = server_trust(cfg)
         self.method_bound = method_bound
         self.adaptive = adaptive
-        self.ledger = None                          # the server's ledger (bind_ledger)
+        self.ledger = ledger                        # the server's (None: not private)
         # every partition's ledger-* record, built once per ledger state (history_record)
         self._all_history: tuple[Any, int, dict[str, list]] | None = None
-        self.dim = 0                                # parameters of the model (bound at setup)
+        self.dim = dim                              # size of a flat update (the model's state)
         self.seen_updates: dict[str, dict[bytes, int]] = {}   # client -> digest -> round
 
     # -- planning --------------------------------------------------------------------
@@ -219,9 +221,6 @@ class DPGuard:
         return None
 
     # -- charging --------------------------------------------------------------------
-    def bind_ledger(self, ledger) -> None:
-        self.ledger = ledger
-
     def charge_reply(self, reply: ParsedReply, checked: ClientUpdate | Rejection,
                      sent_round: int, late: bool = False) -> Charge | None:
         """Charge the ledger for a reply that carries an update (accepted or not, on time

@@ -23,16 +23,14 @@ log = get_logger("flwr.dpfl.nodes")
 class NodeRegistry:
     """Node ids ↔ partitions of one run (see the module docstring)."""
 
-    def __init__(self, node_partitions: str = "") -> None:
-        self.sizes: dict[int, int] = {}            # partition id -> training-set size
+    def __init__(self, node_partitions: str = "",
+                 sizes: Mapping[int, int] | None = None) -> None:
+        # partition id -> training-set size (public: derived from the run-config)
+        self.sizes: dict[int, int] = dict(sizes or {})
         self.operator_map = parse_node_partitions(node_partitions)
         self.node_partition: dict[int, int] = dict(self.operator_map)   # + first-claim pins
         self.node_client: dict[int, str] = {}      # node id -> client it last replied as
         self.connected: set[int] | None = None     # nodes of the current round (None: unknown)
-
-    def bind_sizes(self, sizes: Mapping[int, int]) -> None:
-        """Training-set sizes per partition id (public: derived from the run-config)."""
-        self.sizes = dict(sizes)
 
     def known_partition(self, partition_id: int | None) -> bool:
         """A partition id this run has (any id >= 0 before the sizes are bound)."""

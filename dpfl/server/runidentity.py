@@ -24,6 +24,8 @@ RESUME_MAY_CHANGE = frozenset({
     "output-dir", "run-name", "report-train-loss",
     # the operator may re-bind a replaced SuperNode; the ledger is keyed by partition
     "node-partitions",
+    # how a simulation hosts its clients (node state does not outlive a simulation anyway)
+    "cohort-nodes", "cohort-clients",
 })
 NUM_CLIENTS = "num-clients"
 # correlated noise (central-noise=tree|banded-mf) is built for the run's num-rounds: the

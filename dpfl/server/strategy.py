@@ -38,7 +38,7 @@ from dpfl.errors import UserError
 from dpfl.logs import get_logger
 from dpfl.numbers import is_finite_number
 from dpfl.privacy.accounting.events import PrivacyEvent
-from dpfl.privacy.accounting.ledger import client_key
+from dpfl.privacy.accounting.ledger import Ledger, client_key
 from dpfl.privacy.charging import Charge
 from dpfl.privacy.plan import (
     EQUAL_WEIGHTS_CLAIM,
@@ -80,6 +80,19 @@ class NodesMissing(UserError):
     """Fewer nodes than the run needs stayed connected for ``node-wait`` seconds."""
 
 
+def wait_for_nodes(grid: Grid, minimum: int, timeout: float) -> list[int]:
+    """The connected nodes once at least ``minimum`` are; :class:`NodesMissing` (a run that
+    cannot go on: the run stops, saying so) after ``timeout`` (``node-wait``) seconds."""
+    deadline = time.monotonic() + timeout
+    while len(nodes := sorted(grid.get_node_ids())) < minimum:
+        if time.monotonic() > deadline:
+            raise NodesMissing(f"waited {timeout:g} s (node-wait) for {minimum} connected "
+                               f"nodes (min-train-nodes), {len(nodes)} connected")
+        log.info("waiting for nodes: %d connected, %d required", len(nodes), minimum)
+        time.sleep(1.0)
+    return nodes
+
+
 @dataclass(frozen=True)
 class RoundContext:
     """The round a strategy's hooks work in (:attr:`DPFLStrategy.round`): its number and the
@@ -88,6 +101,19 @@ class RoundContext:
 
     server_round: int
     config: Mapping[str, Any]
+
+
+@dataclass(frozen=True)
+class StrategyInputs:
+    """What a strategy is built with, besides its config: the public training-set size of
+    every partition (the plans of each client's release, a method's allocation), the
+    global model (its sizes, a method's per-parameter state) and the server's privacy
+    ledger. Each may be absent where a strategy is built only to plan (the launcher's
+    check that one round is affordable) or in a unit test."""
+
+    partition_sizes: Mapping[int, int] = field(default_factory=dict)
+    model: torch.nn.Module | None = None
+    ledger: Ledger | None = None
 
 
 @dataclass
@@ -132,7 +158,7 @@ class DPFLStrategy(FedAvg):
     """Base of every dpfl strategy (weighted FedAvg of updates + server SGD step)."""
 
     def __init__(self, cfg: RunConfig, adaptive: bool = False,
-                 plan: PlanFn = shared_plan) -> None:
+                 plan: PlanFn = shared_plan, inputs: StrategyInputs | None = None) -> None:
         # Flower's FedAvg logs "fraction_evaluate is set to 0.0. Federated evaluation will be
         # skipped." whenever it is built with 0.0 (flwr/serverapp/strategy/fedavg.py): in
         # dpfl that is the default, not news (the model is evaluated centrally, and federated
@@ -150,11 +176,19 @@ class DPFLStrategy(FedAvg):
             self.min_evaluate_nodes = 0   # as FedAvg.__init__ sets it for 0.0
         self.cfg = cfg
         self.rng = random.Random(cfg.seed)
-        self.nodes = NodeRegistry(cfg.node_partitions)   # who each node is (shared)
+        inputs = inputs if inputs is not None else StrategyInputs()
+        # who each node is, with the public partition sizes (shared with the guard)
+        self.nodes = NodeRegistry(cfg.node_partitions, inputs.partition_sizes)
         self.plan_fn = plan                   # the method's (dpfl.method.Method.plan)
+        model = inputs.model
+        # trainable parameters (the plans' num_params); a flat update holds every tensor
+        # of the state (the guard's d)
+        self.num_params = (sum(int(p.numel()) for p in model.parameters())
+                           if model is not None else 0)
+        dim = (sum(int(v.numel()) for v in model.state_dict().values())
+               if model is not None else 0)
         self.guard = DPGuard(cfg, self.release_plan, adaptive, self.update_norm_bound,
-                             nodes=self.nodes)
-        self.num_params = 0                   # trainable parameters (bind_model)
+                             nodes=self.nodes, ledger=inputs.ledger, dim=dim)
         # the shared config of every round sent (the plans of its replies read it) and the
         # round the hooks work in
         self.sent_configs: dict[int, dict[str, Any]] = {}
@@ -166,34 +200,19 @@ class DPFLStrategy(FedAvg):
         # the trust model's server half, and a trusted server's aggregator (trust=central,
         # built with the partition sizes)
         self.trust = self.guard.trust
-        self.central: Aggregator | None = None
-
-    # -- what the run loop binds -------------------------------------------------------
-    def bind_partition_sizes(self, sizes: Mapping[int, int]) -> None:
-        """Training-set sizes per partition id (public: derived from the run-config), so
-        the server can compute each client's planned privacy release."""
-        self.nodes.bind_sizes(sizes)
-        if self.central is None:
-            self.central = self.trust.aggregator(self.cfg, len(sizes))
+        self.central: Aggregator | None = (
+            self.trust.aggregator(cfg, len(inputs.partition_sizes))
+            if inputs.partition_sizes else None)
 
     @property
     def partition_sizes(self) -> dict[int, int]:
+        """Training-set sizes per partition id (public: derived from the run-config)."""
         return self.nodes.sizes
 
-    def bind_ledger(self, ledger) -> None:
-        """Give the guard the server's privacy ledger (charges; read by selection)."""
-        self.guard.bind_ledger(ledger)
-
     @property
-    def ledger(self):
+    def ledger(self) -> Ledger | None:
+        """The server's privacy ledger (the guard charges it; selection reads it)."""
         return self.guard.ledger
-
-    def bind_model(self, model: torch.nn.Module) -> None:
-        """Learn what a method needs of the model (e.g. SCAFFOLD's per-parameter state);
-        the base keeps its count of trainable parameters (the plans' ``num_params``) and
-        gives the guard the size of a flat update (every tensor of the state)."""
-        self.num_params = sum(int(p.numel()) for p in model.parameters())
-        self.guard.dim = sum(int(v.numel()) for v in model.state_dict().values())
 
     # -- the release plan -------------------------------------------------------------
     def send_config(self, server_round: int) -> dict[str, Any]:
@@ -269,23 +288,13 @@ class DPFLStrategy(FedAvg):
         return self.nodes.name(node_id, claimed)
 
     # -- selection and configuration -------------------------------------------------
-    def wait_for_nodes(self, grid: Grid, minimum: int, timeout: float | None = None
-                       ) -> list[int]:
-        """The connected nodes once at least ``minimum`` are; :class:`NodesMissing` (a run
-        that cannot go on: the run stops, saying so) after ``node-wait`` seconds."""
-        timeout = self.cfg.node_wait if timeout is None else timeout
-        deadline = time.monotonic() + timeout
-        while len(nodes := sorted(grid.get_node_ids())) < minimum:
-            if time.monotonic() > deadline:
-                raise NodesMissing(f"waited {timeout:g} s (node-wait) for {minimum} connected "
-                                   f"nodes (min-train-nodes), {len(nodes)} connected")
-            log.info("waiting for nodes: %d connected, %d required", len(nodes), minimum)
-            time.sleep(1.0)
-        return nodes
+    def available_nodes(self, grid: Grid) -> list[int]:
+        """The connected nodes, once ``min-train-nodes`` are (:func:`wait_for_nodes`)."""
+        return wait_for_nodes(grid, self.min_available_nodes, self.cfg.node_wait)
 
     def select_nodes(self, server_round: int, grid: Grid) -> list[int]:
         """Seeded uniform sample of ``fraction-train`` of the connected nodes."""
-        nodes = self.wait_for_nodes(grid, self.min_available_nodes)
+        nodes = self.available_nodes(grid)
         if isinstance(self.central, CorrelatedAggregator):   # a cohort the schema allows
             return self.central.select(server_round, nodes, self.nodes)
         if self.central is not None:  # Poisson sampling: amplification is accounted

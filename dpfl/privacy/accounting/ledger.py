@@ -29,7 +29,7 @@ import json
 import logging
 import math
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
@@ -304,6 +304,15 @@ class Ledger:
         ledger.mismatches = list(data.get("mismatches", []))
         ledger.charges = list(data.get("charges", []))
         return ledger
+
+    def continue_from(self, recorded: "Ledger") -> None:
+        """Take over ``recorded``'s privacy history, in place (a resume: the run's one
+        ledger, which the server's guard was built with, continues the history on disk);
+        the budget stays this run's."""
+        for f in fields(self):
+            if f.name != "budget":
+                setattr(self, f.name, getattr(recorded, f.name))
+        vars(self).pop("_pop_cache", None)   # the population set of the old history
 
     def save(self, path: Path) -> None:
         """Write ``ledger.json`` atomically and durably (the privacy history must survive
