@@ -255,3 +255,25 @@ def test_a_cohort_refuses_secagg_and_deployments():
     with pytest.raises(ConfigError, match="SecAgg"):
         cohort_grid(grids[1], secure)
     assert isinstance(cohort_grid(grids[1], cfg), CohortGrid)
+
+
+def test_the_launcher_picks_cohort_nodes_when_clients_outnumber_the_actors(monkeypatch):
+    from dpfl.errors import UserError
+    from dpfl.methods import run_config
+    from dpfl.runtime.launch import NodeLayout, node_layout
+
+    monkeypatch.setattr("os.cpu_count", lambda: 2)
+    auto = run_config(trainer="update-dp")
+    assert node_layout(auto, 1000, 1.0, None) == NodeLayout(4, 1000)   # 2 actors x 2
+    assert node_layout(auto, 1000, 1.0, 3) == NodeLayout(6, 1000)      # --parallel-clients
+    assert node_layout(auto, 4, 1.0, None) == NodeLayout(4, 0)         # few: one each
+    assert node_layout(auto, 1000, 1.0, None, cluster=True) == NodeLayout(1000, 0)
+    assert node_layout(run_config(trainer="update-dp", cohort_nodes=0), 1000, 1.0,
+                       None) == NodeLayout(1000, 0)
+    assert node_layout(run_config(trainer="update-dp", cohort_nodes=10), 1000, 1.0,
+                       None) == NodeLayout(10, 1000)
+    secure = run_config(trainer="update-dp", trust="distributed")
+    assert node_layout(secure, 1000, 1.0, None) == NodeLayout(1000, 0)
+    with pytest.raises(UserError, match="cohort-nodes.*SecAgg"):
+        node_layout(run_config(trainer="update-dp", trust="distributed", cohort_nodes=4),
+                    1000, 1.0, None)

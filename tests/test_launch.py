@@ -128,3 +128,28 @@ def test_the_launcher_relays_flwr_runs_stream_without_flowers_misleading_line():
     text = io.StringIO()
     relay_stream(io.BytesIO(b"x\n" + noise.encode()), text)
     assert text.getvalue() == "x\n"
+
+
+def test_the_launcher_stops_flwr_run_once_the_serverapp_said_ok(tmp_path):
+    """After the ServerApp's status file says ok, `flwr run` gets the linger to relay its
+    last lines and is then stopped (Flower's own simulation shutdown adds ~4 s and nothing
+    to the run); before it, or on another status, the launcher waits for its exit code."""
+    import json
+
+    import pytest
+
+    from dpfl.runtime.launch import wait_for_run
+
+    status = tmp_path / "status.json"
+    proc = subprocess.Popen(["sleep", "60"])
+    with pytest.raises(subprocess.TimeoutExpired):
+        wait_for_run(proc, status, timeout=0.5)      # no status yet: still waiting
+    status.write_text(json.dumps({"status": "error", "message": "x"}))
+    with pytest.raises(subprocess.TimeoutExpired):
+        wait_for_run(proc, status, timeout=0.5)      # an error: flwr run's own exit decides
+    status.write_text(json.dumps({"status": "ok", "run-dir": "r"}))
+    start = time.monotonic()
+    assert wait_for_run(proc, status, timeout=30, linger=0.3) == 0
+    assert 0.3 <= time.monotonic() - start < 5 and proc.poll() is not None
+    quick = subprocess.Popen(["sh", "-c", "exit 3"])
+    assert wait_for_run(quick, tmp_path / "none.json", timeout=30) == 3

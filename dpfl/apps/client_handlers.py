@@ -53,10 +53,34 @@ def _partition(context: Context) -> tuple[int, int]:
                          "num-partitions=<n>'") from exc
 
 
+# the last received model, decoded: a cohort node's clients share one ArrayRecord object
+_received: list = [None, None]
+
+
+def _received_state(arrays: ArrayRecord) -> dict[str, torch.Tensor]:
+    """``arrays`` as tensors, decoded once per received record (loading copies them into
+    each client's own model, so the decoded tensors are only read)."""
+    if _received[0] is not arrays:
+        _received[:] = [arrays, arrays.to_torch_state_dict()]
+    return _received[1]
+
+
 def _model(cfg: RunConfig, data: ClientData, arrays: ArrayRecord) -> torch.nn.Module:
     model = method_for(cfg).build_model(cfg, tuple(data.x_train.shape[1:]), data.num_classes)
-    model.load_state_dict(arrays.to_torch_state_dict())
+    model.load_state_dict(_received_state(arrays))
     return model
+
+
+# the last run-config parsed: a cohort node's clients (and a node's rounds) share it
+_parsed: list = [None, None]
+
+
+def _run_config(context: Context) -> RunConfig:
+    """The node's run-config, parsed once per distinct content."""
+    key = tuple(sorted((k, repr(v)) for k, v in context.run_config.items()))
+    if _parsed[0] != key:
+        _parsed[:] = [key, parse_run_config(context.run_config)]
+    return _parsed[1]
 
 
 def _state_bytes(context: Context) -> int:
@@ -103,7 +127,7 @@ def train(msg: Message, context: Context) -> Message:
 def _job(msg: Message, context: Context) -> ClientJob:
     """This instruction's client round: the run-config, the server's config, the client's
     partition and data, the received model, the method's client half and hooks."""
-    cfg = parse_run_config(context.run_config)
+    cfg = _run_config(context)
     config = msg.content["config"]
     server_round = int(config.get("server-round", 0))
     pid, nparts = _partition(context)
@@ -139,7 +163,7 @@ def evaluate(msg: Message, context: Context) -> Message:
     covered by the DP guarantee (keep ``fraction-evaluate = 0`` for a strictly DP run).
     """
     _threads()
-    cfg = parse_run_config(context.run_config)
+    cfg = _run_config(context)
     pid, nparts = _partition(context)
     data = client_data(cfg, pid, nparts)
     model = _model(cfg, data, msg.content["arrays"])
@@ -159,7 +183,7 @@ def warm(msg: Message, context: Context) -> Message:
     the data: the reply holds the partition id and how long the warm-up took."""
     start = time.perf_counter()
     _threads()
-    cfg = parse_run_config(context.run_config)
+    cfg = _run_config(context)
     pid, nparts = _partition(context)
     data = client_data(cfg, pid, nparts)
     trainer_for(cfg).warm()

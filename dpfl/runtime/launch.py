@@ -553,7 +553,7 @@ def _launch(app_dir: Path, cfg: RunConfig, supernodes: int, overrides: dict[str,
             relay.start()
         try:
             _check_terminated()
-            returncode = proc.wait(timeout=timeout)
+            returncode = wait_for_run(proc, status_file, timeout)
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
@@ -564,6 +564,38 @@ def _launch(app_dir: Path, cfg: RunConfig, supernodes: int, overrides: dict[str,
                 relay.join(timeout=5.0)   # the pipe open cannot hold the launcher up)
     _check_terminated()
     return _outcome(status_file, run_dir, returncode, flwr_home / "superlink.log")
+
+
+def wait_for_run(proc: subprocess.Popen, status_file: Path, timeout: float | None,
+                 linger: float = 0.6) -> int:
+    """``flwr run``'s exit code. Once the ServerApp's status file says ``ok`` (written after
+    the run folder's last file: ledger, summary, plots), ``flwr run`` gets ``linger`` seconds
+    to relay the last streamed lines, then it is stopped: Flower's own end of a simulation
+    (the ServerApp's task finishing, the simulation's 3 s shutdown wait, the actors' exit)
+    takes ~4 s more and changes nothing of the run. ``subprocess.TimeoutExpired`` after
+    ``timeout`` seconds."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    finished_at: float | None = None
+    while True:
+        try:
+            return proc.wait(timeout=0.1)
+        except subprocess.TimeoutExpired:
+            pass
+        now = time.monotonic()
+        if deadline is not None and now > deadline:
+            raise subprocess.TimeoutExpired(proc.args, timeout or 0.0)
+        if finished_at is None:
+            status = read_status(status_file)
+            if status is not None and status.get("status") == "ok":
+                finished_at = now
+        elif now - finished_at >= linger:
+            proc.terminate()
+            try:
+                proc.wait(timeout=5.0)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+            return 0
 
 
 # Lines of `flwr run --stream` the launcher does not relay, each matched whole (colours
