@@ -206,9 +206,9 @@ def read_summary(path: Path) -> dict:
 
 def cmd_summary(args: argparse.Namespace) -> int:
     summary = read_summary(run_directory(args.run_dir) / "summary.json")
-    from dpfl.server.report import epsilon_table  # torch: only for a summary to print
+    from dpfl.server.report import TABLE_ROWS, epsilon_table  # torch: only to print
 
-    print(epsilon_table(summary))
+    print(epsilon_table(summary, max_rows=None if args.all_clients else TABLE_ROWS))
     return 0
 
 
@@ -462,6 +462,8 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     p.set_defaults(func=cmd_simulate)
     p = command("summary", help="print a run's privacy table")
     p.add_argument("run_dir", metavar="RUN_DIR", help="a finished run's directory")
+    p.add_argument("--all", action="store_true", dest="all_clients",
+                   help="every client (default: the 30 of largest epsilon, and the range)")
     p.set_defaults(func=cmd_summary)
     p = command("reproduce", help="run a paper's reproduction grid",
                 description="Run a paper's grid (cells x methods x seeds, seed-major), one real "

@@ -316,3 +316,21 @@ def test_an_adaptive_history_reports_the_filters_budget_as_its_guarantee():
     assert "<= 4 (filter)" in text and "informative" in text and "2.4701" in text
     text = epsilon_table({"guarantee": g, "clients": {"client-0": plain}})
     assert "filter" not in text and "informative" not in text
+
+
+def test_a_large_federations_table_shows_its_largest_epsilons_and_the_range():
+    """Beyond 30 clients the printed table holds the 30 of largest epsilon (the ones the
+    guarantee is about) and one line with how many more and their min / median / max;
+    --all (max_rows=None) prints every client."""
+    from dpfl.server.report import epsilon_table
+
+    g = {"verdict": "formal", "scope": "s", "unit": "client", "relation": "add-remove",
+         "sampling": "poisson", "delta": D, "accountant": "pld"}
+    clients = {f"client-{i}": {"epsilon": i / 100, "rounds": [1]} for i in range(100)}
+    text = epsilon_table({"guarantee": g, "clients": clients})
+    shown = [line for line in text.splitlines() if "client-" in line and "│" in line]
+    assert len(shown) == 30
+    assert "client-99 " in text and "client-70 " in text and "client-69 " not in text
+    assert "of 100" in text and "min 0.0000" in text and "max 0.9900" in text
+    full = epsilon_table({"guarantee": g, "clients": clients}, max_rows=None)
+    assert len([line for line in full.splitlines() if "client-" in line and "│" in line]) == 100

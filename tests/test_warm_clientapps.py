@@ -256,6 +256,8 @@ def test_a_simulation_executor_forks_simulations_and_launches_clientapps_cold(mo
     assert json.loads(lines[0]) == {"program": "flwr-simulation",
                                     "args": warm_clientapps.clientapp_args(sim),
                                     "suppress-output": False}
+    # one simulation per launcher's SuperLink: the zygote is let go once it forked it
+    assert executor._zygote is None
     clientapp = _spec()
     assert executor.launch(clientapp) == "cold" and cold == [clientapp]
     executor.close()

@@ -257,6 +257,11 @@ class WarmClientAppExecutor:
                          spec.task_id)
             return self._cold.launch(spec)
         self.warm_launches += 1
+        if self.kind == "simulation":
+            # a launcher's SuperLink runs one simulation: the zygote forks it and exits, so
+            # its ~0.8 GB of imports are not held beside the simulation for the whole run
+            # (a later simulation task would start a new zygote)
+            self.release_zygote()
         from flwr.supercore.superexec.executor.types import LaunchResult
 
         return LaunchResult.accepted()
@@ -264,8 +269,9 @@ class WarmClientAppExecutor:
     def reconcile(self) -> None:
         self._cold.reconcile()
 
-    def close(self) -> None:
-        """Close the zygote's pipe (it exits at end of file); running ClientApps finish."""
+    def release_zygote(self) -> None:
+        """Close the zygote's pipe (it exits at end of file, after the forks it was asked
+        for); the tasks it forked run on."""
         zygote, self._zygote = self._zygote, None
         if zygote is not None:
             try:
@@ -275,6 +281,10 @@ class WarmClientAppExecutor:
             except (OSError, subprocess.TimeoutExpired):
                 zygote.kill()
                 zygote.wait()
+
+    def close(self) -> None:
+        """Close the zygote's pipe (it exits at end of file); running ClientApps finish."""
+        self.release_zygote()
         self._cold.close()
 
 

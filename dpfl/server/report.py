@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import math
 from typing import Any
 
 from rich.console import Console
@@ -54,13 +55,34 @@ def _number(value: Any, spec: str) -> str:
     return format(value, spec) if _is_number(value) else "n/a"
 
 
-def epsilon_table(summary: dict[str, Any]) -> str:
+# clients a printed table shows at most (a 10,000-client run's full table took 13 s to
+# render, twice: results/speed/README.md); summary.json always holds every client
+TABLE_ROWS = 30
+
+
+def _shown_epsilon(info: dict[str, Any]) -> float:
+    value = info.get("guaranteed-epsilon", info.get("epsilon"))
+    return float(value) if _is_number(value) else math.inf   # n/a first: worth a look
+
+
+def epsilon_table(summary: dict[str, Any], max_rows: int | None = TABLE_ROWS) -> str:
     """The guarantee and a per-client table (client, unit, relation, sampling, delta,
-    epsilon, rounds taken part in), rendered as plain text."""
+    epsilon, rounds taken part in), rendered as plain text. Beyond ``max_rows`` clients
+    (None: no limit) the table shows the ``max_rows`` of largest epsilon, and a line says
+    how many more there are and their range."""
     g = summary["guarantee"]
     final = summary.get("final", {})
     table = Table(title=f"privacy per client — verdict: {g['verdict']}")
-    clients = summary.get("clients", {})
+    every = summary.get("clients", {})
+    clients = every
+    if max_rows is not None and len(every) > max_rows:
+        top = sorted(every, key=lambda c: _shown_epsilon(every[c]), reverse=True)[:max_rows]
+        clients = {c: every[c] for c in top}
+        figures = sorted(_shown_epsilon(info) for info in every.values())
+        table.caption = (f"the {max_rows} clients of largest epsilon of {len(every):,}; "
+                         f"all: min {figures[0]:.4f}, median "
+                         f"{figures[len(figures) // 2]:.4f}, max {figures[-1]:.4f} "
+                         "(every client: summary.json, `dpfl summary RUN_DIR --all`)")
     adaptive = any(info.get("adaptive") for info in clients.values())
     numeric = ("delta", "epsilon", "guaranteed epsilon", "rounds")
     columns = ("client", "unit", "relation", "sampling", "delta")
@@ -79,7 +101,7 @@ def epsilon_table(summary: dict[str, Any]) -> str:
         table.add_row(*row, _number(info["epsilon"], ".4f"), str(len(info["rounds"])))
     buf = io.StringIO()
     console = Console(file=buf, width=110, color_system=None)
-    shown = [info.get("guaranteed-epsilon", info.get("epsilon")) for info in clients.values()]
+    shown = [info.get("guaranteed-epsilon", info.get("epsilon")) for info in every.values()]
     largest = max((e for e in shown if isinstance(e, (int, float))), default=None)
     console.print(f"guarantee: {g['verdict']}{weak_epsilon_note(g['verdict'], largest)} — "
                   f"{g['scope']}")

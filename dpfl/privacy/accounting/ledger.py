@@ -65,6 +65,9 @@ def is_client_key(key: str) -> bool:
     return str(key).startswith(CLIENT_PREFIX)
 
 
+LEDGER_INDENT_CLIENTS = 1000
+
+
 @dataclass
 class Ledger:
     """Per-client privacy histories (keyed ``client-<partition-id>``): the events each
@@ -317,7 +320,11 @@ class Ledger:
     def save(self, path: Path) -> None:
         """Write ``ledger.json`` atomically and durably (the privacy history must survive
         a kill at any instant: old version or new, never a torn file)."""
-        atomic_write_text(path, json.dumps(self.to_json(), indent=1))
+        data = self.to_json()
+        # indented for a person up to LEDGER_INDENT_CLIENTS clients; beyond, compact (Python's
+        # indenting encoder took ~0.2 s a round at 10,000 clients, the C encoder a fraction)
+        indent = 1 if len(data["clients"]) <= LEDGER_INDENT_CLIENTS else None
+        atomic_write_text(path, json.dumps(data, indent=indent))
 
     @classmethod
     def load(cls, path: Path) -> "Ledger":
