@@ -111,11 +111,24 @@ def test_resume_uses_the_ledger_file_when_it_is_ahead_of_the_checkpoint(tmp_path
     assert [r["round"] for r in run.read_rounds()] == [1, 2]
 
 
-def test_a_checkpoint_ledger_longer_than_the_file_wins(tmp_path):
+@pytest.mark.parametrize("as_text", [True, False], ids=["json-text", "older-dict"])
+def test_a_checkpoint_ledger_longer_than_the_file_wins(tmp_path, as_text):
+    """The checkpoint keeps its ledger copy as one JSON text (older checkpoints: a dict)."""
+    import json
+
+    run = _run_dir(tmp_path, 1, None)
+    copy = _ledger(2).to_json()
+    run.save_checkpoint({"round": 2, "model": {}, "strategy": {}, "initial": {},
+                         "ledger": json.dumps(copy) if as_text else copy})
+    assert run.resume_point().ledger.rounds("client-1") == [1, 2]
+
+
+def test_a_damaged_ledger_copy_in_the_checkpoint_is_one_line(tmp_path):
     run = _run_dir(tmp_path, 1, None)
     run.save_checkpoint({"round": 2, "model": {}, "strategy": {}, "initial": {},
-                         "ledger": _ledger(2).to_json()})
-    assert run.resume_point().ledger.rounds("client-1") == [1, 2]
+                         "ledger": '{"delta": 1e-5, "clie'})
+    with pytest.raises(UserError, match="checkpoint.pt: its copy of the ledger is damaged"):
+        run.resume_point()
 
 
 @pytest.mark.parametrize("damage", ["missing", "damaged", "foreign"])

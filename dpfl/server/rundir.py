@@ -333,6 +333,18 @@ class RunDir:
                     "spend kept charged", self.path, why, done)
         return ResumePoint(done, ledger, self.truncate_rounds(done, rounds), None, {}, {})
 
+    def _checkpoint_ledger(self, checkpoint: dict[str, Any]) -> dict[str, Any]:
+        """The checkpoint's copy of the ledger: a JSON text (a dict in older checkpoints)."""
+        data = checkpoint["ledger"]
+        if isinstance(data, str):
+            try:
+                data = json.loads(data)
+            except ValueError:
+                raise UserError(f"{self.file('checkpoint.pt')}: its copy of the ledger is "
+                                "damaged (restore the file, or resume with "
+                                "resume-without-checkpoint=true)") from None
+        return data
+
     def _reconcile(self, ledger: Ledger, checkpoint: dict[str, Any] | None,
                    rounds: list[dict[str, Any]], population: list[str],
                    adaptive: bool) -> None:
@@ -340,7 +352,8 @@ class RunDir:
         ``rounds.jsonl``'s charges; save it when anything was missing."""
         sources: list[tuple[str, list[dict[str, Any]]]] = []
         if checkpoint is not None:
-            sources.append(("checkpoint.pt", Ledger.from_json(checkpoint["ledger"]).charges))
+            sources.append(("checkpoint.pt",
+                            Ledger.from_json(self._checkpoint_ledger(checkpoint)).charges))
         from_rounds = []
         for line in rounds:   # "charges" in rounds written before "ledger-charges" existed
             from_rounds.extend(line.get("ledger-charges", line.get("charges", [])))
