@@ -130,7 +130,14 @@ def client_compute_seconds(clients: int, extra: list[str], repeats: int = 5) -> 
     """One client's local training of a round (partition 0 of ``clients``), best of N."""
     from dpfl.methods import parse_run_config
 
-    overrides = dict(kv.split("=", 1) for kv in extra)
+    def literal(text: str) -> object:   # key=value as the CLI reads it: TOML's literals
+        import tomllib
+        try:
+            return tomllib.loads(f"v = {text}")["v"]
+        except tomllib.TOMLDecodeError:
+            return text
+
+    overrides = {k: literal(v) for k, v in (kv.split("=", 1) for kv in extra)}
     return training_seconds(parse_run_config({"trainer": "update-dp", **overrides}),
                             clients, repeats)
 
