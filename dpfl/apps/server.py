@@ -11,7 +11,6 @@ strategy is talked to through ``start_round`` / ``finish_round`` and their retur
 from __future__ import annotations
 
 import copy
-import json
 import os
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -163,14 +162,19 @@ def budgets_exhausted(record, num_nodes: int) -> bool:
             and all(r.kind == "refused" for r in record.rejected))
 
 
+def in_simulation(grid: Grid) -> bool:
+    """Whether ``grid`` is a simulation's (Flower's InMemoryGrid, or a CohortGrid over one:
+    they hold the in-memory LinkState), not a deployment's gRPC grid."""
+    return getattr(grid, "state", None) is not None
+
+
 def _speed_up_simulation_engine(grid: Grid) -> None:
     """In a simulation, index Flower's pending instructions by node (dpfl.server.node_index):
     the engine's per-node polling then reads one node's messages, not all of them.
     ``DPFL_FLOWER_NODE_INDEX=0`` keeps Flower's own scan (the bench's A/B)."""
     if os.environ.get("DPFL_FLOWER_NODE_INDEX", "1") == "0":
         return
-    state = getattr(grid, "state", None)   # InMemoryGrid (simulation) only
-    if state is not None and index_instructions_by_node(state):
+    if in_simulation(grid) and index_instructions_by_node(grid.state):
         log.debug("Flower's simulation state indexes its instructions by node")  # internal
 
 
@@ -181,7 +185,7 @@ def warm_nodes(grid: Grid, nodes: list[int]) -> list[str]:
     ServerApp sets up, not when round 1's instruction arrives. The replies carry nothing
     but timings (collected at the end). None in a deployment: a SuperNode may start a fresh
     process per message, where warming would only cost."""
-    if getattr(grid, "state", None) is None or os.environ.get("DPFL_WARM_NODES", "1") == "0":
+    if not in_simulation(grid) or os.environ.get("DPFL_WARM_NODES", "1") == "0":
         return []
     if isinstance(grid, CohortGrid):   # a host imports once: one client of each host
         nodes = grid.one_client_per_host(nodes)
@@ -194,7 +198,7 @@ def exchange_poll_seconds(grid: Grid) -> float:
     """How often a round pulls its replies: every 20 ms from a simulation's in-memory state
     (a pull is a dictionary lookup; a 100-client round's replies then wait ~10 ms, not
     ~125 ms, on average), every 250 ms over a deployment's gRPC link."""
-    return 0.02 if getattr(grid, "state", None) is not None else 0.25
+    return 0.02 if in_simulation(grid) else 0.25
 
 
 def cohort_grid(grid: Grid, cfg: RunConfig) -> Grid:
@@ -204,7 +208,7 @@ def cohort_grid(grid: Grid, cfg: RunConfig) -> Grid:
     a device), SecAgg+ (its stages are per node), an operator's node map."""
     if cfg.cohort_clients == 0:
         return grid
-    if getattr(grid, "state", None) is None:
+    if not in_simulation(grid):
         raise ConfigError("run-config key 'cohort-clients': cohort nodes are for simulations; "
                           "in a deployment every SuperNode is one client (set 0)")
     if server_trust(cfg).secure_sum:
@@ -414,7 +418,7 @@ def start_fresh(fed: Federation) -> None:
     first charge on, a resume has a model)."""
     fed.run_dir.write_json(CONFIG_FILE, {**fed.cfg.to_dict(), NUM_CLIENTS: fed.num_nodes})
     runregistry.start(fed.run_dir.path)   # one branch per run: a copy cannot also resume
-    fed.run_dir.save_ledger(fed.ledger)
+    ledger_text = fed.run_dir.save_ledger(fed.ledger)
     fed.run_dir.file("rounds.jsonl").write_text("")
     # the initial model is evaluated on a copy while round 1 trains (the server only waits
     # for replies then): ~1.2 s off the way to round 1 (results/speed/startup-before.txt).
@@ -423,7 +427,7 @@ def start_fresh(fed: Federation) -> None:
     model = _with_weights(copy.deepcopy(fed.model), fed.arrays)
     fed.initial_job = _BACKGROUND.submit(classification_metrics, model, fed.x_test, fed.y_test,
                                          fed.device)
-    fed.run_dir.save_checkpoint(_checkpoint(fed, 0))
+    fed.run_dir.save_checkpoint(_checkpoint(fed, 0, ledger_text))
 
 
 def initial_metrics(fed: Federation) -> dict[str, float]:
@@ -435,13 +439,15 @@ def initial_metrics(fed: Federation) -> dict[str, float]:
     return fed.initial
 
 
-def _checkpoint(fed: Federation, rnd: int) -> dict[str, Any]:
+def _checkpoint(fed: Federation, rnd: int, ledger_text: str) -> dict[str, Any]:
+    """Round ``rnd``'s checkpoint. ``ledger_text``: ``ledger.json``'s text as the round saved
+    it (nothing is charged between that save and the checkpoint), kept as one JSON text: a
+    10,000-client ledger as nested objects took ~0.5 s a round to walk and write, and
+    encoding it a second time another ~0.2 s (results/speed/README.md)."""
     return {"round": rnd, "model": fed.arrays.to_torch_state_dict(),
             "strategy": fed.strategy.state_dict(),
             "initial": fed.initial if rnd == 0 else initial_metrics(fed),
-            # as one JSON text: a 10,000-client ledger as nested objects took the checkpoint
-            # ~0.5 s a round to walk and write (results/speed/README.md)
-            "ledger": json.dumps(fed.ledger.to_json())}
+            "ledger": ledger_text}
 
 
 def _central_metrics(fed: Federation) -> dict[str, float]:
@@ -479,7 +485,7 @@ def run_round(fed: Federation, rnd: int) -> RoundRecord:
     _charge_late(strategy, record, late)
     clock.lap("aggregate")
     # every release of the round is charged: on disk before anything else is published
-    fed.run_dir.save_ledger(ledger)
+    ledger_text = fed.run_dir.save_ledger(ledger)
     clock.lap("ledger")
     fed_eval = _federated_evaluation(strategy, fed.grid, rnd, fed.arrays, cfg)
     central = (_central_metrics(fed) if rnd % cfg.evaluation_period == 0 or rnd == cfg.num_rounds
@@ -504,7 +510,7 @@ def run_round(fed: Federation, rnd: int) -> RoundRecord:
     if fed_eval is not None:
         line["federated-evaluation"] = fed_eval
     fed.rounds.append(line)
-    fed.run_dir.publish_round(line, _checkpoint(fed, rnd))
+    fed.run_dir.publish_round(line, _checkpoint(fed, rnd, ledger_text))
     fed.observer.keep_global(rnd, fed.arrays.to_torch_state_dict())
     eps = line["epsilon"]
     elapsed = time.time() - fed.t_start

@@ -45,7 +45,7 @@ def client_of(node_id: int) -> int:
 @dataclass
 class _Bundle:
     host: int
-    message: Message
+    message_type: str
     clients: dict[int, Message] = field(default_factory=dict)   # pid -> instruction
     bundle_id: str | None = None                                # once pushed
 
@@ -133,7 +133,7 @@ class CohortGrid(Grid):
             key = (host, msg.metadata.message_type)
             bundle = groups.get(key)
             if bundle is None:
-                bundle = groups[key] = _Bundle(host, msg)
+                bundle = groups[key] = _Bundle(host, msg.metadata.message_type)
             if pid in bundle.clients:
                 raise ValueError(f"two messages for client {pid} in one push")
             msg.metadata.__dict__["_message_id"] = str(uuid4())
@@ -153,10 +153,10 @@ class CohortGrid(Grid):
                 self._push(queue.pop(0))
 
     def _push(self, bundle: _Bundle) -> None:
-        first = bundle.message
+        first = next(iter(bundle.clients.values()))
         content = bundle_instructions({p: m.content for p, m in bundle.clients.items()},
-                                      first.metadata.message_type, self.num_clients)
-        out = Message(content, bundle.host, bundle_type(first.metadata.message_type),
+                                      bundle.message_type, self.num_clients)
+        out = Message(content, bundle.host, bundle_type(bundle.message_type),
                       ttl=min(m.metadata.ttl for m in bundle.clients.values()),
                       group_id=first.metadata.group_id)
         pushed = list(self.inner.push_messages([out]))

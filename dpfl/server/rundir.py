@@ -256,9 +256,10 @@ class RunDir:
         atomic_write_text(self.file("rounds.jsonl"), "".join(json.dumps(r) + "\n" for r in kept))
         return kept
 
-    def save_ledger(self, ledger: Ledger) -> None:
-        """Step 1 of a round's persistence, as soon as its charges are made."""
-        ledger.save(self.file("ledger.json"))
+    def save_ledger(self, ledger: Ledger) -> str:
+        """Step 1 of a round's persistence, as soon as its charges are made; returns
+        ``ledger.json``'s text (the checkpoint keeps the same copy)."""
+        return ledger.save(self.file("ledger.json"))
 
     def publish_round(self, line: dict[str, Any], checkpoint: dict[str, Any]) -> None:
         """Step 2, after :meth:`save_ledger`: the round's line, then the checkpoint (a kill
