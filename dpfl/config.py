@@ -44,6 +44,8 @@ SECURE_NOISES = ("skellam", "ddgauss")
 # The model registry's names (dpfl.models.MODELS), here so that a misspelled model is refused
 # before torch is imported (the registries import it: ~2.4 s); tests/test_methods_registry.py
 # keeps it equal to the registry. The methods' names: method_names().
+# where a simulation's ClientApps run (dpfl.runtime.process_backend; Flower's Ray actors)
+SIMULATION_BACKENDS = ("process", "ray")
 MODEL_NAMES = ("mlp", "mnist-cnn", "cifar-cnn", "alexnet", "resnet18-gn", "resnet50-gn")
 
 
@@ -199,6 +201,9 @@ class RunConfig:
     # client; set by dpfl simulate, read by the ServerApp: dpfl.server.cohort)
     cohort_nodes: int = -1
     cohort_clients: int = 0
+    # simulation: ClientApps in processes forked from the simulation ("process") or in
+    # Flower's Ray actors ("ray"); read by dpfl simulate (dpfl.runtime.process_backend)
+    simulation_backend: str = "process"
     seed: int = 42
     # true = DP noise and Poisson sampling seeded from public values (bit-identical reruns,
     # verdict none); false = secret OS entropy per client and round (dpfl.privacy.mechanisms.randomness)
@@ -412,6 +417,10 @@ KEY_HELP: dict[str, str] = {
     "cohort-clients": "the clients a simulation's SuperNodes host between them (set by "
                       "`dpfl simulate` from `--clients` and `cohort-nodes`; 0 = one client "
                       "per node)",
+    "simulation-backend": "simulation: where the ClientApps run: `process` = worker processes "
+                          "forked from the simulation (Flower's simulation runtime, no Ray: "
+                          "the fast start), `ray` = Flower's Ray actors; a Ray cluster "
+                          "(`dpfl simulate --ray-address`) always runs on Ray",
     "seed": "seeds model initialisation, partitioning and evaluation (never DP noise unless "
             "`reproducible=true`); 0 to 2^32 − 1",
     "reproducible": "`true`: DP noise and sampling seeded from `seed` (bit-identical reruns, "
@@ -613,6 +622,7 @@ def validate(cfg: RunConfig) -> RunConfig:
     if cfg.strategy:
         need_choice(cfg.strategy, method_names(), "strategy")
     need_choice(cfg.model, MODEL_NAMES, "model")
+    need_choice(cfg.simulation_backend, SIMULATION_BACKENDS, "simulation-backend")
     need_choice(cfg.dataset, DATASETS, "dataset")
     need_choice(cfg.partitioning, PARTITIONINGS, "partitioning")
     need_choice(cfg.trainer, TRAINERS, "trainer")

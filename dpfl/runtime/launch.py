@@ -52,6 +52,7 @@ from dpfl.logs import known_warnings_option
 from dpfl.methods import DEFAULT_METHOD, build_strategy, configured, parse_run_config
 from dpfl.runlock import LAUNCHER_LOCK, WRITER_LOCK, RunLock, check_unlocked
 from dpfl.runtime.fab import stage_app
+from dpfl.runtime.process_backend import WORKERS_ENV
 from dpfl.runtime.watchdog import alive, descendants, die_with_parent
 from dpfl.server.rundir import (
     RunDir,
@@ -481,6 +482,7 @@ def simulate(app_dir: Path, num_clients: int | None, overrides: dict[str, object
         cfg = parse_run_config({**defaults["config"], **overrides})
     num_clients = DEFAULT_CLIENTS if num_clients is None else num_clients
     layout = node_layout(cfg, num_clients, num_cpus, parallel, ray_address is not None)
+    workers = process_workers(cfg, num_cpus, parallel, ray_address is not None)
     overrides["cohort-clients"] = layout.cohort_clients
     # every check before the lock: a refused launch writes nothing (not even the lock file
     # or its "taking over" line); after it, what another launch may have changed meanwhile
@@ -506,7 +508,7 @@ def simulate(app_dir: Path, num_clients: int | None, overrides: dict[str, object
     try:
         return _launch(app_dir, cfg, layout.supernodes, overrides, output_root, run_dir,
                        flwr_home, num_cpus, timeout, quiet, prints_summary, ray_address,
-                       parallel)
+                       parallel, workers)
     finally:
         lock.release()
 
@@ -514,9 +516,12 @@ def simulate(app_dir: Path, num_clients: int | None, overrides: dict[str, object
 def _launch(app_dir: Path, cfg: RunConfig, supernodes: int, overrides: dict[str, object],
             output_root: Path, run_dir: Path, flwr_home: Path | None, num_cpus: float,
             timeout: float | None, quiet: bool, prints_summary: bool = False,
-            ray_address: str | None = None, parallel: int | None = None) -> Path:
+            ray_address: str | None = None, parallel: int | None = None,
+            workers: int = 0) -> Path:
     flwr_home = (flwr_home or run_dir / ".flwr").resolve()
     env = flower_env(flwr_home, output_root)
+    # the simulation forks this many ClientApp workers (dpfl.runtime.process_backend); 0: Ray
+    env[WORKERS_ENV] = str(workers)
     # read by ray.init() in flwr-simulation: the cluster, else never one found on this machine
     env["RAY_ADDRESS"] = ray_address.strip() if ray_address else "local"
     warm = warm_simulation_bin(flwr_home)
@@ -675,10 +680,24 @@ def node_layout(cfg: RunConfig, num_clients: int, num_cpus: float, parallel: int
     if k < 0:
         if cluster:   # the cluster's size is its own: keep Flower's one node per client
             return one_each
-        actors = parallel if parallel is not None else max(
-            1, int((os.cpu_count() or 1) // num_cpus))
-        k = 2 * actors
+        k = 2 * parallel_clientapps(num_cpus, parallel)
     return one_each if k >= num_clients else NodeLayout(k, num_clients)
+
+
+def parallel_clientapps(num_cpus: float, parallel: int | None) -> int:
+    """How many ClientApps run at once on this machine: ``parallel``, else one per
+    ``num_cpus`` of its CPUs (as Flower sizes its Ray actor pool)."""
+    return parallel if parallel is not None else max(1, int((os.cpu_count() or 1) // num_cpus))
+
+
+def process_workers(cfg: RunConfig, num_cpus: float, parallel: int | None,
+                    cluster: bool) -> int:
+    """The worker processes the simulation forks for its ClientApps
+    (:mod:`dpfl.runtime.process_backend`); 0 = Flower's Ray actors (``simulation-backend =
+    "ray"``, or a Ray cluster)."""
+    if cluster or cfg.simulation_backend != "process":
+        return 0
+    return parallel_clientapps(num_cpus, parallel)
 
 
 def federation_config(num_clients: int, num_cpus: float, parallel: int | None) -> str:

@@ -54,6 +54,8 @@ import sys
 from collections.abc import Sequence
 from typing import IO, Any
 
+from dpfl.runtime import process_backend
+
 _log = logging.getLogger("flwr.dpfl.warm")
 
 # Imported once by the zygote: everything heavy that dpfl's ClientApp imports, none of
@@ -153,6 +155,11 @@ def _run_task_in_child(request: dict[str, Any], kind: str = "clientapp") -> None
             os.dup2(null, 2)
         forget_dpfl_modules()
         _reseed_global_generators()
+        if kind == "simulation":
+            # its ClientApps' worker processes, forked now while no thread runs (the
+            # launcher's request; none: Flower's Ray backend)
+            process_backend.install(process_backend.requested_workers())
+            forget_dpfl_modules()
         import importlib
 
         module, function = KINDS[kind][2]
@@ -184,6 +191,8 @@ def serve(requests: IO[str], kind: str = "clientapp") -> int:
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # the kernel reaps the children
     signal.signal(signal.SIGINT, signal.SIG_IGN)   # a Ctrl-C is for the SuperNode's tree
     preload(KINDS[kind][1])
+    if kind == "simulation" and process_backend.requested_workers():
+        preload(PRELOAD)   # the ClientApps' libraries too: the workers fork from the simulation
     forked = 0
     for line in requests:
         try:
