@@ -156,16 +156,24 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     overrides = run_config_overrides(args)   # before the imports below (seconds)
     root = app_dir()
     check_run_config_keys(root, overrides)
-    from dpfl.runtime.launch import RunFailed, simulate
-    from dpfl.server.report import epsilon_table
+    from dpfl.runtime.warm_clientapps import EarlyZygote
 
+    # the simulation's zygote imports its libraries while this process imports its own
+    zygote = EarlyZygote.start()
     try:
+        from dpfl.runtime.launch import RunFailed, simulate
+        from dpfl.server.report import epsilon_table
+
         run_dir = simulate(root, args.clients, overrides, Path(args.output_dir),
                            num_cpus=args.cpus_per_client, prints_summary=True,
-                           ray_address=args.ray_address, parallel=args.parallel_clients)
+                           ray_address=args.ray_address, parallel=args.parallel_clients,
+                           early_zygote=zygote)
     except RunFailed as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
+    finally:
+        if zygote is not None:
+            zygote.stop()
     print(epsilon_table(read_summary(run_dir / "summary.json")))
     print(f"run directory: {run_dir}")
     return 0

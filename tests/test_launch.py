@@ -1,6 +1,7 @@
 """The launcher stops what it started, including children in process groups of their own
 (as flower-superlink starts its SuperExec, the simulation and Ray)."""
 
+import os
 import subprocess
 import time
 
@@ -70,6 +71,41 @@ def test_watchdog_stops_escaped_grandchildren_when_its_launcher_is_sigkilled(tmp
     deadline = time.monotonic() + 30
     while _pids_of(marker) and time.monotonic() < deadline:
         time.sleep(0.1)
+    assert _pids_of(marker) == []
+
+
+def test_watchdog_outlives_its_command_while_the_tree_runs_and_stops_it_when_told():
+    """``--outlive-command`` (the early simulation zygote's watchdog): the command forks a
+    task and exits; the watchdog watches on while the task runs, exits by itself once it
+    ended, and a SIGTERM stops a task still running."""
+    import signal
+    import sys
+    import uuid
+
+    def watched(seconds: float, marker: str) -> subprocess.Popen:
+        return subprocess.Popen(
+            [sys.executable, "-m", "dpfl.runtime.watchdog", "--parent", str(os.getpid()),
+             "--grace", "1", "--outlive-command", "--", "bash", "-c",
+             f"(exec -a {marker} sleep {seconds} &) ; exit 0"], start_new_session=True)
+
+    marker = f"dpfl-watchdog-outlive-{uuid.uuid4().hex}"
+    dog = watched(3, marker)
+    deadline = time.monotonic() + 30
+    while not _pids_of(marker) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _pids_of(marker)
+    time.sleep(1.0)
+    assert dog.poll() is None            # the command exited; its task still runs
+    assert dog.wait(timeout=30) == 0     # the task ended: the watchdog with it
+    assert _pids_of(marker) == []
+
+    marker = f"dpfl-watchdog-outlive-{uuid.uuid4().hex}"
+    dog = watched(300, marker)
+    while not _pids_of(marker) and time.monotonic() < deadline + 30:
+        time.sleep(0.05)
+    assert _pids_of(marker)
+    dog.send_signal(signal.SIGTERM)
+    assert dog.wait(timeout=30) == 128 + signal.SIGTERM
     assert _pids_of(marker) == []
 
 

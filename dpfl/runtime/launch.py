@@ -53,6 +53,7 @@ from dpfl.methods import DEFAULT_METHOD, build_strategy, configured, parse_run_c
 from dpfl.runlock import LAUNCHER_LOCK, WRITER_LOCK, RunLock, check_unlocked
 from dpfl.runtime.fab import stage_app
 from dpfl.runtime.process_backend import WORKERS_ENV
+from dpfl.runtime.warm_clientapps import EARLY_ZYGOTE_ENV, EarlyZygote
 from dpfl.runtime.watchdog import alive, descendants, die_with_parent
 from dpfl.server.rundir import (
     RunDir,
@@ -440,7 +441,7 @@ def simulate(app_dir: Path, num_clients: int | None, overrides: dict[str, object
              output_root: Path, flwr_home: Path | None = None, num_cpus: float = 1.0,
              timeout: float | None = None, quiet: bool = False,
              prints_summary: bool = False, ray_address: str | None = None,
-             parallel: int | None = None) -> Path:
+             parallel: int | None = None, early_zygote: EarlyZygote | None = None) -> Path:
     """Run one simulated federation; return its run directory, whose ``summary.json`` this
     run wrote. Raises :class:`UserError` for settings that cannot work (before anything
     starts) or that the ServerApp refused, :class:`RunFailed` when it did not finish.
@@ -455,7 +456,9 @@ def simulate(app_dir: Path, num_clients: int | None, overrides: dict[str, object
     ``parallel``: at most this many ClientApp actors (processes, ~1.5-1.9 GB each) train at
     once (the private Ray gets ``parallel * num_cpus`` CPUs); None: one per
     ``num_cpus`` of the machine's CPUs. Fewer actors start fewer processes: a small
-    federation finishes sooner on few cores, and a large one fits in less memory."""
+    federation finishes sooner on few cores, and a large one fits in less memory.
+    ``early_zygote``: the simulation forks from it (started by the caller before its
+    imports; the caller stops it), not from a zygote the SuperExec starts."""
     output_root = resolved(output_root, "--output-dir")
     overrides = dict(overrides)
     overrides.setdefault("run-name", unique_run_name(str(overrides.get("strategy") or
@@ -508,7 +511,7 @@ def simulate(app_dir: Path, num_clients: int | None, overrides: dict[str, object
     try:
         return _launch(app_dir, cfg, layout.supernodes, overrides, output_root, run_dir,
                        flwr_home, num_cpus, timeout, quiet, prints_summary, ray_address,
-                       parallel, workers)
+                       parallel, workers, early_zygote)
     finally:
         lock.release()
 
@@ -517,7 +520,7 @@ def _launch(app_dir: Path, cfg: RunConfig, supernodes: int, overrides: dict[str,
             output_root: Path, run_dir: Path, flwr_home: Path | None, num_cpus: float,
             timeout: float | None, quiet: bool, prints_summary: bool = False,
             ray_address: str | None = None, parallel: int | None = None,
-            workers: int = 0) -> Path:
+            workers: int = 0, early_zygote: EarlyZygote | None = None) -> Path:
     flwr_home = (flwr_home or run_dir / ".flwr").resolve()
     env = flower_env(flwr_home, output_root)
     # the simulation forks this many ClientApp workers (dpfl.runtime.process_backend); 0: Ray
@@ -527,6 +530,8 @@ def _launch(app_dir: Path, cfg: RunConfig, supernodes: int, overrides: dict[str,
     warm = warm_simulation_bin(flwr_home)
     if warm is not None:
         env["PATH"] = str(warm) + os.pathsep + env["PATH"]
+        if early_zygote is not None:
+            env[EARLY_ZYGOTE_ENV] = early_zygote.env_value()
     status_file = flwr_home / f"status-{secrets.token_hex(8)}.json"
     env[STATUS_ENV] = str(status_file)
     env.pop(SUMMARY_ENV, None)

@@ -80,6 +80,12 @@ SIMULATION_PRELOAD = (
 )
 
 ZYGOTE_FLAG = "--zygote"
+FIFO_FLAG = "--fifo"
+# "<pid>:<fifo>": a simulation zygote `dpfl simulate` started before its own imports
+# (:class:`EarlyZygote`); the SuperExec sends its simulation task there
+EARLY_ZYGOTE_ENV = "DPFL_SIMULATION_ZYGOTE"
+# how long the SuperExec waits for an early zygote to finish its imports and read its FIFO
+EARLY_ZYGOTE_WAIT_SECONDS = 120.0
 WARM_FLAG = "--warm"
 # how the zygote's log names a forked task ("dpfl.runtime.warm_clientapps: ClientApp 3 forked ...")
 LABELS = {"clientapp": "ClientApp", "simulation": "simulation"}
@@ -119,9 +125,15 @@ def forget_dpfl_modules() -> list[str]:
 
 
 def preload(modules: Sequence[str] = PRELOAD) -> None:
-    """Import ``modules``, skipping any that cannot be imported (it loads in the child)."""
+    """Import ``modules``, skipping any that cannot be imported (it loads in the child).
+    The root logger gets dpfl's handler first (:func:`dpfl.logs.guard_root`): Opacus calls
+    ``logging.basicConfig`` at import, which would print every Flower line a second time in
+    each forked task."""
     import importlib
 
+    from dpfl.logs import guard_root
+
+    guard_root()
     for name in modules:
         try:
             importlib.import_module(name)
@@ -149,6 +161,11 @@ def _run_task_in_child(request: dict[str, Any], kind: str = "clientapp") -> None
         signal.signal(signal.SIGINT, signal.default_int_handler)
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         os.dup2(os.open(os.devnull, os.O_RDONLY), 0)  # the zygote's request pipe is not ours
+        if "env" in request:   # an early zygote: the SuperExec's environment, not its own
+            os.environ.clear()
+            os.environ.update(request["env"])
+        if "cwd" in request:
+            os.chdir(request["cwd"])
         if request.get("suppress-output"):
             null = os.open(os.devnull, os.O_WRONLY)
             os.dup2(null, 1)
@@ -183,16 +200,20 @@ def _run_task_in_child(request: dict[str, Any], kind: str = "clientapp") -> None
             os._exit(code)
 
 
-def serve(requests: IO[str], kind: str = "clientapp") -> int:
+def serve(requests: IO[str] | str, kind: str = "clientapp") -> int:
     """The zygote: import the kind's modules (:data:`PRELOAD` for ClientApps), then fork
     one task per JSON line read from ``requests`` (``{"args": [...], "suppress-output":
-    bool}``) until end of file (the SuperExec closed the pipe or died). Returns the number
-    of children forked."""
+    bool}``, and from an early zygote's SuperExec its ``"env"`` and ``"cwd"``) until end of
+    file (the SuperExec closed the pipe or died). ``requests`` may be a FIFO's path, opened
+    once the imports are done. Returns the number of children forked."""
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # the kernel reaps the children
     signal.signal(signal.SIGINT, signal.SIG_IGN)   # a Ctrl-C is for the SuperNode's tree
     preload(KINDS[kind][1])
-    if kind == "simulation" and process_backend.requested_workers():
+    if kind == "simulation" and (isinstance(requests, str)
+                                 or process_backend.requested_workers()):
         preload(PRELOAD)   # the ClientApps' libraries too: the workers fork from the simulation
+    if isinstance(requests, str):
+        requests = open(requests)   # noqa: SIM115 - blocks until the SuperExec opens it
     forked = 0
     for line in requests:
         try:
@@ -235,7 +256,10 @@ class WarmClientAppExecutor:
         self.warm_launches = 0
 
     def start_zygote(self) -> None:
-        """Start the zygote now (it imports while the node waits for its first task)."""
+        """Start the zygote now (it imports while the node waits for its first task); not
+        while an early zygote (:data:`EARLY_ZYGOTE_ENV`) may take the task."""
+        if self.kind == "simulation" and os.environ.get(EARLY_ZYGOTE_ENV):
+            return
         if self._zygote is None or self._zygote.poll() is not None:
             self._zygote = subprocess.Popen(  # noqa: S603 - this interpreter, this module
                 [sys.executable, "-m", "dpfl.runtime.warm_clientapps", ZYGOTE_FLAG, self.kind],
@@ -256,6 +280,11 @@ class WarmClientAppExecutor:
             return self._cold.launch(spec)
         request = {"program": TASK_TYPE_TO_COMMAND[spec.task_type],
                    "args": clientapp_args(spec), "suppress-output": bool(spec.suppress_output)}
+        if self.kind == "simulation" and self._send_to_early_zygote(request):
+            self.warm_launches += 1
+            from flwr.supercore.superexec.executor.types import LaunchResult
+
+            return LaunchResult.accepted()
         try:
             self.start_zygote()
             assert self._zygote is not None and self._zygote.stdin is not None
@@ -274,6 +303,36 @@ class WarmClientAppExecutor:
         from flwr.supercore.superexec.executor.types import LaunchResult
 
         return LaunchResult.accepted()
+
+    def _send_to_early_zygote(self, request: dict[str, Any]) -> bool:
+        """Hand the task to the early zygote named by :data:`EARLY_ZYGOTE_ENV` (once: its
+        FIFO is closed after one task), with this process's environment and folder. False
+        when there is none, it is gone, or it did not open its FIFO in time (then this
+        executor starts its own zygote)."""
+        named = os.environ.pop(EARLY_ZYGOTE_ENV, "")
+        pid_text, _, fifo = named.partition(":")
+        if not (pid_text.isdigit() and fifo):
+            return False
+        import time
+
+        from dpfl.runtime.watchdog import alive
+
+        deadline = time.monotonic() + EARLY_ZYGOTE_WAIT_SECONDS
+        while True:
+            try:
+                fd = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
+                break
+            except OSError as exc:   # ENXIO: the zygote is still importing
+                if not alive(int(pid_text)) or time.monotonic() > deadline:
+                    _log.warning("early simulation zygote %s not reached (%s): starting one "
+                                 "here", named, exc)
+                    return False
+                time.sleep(0.02)
+        os.set_blocking(fd, True)
+        request = {**request, "env": dict(os.environ), "cwd": os.getcwd()}
+        with os.fdopen(fd, "w") as pipe:
+            pipe.write(json.dumps(request) + "\n")
+        return True
 
     def reconcile(self) -> None:
         self._cold.reconcile()
@@ -295,6 +354,65 @@ class WarmClientAppExecutor:
         """Close the zygote's pipe (it exits at end of file); running ClientApps finish."""
         self.release_zygote()
         self._cold.close()
+
+
+class EarlyZygote:
+    """A simulation zygote that ``dpfl simulate`` starts first thing, before its own imports
+    of torch and Flower: it imports the simulation's and the ClientApps' libraries while the
+    launcher imports, checks and starts the SuperLink, so that the simulation task forks at
+    once when it comes (the SuperExec's own zygote would only start with the SuperExec).
+
+    It runs under a watchdog in a session of its own (``--outlive-command``: the simulation
+    it forks stays watched after the zygote exits, and dies with the launcher); it takes
+    one task from a FIFO in a private temporary folder (:data:`EARLY_ZYGOTE_ENV` names it to
+    the SuperExec, :meth:`WarmClientAppExecutor._send_to_early_zygote`), then exits.
+    :meth:`stop` ends it and whatever it forked. None of it is written in the run folder."""
+
+    def __init__(self) -> None:
+        import tempfile
+
+        from dpfl.logs import known_warnings_option
+
+        self.folder = tempfile.mkdtemp(prefix="dpfl-zygote-")
+        self.fifo = os.path.join(self.folder, "tasks")
+        os.mkfifo(self.fifo, 0o600)
+        env = dict(os.environ, PYTHONWARNINGS=known_warnings_option(
+            os.environ.get("PYTHONWARNINGS", "")))
+        self.proc = subprocess.Popen(  # noqa: S603 - this interpreter, dpfl's modules
+            [sys.executable, "-m", "dpfl.runtime.watchdog", "--parent", str(os.getpid()),
+             "--outlive-command", "--", sys.executable, "-m", "dpfl.runtime.warm_clientapps",
+             ZYGOTE_FLAG, "simulation", FIFO_FLAG, self.fifo],
+            env=env, cwd=self.folder, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL, start_new_session=True)
+
+    @classmethod
+    def start(cls) -> EarlyZygote | None:
+        """One, unless warm simulations are off (``DPFL_WARM_SIMULATION=0``) or it cannot
+        start (then the SuperExec starts its own, as before)."""
+        if os.environ.get("DPFL_WARM_SIMULATION", "1") == "0":
+            return None
+        try:
+            return cls()
+        except OSError as exc:
+            _log.warning("no early simulation zygote (%s)", exc)
+            return None
+
+    def env_value(self) -> str:
+        """:data:`EARLY_ZYGOTE_ENV`'s value: the watchdog's PID and the FIFO."""
+        return f"{self.proc.pid}:{self.fifo}"
+
+    def stop(self, grace: float = 10.0) -> None:
+        """Stop the watchdog, which stops the zygote and what it forked; remove the FIFO."""
+        import shutil
+
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=grace + 10.0)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        shutil.rmtree(self.folder, ignore_errors=True)
 
 
 def use_warm_executor(kind: str = "clientapp") -> None:
@@ -320,6 +438,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     ``flower-superexec`` with the arguments given, its ClientApps (after ``--warm KIND``:
     that kind's tasks) forked from a zygote."""
     args = list(sys.argv[1:] if argv is None else argv)
+    if args[:1] == [ZYGOTE_FLAG] and len(args) == 4 and args[2] == FIFO_FLAG:
+        serve(args[3], args[1])
+        return
     if args[:1] == [ZYGOTE_FLAG] and len(args) <= 2:
         serve(sys.stdin, args[1] if len(args) == 2 else "clientapp")
         return

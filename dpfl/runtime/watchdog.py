@@ -10,7 +10,8 @@ then waits for the first of:
 - the launcher (``--parent``) dying, however (SIGKILL included: its PID leaves, our ppid
   changes);
 - SIGTERM/SIGINT (the launcher's normal cleanup);
-- CMD exiting by itself;
+- CMD exiting by itself (with ``--outlive-command``: CMD and every process below it, so a
+  zygote may fork a task and exit while the task runs on, still watched);
 
 and stops everything below it: SIGTERM, a grace period, SIGKILL, reaping as it goes. It
 exits with CMD's code (or 128+signal). Linux only.
@@ -104,9 +105,10 @@ def stop_tree(grace: float) -> None:
             time.sleep(POLL_SECONDS)
 
 
-def watch(parent: int, cmd: list[str], grace: float) -> int:
-    """Run ``cmd`` under this watchdog until it ends, the parent dies or we are told to
-    stop; return the exit code to use."""
+def watch(parent: int, cmd: list[str], grace: float, outlive_command: bool = False) -> int:
+    """Run ``cmd`` under this watchdog until it ends (``outlive_command``: until it and
+    everything below it ended), the parent dies or we are told to stop; return the exit
+    code to use."""
     prctl(PR_SET_CHILD_SUBREAPER, 1)
     stop = {"signal": 0}
 
@@ -124,6 +126,10 @@ def watch(parent: int, cmd: list[str], grace: float) -> int:
             code = 128 + signal.SIGKILL  # the launcher is gone
         else:
             code = child.poll()
+            if code is not None and outlive_command:
+                _reap(keep=child.pid)
+                if any(alive(p) for p in descendants(os.getpid()) if p != child.pid):
+                    code = None
             if code is None:
                 _reap(keep=child.pid)
                 time.sleep(POLL_SECONDS)
@@ -137,12 +143,14 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--parent", type=int, required=True, help="PID of the launcher")
     parser.add_argument("--grace", type=float, default=10.0)
+    parser.add_argument("--outlive-command", action="store_true",
+                        help="keep watching after CMD exits while processes below it run")
     parser.add_argument("cmd", nargs=argparse.REMAINDER)
     args = parser.parse_args(argv)
     cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
     if not cmd:
         parser.error("no command given")
-    return watch(args.parent, cmd, args.grace)
+    return watch(args.parent, cmd, args.grace, args.outlive_command)
 
 
 if __name__ == "__main__":
