@@ -50,7 +50,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.scale import training_seconds, wait_with_peak_rss  # noqa: E402
+from bench.scale import training_seconds, wait_with_peak_memory  # noqa: E402
 
 PFL_SCRIPT = ROOT / "bench" / "pfl" / "pfl_mnist.py"
 DEFAULT_PFL_PYTHON = ROOT / "bench" / "pfl" / ".venv" / "bin" / "python"
@@ -90,17 +90,18 @@ def export_split(args: argparse.Namespace, path: Path) -> None:
              client_offsets=offsets.astype(np.int64))
 
 
-def run_measured(cmd: list[str], log: Path, env: dict[str, str]) -> tuple[float, int]:
-    """Run ``cmd`` (output to ``log``); (wall seconds, peak RSS bytes of its process tree).
-    A failure stops the bench and names the log."""
+def run_measured(cmd: list[str], log: Path, env: dict[str, str]) -> tuple[float, int, int]:
+    """Run ``cmd`` (output to ``log``); (wall seconds, peak RSS bytes summed over its process
+    tree, peak PSS bytes of the tree: shared pages counted once). A failure stops the bench
+    and names the log."""
     with open(log, "w") as out:
         t0 = time.perf_counter()
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, env=env)
-        code, peak = wait_with_peak_rss(proc)
+        code, peak, peak_pss = wait_with_peak_memory(proc)
         wall = time.perf_counter() - t0
     if code != 0:
         raise SystemExit(f"{cmd[0]} ... failed (exit {code}); see {log}")
-    return wall, peak
+    return wall, peak, peak_pss
 
 
 def dpfl_command(args: argparse.Namespace, out: Path, name: str) -> list[str]:
@@ -157,7 +158,8 @@ def run_dpfl(args: argparse.Namespace, work: Path, i: int) -> dict:
     env = {**thread_env(args), "PYTHONPATH": str(ROOT),
            "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
     load0 = os.getloadavg()
-    wall, peak = run_measured(dpfl_command(args, work, name), work / f"{name}.log", env)
+    wall, peak, peak_pss = run_measured(dpfl_command(args, work, name), work / f"{name}.log",
+                                        env)
     load1 = os.getloadavg()
     run = work / name
     summary = json.loads((run / "summary.json").read_text())
@@ -167,7 +169,7 @@ def run_dpfl(args: argparse.Namespace, work: Path, i: int) -> dict:
     history = [[0, summary["initial"]["accuracy"]]] + [
         [r["round"], r["central"]["accuracy"]] for r in rounds if r.get("central")]
     eps = max(c["epsilon"] for c in summary["clients"].values())
-    return {"system": "dpfl", "repeat": i, "wall": wall, "peak-rss": peak,
+    return {"system": "dpfl", "repeat": i, "wall": wall, "peak-rss": peak, "peak-pss": peak_pss,
             "milestones": dpfl_milestones(run, work / f"{name}.log", wall),
             "loop": loop, "startup": wall - loop, "server-wall": summary["wall-seconds"],
             "round-seconds": [r["seconds"] for r in rounds], "phases": phases,
@@ -193,11 +195,12 @@ def run_pfl(args: argparse.Namespace, work: Path, data: Path, i: int) -> dict:
     log = work / f"pfl-compare-pfl-{i}.log"
     env = {k: v for k, v in thread_env(args).items() if k != "PYTHONPATH"}
     load0 = os.getloadavg()
-    wall, peak = run_measured(pfl_command(args, data), log, env)
+    wall, peak, peak_pss = run_measured(pfl_command(args, data), log, env)
     load1 = os.getloadavg()
     result = last_json(log.read_text())
     seconds = result.pop("seconds")
     return {**result, "system": "pfl", "repeat": i, "wall": wall, "peak-rss": peak,
+            "peak-pss": peak_pss,
             "loop": seconds["loop"], "startup": wall - seconds["loop"],
             "round-seconds": seconds["rounds"], "pfl-seconds": seconds,
             "load-before": load0, "load-after": load1}
@@ -274,8 +277,8 @@ def markdown(report: dict) -> str:
         "## Summary (mean over the repeats)",
         "",
         "| system | wall s | training loop s | start-up s | s / round | peak RSS GiB "
-        "| final accuracy | printed epsilon | dpfl accountant on it (PLD / RDP) |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| peak PSS GiB | final accuracy | printed epsilon | dpfl accountant on it (PLD / RDP) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     acc_dpfl = report["dpfl-accountant-on-pfl"]
     for s in ("dpfl", "pfl"):
@@ -291,6 +294,7 @@ def markdown(report: dict) -> str:
             f"| {s} | {_mean([r['wall'] for r in rs]):.1f} | {_mean([r['loop'] for r in rs]):.1f}"
             f" | {_mean([r['startup'] for r in rs]):.1f} | {per_round:.2f} "
             f"| {_mean([r['peak-rss'] for r in rs]) / 2 ** 30:.2f} "
+            f"| {_mean([r.get('peak-pss', 0) for r in rs]) / 2 ** 30:.2f} "
             f"| {_mean([r['accuracy'] for r in rs]):.4f} | {printed} | {on} |")
     if by["dpfl"] and by["pfl"]:
         ratios = report["ratios"]

@@ -37,6 +37,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from dpfl.runtime.watchdog import descendants  # noqa: E402
+
 
 def _tree_rss(pid: int) -> int:
     """Resident bytes of ``pid`` and all its descendants (from /proc)."""
@@ -63,15 +65,33 @@ def _tree_rss(pid: int) -> int:
     return total
 
 
-def wait_with_peak_rss(proc: subprocess.Popen) -> tuple[int, int]:
-    """Wait for ``proc``; its exit code and the peak resident bytes of its process tree,
-    sampled every 0.5 s."""
-    peak, done = 0, threading.Event()
+def tree_pss(pid: int) -> int:
+    """Proportional set size of ``pid`` and all its descendants: RSS counts the pages that
+    processes share (torch's libraries, a fork's untouched pages) in every one of them; PSS
+    divides each among its users, so the sum is what the tree takes together."""
+    total = 0
+    for p in [pid, *descendants(pid)]:
+        try:
+            with open(f"/proc/{p}/smaps_rollup") as f:
+                for line in f:
+                    if line.startswith("Pss:"):
+                        total += int(line.split()[1]) * 1024
+                        break
+        except OSError:
+            continue
+    return total
+
+
+def wait_with_peak_memory(proc: subprocess.Popen) -> tuple[int, int, int]:
+    """Wait for ``proc``; its exit code, the peak resident bytes (RSS summed) and the peak
+    PSS (:func:`tree_pss`) of its process tree, sampled every 0.5 s."""
+    peak, peak_pss, done = 0, 0, threading.Event()
 
     def watch() -> None:
-        nonlocal peak
+        nonlocal peak, peak_pss
         while not done.is_set():
             peak = max(peak, _tree_rss(proc.pid))
+            peak_pss = max(peak_pss, tree_pss(proc.pid))
             time.sleep(0.5)
 
     watcher = threading.Thread(target=watch, daemon=True)
@@ -79,7 +99,7 @@ def wait_with_peak_rss(proc: subprocess.Popen) -> tuple[int, int]:
     code = proc.wait()
     done.set()
     watcher.join()
-    return code, peak
+    return code, peak, peak_pss
 
 
 def run_federation(clients: int, rounds: int, trust: str, out: Path,
@@ -99,7 +119,7 @@ def run_federation(clients: int, rounds: int, trust: str, out: Path,
            "target-epsilon=8", *extra]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL, env=env)
-    code, peak = wait_with_peak_rss(proc)
+    code, peak, _ = wait_with_peak_memory(proc)
     if code != 0:
         raise SystemExit(f"the {clients}-client simulation failed (exit {code})")
     return out / name, peak

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Generator
+from dataclasses import dataclass
 
 import torch
 from flwr.app import (
@@ -29,7 +31,7 @@ from flwr.app import (
 
 from dpfl.client.budget import ClientBudget
 from dpfl.client.job import ClientJob
-from dpfl.client.local_training import Trained, trainer_for
+from dpfl.client.local_training import Trained, Trainer, trainer_for
 from dpfl.client.release import release_for
 from dpfl.config import RunConfig
 from dpfl.data import ClientData, client_data
@@ -88,16 +90,51 @@ def _state_bytes(context: Context) -> int:
     return int(sum(record.count_bytes() for record in context.state.values()))
 
 
+@dataclass
+class TrainingRequest:
+    """What a client's round asks of its trainer: train ``job`` (at noise multiplier
+    ``sigma`` under DP-SGD) with ``trainer``; answered with a :class:`Trained`."""
+
+    job: ClientJob
+    trainer: Trainer
+    sigma: float | None = None
+
+    def train(self) -> Trained:
+        return self.trainer.train(self.job, self.sigma)
+
+
+TrainSteps = Generator[TrainingRequest, Trained, Message]
+
+
 def train(msg: Message, context: Context) -> Message:
     """One round of local training: the client's plan, its budget check, the trainer, the
     trust model's release, the reply (``dpfl.client``: job, budget, local_training,
     release)."""
+    return finish_training(train_steps(msg, context))
+
+
+def finish_training(steps: TrainSteps, trained: Trained | None = None) -> Message:
+    """Run a client's round (:func:`train_steps`) to its reply, its training by its own
+    trainer; ``trained``: the answer to the request it already made (a cohort host's
+    batched training)."""
+    try:
+        request = next(steps) if trained is None else steps.send(trained)
+        while True:
+            request = steps.send(request.train())
+    except StopIteration as done:
+        return done.value
+
+
+def train_steps(msg: Message, context: Context) -> TrainSteps:
+    """:func:`train` as a generator that yields its one :class:`TrainingRequest` and is
+    sent the training: a cohort host (:mod:`dpfl.apps.cohort_host`) gathers its clients'
+    requests and trains them together; everything before and after stays per client."""
     _threads()
     job = _job(msg, context)
     release = release_for(job.cfg)
     trainer = trainer_for(job.cfg)
     if not release.charges:   # no DP, or a trusted server noises and charges (central)
-        trained = trainer.train(job)
+        trained = yield TrainingRequest(job, trainer)
         out = release.release(job, trained, None, _state_bytes(context))
         metrics = {**job.base_metrics(), **out.metrics}
         return _reply(msg, trained, job, arrays=out.arrays, metrics=metrics,
@@ -112,7 +149,7 @@ def train(msg: Message, context: Context) -> Message:
             "metrics": MetricRecord({**job.base_metrics(), "epsilon": budget.epsilon(),
                                      "refused": 1}),
             "status": ConfigRecord({"status": "refused", "reason": reason})}), reply_to=msg)
-    trained = trainer.train(job, planned.sigma)
+    trained = yield TrainingRequest(job, trainer, planned.sigma)
     out = release.release(job, trained, planned, _state_bytes(context))
     assert out.event is not None
     budget.charge(out.event)

@@ -221,10 +221,12 @@ def stop_process_group(proc: subprocess.Popen, grace: float = 10.0) -> None:
 
 @contextmanager
 def simulation_superlink(flwr_home: Path, env: dict[str, str],
-                         while_starting: Callable[[], None] | None = None) -> Iterator[str]:
+                         while_starting: Callable[[], None] | None = None,
+                         before_stop: Callable[[], None] | None = None) -> Iterator[str]:
     """A SuperLink in simulation mode on free ports; yields its connection address.
     ``while_starting`` runs once it was started, before its health check (the SuperLink
-    takes ~1.3 s to answer: the launcher stages the app meanwhile)."""
+    takes ~1.3 s to answer: the launcher stages the app meanwhile); ``before_stop`` runs
+    first thing when it is stopped (the early zygote's tree is told to stop with it)."""
     http_port, control_port, fleet_port = free_port(), free_port(), free_port()
     log_file = flwr_home / "superlink.log"
     flwr_home.mkdir(parents=True, exist_ok=True)
@@ -247,6 +249,8 @@ def simulation_superlink(flwr_home: Path, env: dict[str, str],
         _wait_http(http_port, proc)
         yield f"127.0.0.1:{http_port}"
     finally:
+        if before_stop is not None:
+            before_stop()
         stop_process_group(proc)
         _active.pop(proc.pid, None)
 
@@ -532,6 +536,9 @@ def _launch(app_dir: Path, cfg: RunConfig, supernodes: int, overrides: dict[str,
         env["PATH"] = str(warm) + os.pathsep + env["PATH"]
         if early_zygote is not None:
             env[EARLY_ZYGOTE_ENV] = early_zygote.env_value()
+            # the simulation's tree: the early zygote's watchdog (federation.pid: the SuperLink's)
+            flwr_home.mkdir(parents=True, exist_ok=True)
+            (flwr_home / "simulation.pid").write_text(str(early_zygote.proc.pid))
     status_file = flwr_home / f"status-{secrets.token_hex(8)}.json"
     env[STATUS_ENV] = str(status_file)
     env.pop(SUMMARY_ENV, None)
@@ -542,7 +549,9 @@ def _launch(app_dir: Path, cfg: RunConfig, supernodes: int, overrides: dict[str,
     def stage() -> None:
         stage_app(app_dir, app)
 
-    with simulation_superlink(flwr_home, env, while_starting=stage) as address:
+    with simulation_superlink(flwr_home, env, while_starting=stage,
+                              before_stop=early_zygote.terminate if early_zygote else None
+                              ) as address:
         write_flower_config(flwr_home, address)
         cmd = [flower_bin("flwr"), "run", str(app), CONNECTION, "--stream",
                "--run-config", run_config_arg(overrides),

@@ -401,6 +401,12 @@ class EarlyZygote:
         """:data:`EARLY_ZYGOTE_ENV`'s value: the watchdog's PID and the FIFO."""
         return f"{self.proc.pid}:{self.fifo}"
 
+    def terminate(self) -> None:
+        """Tell the watchdog to stop the zygote and what it forked (SIGTERM), without
+        waiting: the launcher stops the SuperLink meanwhile."""
+        if self.proc.poll() is None:
+            self.proc.terminate()
+
     def stop(self, grace: float = 10.0) -> None:
         """Stop the watchdog, which stops the zygote and what it forked; remove the FIFO."""
         import shutil

@@ -25,7 +25,7 @@ RESUME_MAY_CHANGE = frozenset({
     # the operator may re-bind a replaced SuperNode; the ledger is keyed by partition
     "node-partitions",
     # how a simulation hosts its clients (node state does not outlive a simulation anyway)
-    "cohort-nodes", "cohort-clients", "simulation-backend",
+    "cohort-nodes", "cohort-clients", "cohort-batch", "simulation-backend",
 })
 NUM_CLIENTS = "num-clients"
 # correlated noise (central-noise=tree|banded-mf) is built for the run's num-rounds: the

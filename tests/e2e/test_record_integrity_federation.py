@@ -107,10 +107,16 @@ def test_resume_keeps_the_runs_identity_and_never_falls_behind_its_records(tmp_p
 
 
 def _descendants_alive(pid_file: Path) -> list[int]:
+    """The processes still alive under the federation's watchdog (``federation.pid``: the
+    SuperLink's) and the simulation's (``simulation.pid``: the early zygote's, beside it)."""
     from dpfl.runtime.watchdog import alive, descendants
 
-    root = int(pid_file.read_text())
-    return [p for p in [root, *descendants(root)] if alive(p)]
+    out = []
+    for path in (pid_file, pid_file.with_name("simulation.pid")):
+        if path.exists():
+            root = int(path.read_text())
+            out += [p for p in [root, *descendants(root)] if alive(p)]
+    return out
 
 
 def test_one_writer_per_run_folder_and_sigterm_ends_the_run(tmp_path):

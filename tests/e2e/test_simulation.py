@@ -19,6 +19,9 @@ pytestmark = pytest.mark.e2e
 ROOT = Path(__file__).resolve().parents[2]
 
 
+PROCESS_BACKEND_LINE = "worker processes forked from the simulation"
+
+
 def _dpfl(*args, cwd=ROOT, timeout=600):
     return subprocess.run([sys.executable, "-m", "dpfl.cli", *args], cwd=cwd, timeout=timeout,
                           capture_output=True, text=True)
@@ -41,6 +44,8 @@ def test_dpsgd_federation_runs_end_to_end(tmp_path):
     # set to 0.0" nor its "default simulated SuperNodes changed", not Opacus', torch's, Ray's
     # or a CLI library's (dpfl.logs.KNOWN_WARNINGS are filtered; anything else would show)
     assert foreign_warnings(proc.stdout + proc.stderr) == [], proc.stdout + proc.stderr
+    # the default backend: ClientApps in processes forked from the simulation, not Ray
+    assert PROCESS_BACKEND_LINE in proc.stdout + proc.stderr
     run = tmp_path / "e2e"
     for name in ("config.json", "rounds.jsonl", "summary.json", "ledger.json", "checkpoint.pt",
                  "accuracy.png", "epsilon.png", "labels.png"):
@@ -89,10 +94,25 @@ def test_dpsgd_federation_runs_end_to_end(tmp_path):
     # the launcher stopped the SuperLink it started
     pid = int((run / ".flwr" / "federation.pid").read_text())
     assert not _pid_alive(pid)
+    # and the simulation's (forked from the zygote `dpfl simulate` started first)
+    assert not _pid_alive(int((run / ".flwr" / "simulation.pid").read_text()))
     report = _dpfl("privacy-report", str(run), timeout=120)
     assert report.returncode == 0, report.stderr
     assert report.stdout.startswith("verdict: formal")
     assert "client-1" in report.stdout and (run / "privacy-report.png").exists()
+
+
+def test_the_ray_backend_runs_a_federation_too(tmp_path):
+    """``simulation-backend = "ray"``: Flower's own Ray actors, from ``dpfl simulate`` (the
+    method tests' shared simulation runs on Ray too, through a Ray head)."""
+    proc = _dpfl("simulate", "--clients", "2", "--parallel-clients", "1", "--output-dir",
+                 str(tmp_path), "dataset=digits", "num-rounds=1", "batch-size=32", "lr=0.5",
+                 "target-epsilon=8.0", "run-name=ray", "simulation-backend=ray")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert PROCESS_BACKEND_LINE not in proc.stdout + proc.stderr
+    summary = json.loads((tmp_path / "ray" / "summary.json").read_text())
+    assert summary["guarantee"]["verdict"] == "formal"
+    assert set(summary["clients"]) == {"client-0", "client-1"}
 
 
 def test_invalid_config_stops_before_anything_starts(tmp_path):
