@@ -202,8 +202,9 @@ class RunConfig:
     cohort_nodes: int = -1
     cohort_clients: int = 0
     # a cohort host trains up to this many of its clients in one batched call (plain and
-    # update-dp local SGD: dpfl.client.batched_training); 0 or 1 = one after another
-    cohort_batch: int = 32
+    # update-dp local SGD: dpfl.client.batched_training); 0 or 1 = one after another;
+    # -1 = automatic (32 on CUDA; one after another on CPU, where it measured slower)
+    cohort_batch: int = -1
     # simulation: ClientApps in processes forked from the simulation ("process") or in
     # Flower's Ray actors ("ray"); read by dpfl simulate (dpfl.runtime.process_backend)
     simulation_backend: str = "process"
@@ -421,7 +422,8 @@ KEY_HELP: dict[str, str] = {
                     "batched call (`torch.func.vmap` over their stacked parameters; local "
                     "SGD of `trainer=plain` or `update-dp` without a method's step hooks, "
                     "the same batches and updates to float rounding); 0 or 1 = one after "
-                    "another",
+                    "another; -1 = automatic: 32 on CUDA, one after another on CPU (where "
+                    "the batched call measured slower: bench/cohort_batch.py)",
     "cohort-clients": "the clients a simulation's SuperNodes host between them (set by "
                       "`dpfl simulate` from `--clients` and `cohort-nodes`; 0 = one client "
                       "per node)",
@@ -681,8 +683,8 @@ def validate(cfg: RunConfig) -> RunConfig:
     need(cfg.round_timeout >= MIN_ROUND_TIMEOUT, "round-timeout",
          f"must be >= {MIN_ROUND_TIMEOUT:g} (seconds)", cfg.round_timeout)
     need(cfg.node_wait > 0, "node-wait", "must be > 0", cfg.node_wait)
-    need(0 <= cfg.cohort_batch <= 4096, "cohort-batch", "must be 0 (off) to 4096",
-         cfg.cohort_batch)
+    need(-1 <= cfg.cohort_batch <= 4096, "cohort-batch", "must be -1 (automatic), 0 (off) "
+         "or up to 4096", cfg.cohort_batch)
     need(cfg.cohort_nodes >= -1, "cohort-nodes", "must be -1 (automatic), 0 (one node per "
          "client) or a number of nodes", cfg.cohort_nodes)
     need(cfg.cohort_clients >= 0, "cohort-clients", "must be >= 0 (0 = one client per node)",

@@ -71,3 +71,27 @@ def test_what_cannot_be_batched_is_named():
     assert "Opacus" in why_not_batched(dpsgd, model, MethodHooks())
     assert "buffers" in why_not_batched(cfg, nn.Sequential(nn.BatchNorm1d(4)), MethodHooks())
     assert "dropout" in why_not_batched(cfg, nn.Sequential(nn.Dropout(0.5)), MethodHooks())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this machine")
+def test_the_batched_path_runs_on_cuda_with_the_sequential_updates():
+    cfg = parse_run_config({"dataset": "mnist", "model": "mnist-cnn", "trainer": "update-dp",
+                            "batch-size": 8, "lr": 0.05})
+    datas, cuda = _clients(4), torch.device("cuda")
+    base = build_model(cfg.model, (1, 28, 28), 10)
+    alone = [copy.deepcopy(base) for _ in datas]
+    together = [copy.deepcopy(base) for _ in datas]
+    for m, d, s in zip(alone, datas, range(4)):
+        train_plain(m, d, cfg, s, cuda)
+    train_plain_batched(together, datas, cfg, list(range(4)), cuda)
+    for a, b in zip(alone, together):
+        for pa, pb in zip(a.parameters(), b.parameters()):
+            assert torch.allclose(pa, pb, rtol=1e-3, atol=1e-5)
+
+
+def test_the_automatic_batch_is_for_gpus():
+    from dpfl.client.batched_training import AUTO_BATCH_ON_CUDA, batch_size
+
+    assert batch_size(-1, torch.device("cpu")) == 0
+    assert batch_size(-1, torch.device("cuda")) == AUTO_BATCH_ON_CUDA
+    assert batch_size(8, torch.device("cpu")) == 8

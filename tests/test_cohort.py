@@ -233,8 +233,9 @@ def test_cohort_nodes_give_the_same_ledger_and_model(tmp_path, name, trainer, tr
     if trust == "central":
         keys.update({"noise-multiplier": 1.0, "clip-norm": 0.1})
     one, handled_one = run_federation(keys, CLIENTS, tmp_path, "one")
-    cohort, handled_cohort = run_federation({**keys, "cohort-clients": CLIENTS}, HOSTS,
-                                            tmp_path, "cohort")
+    # the batched training on (on a CPU the automatic setting trains one by one)
+    cohort, handled_cohort = run_federation({**keys, "cohort-clients": CLIENTS,
+                                             "cohort-batch": 8}, HOSTS, tmp_path, "cohort")
     ledger = json.loads((cohort / "ledger.json").read_text())
     if name != "fedavg":
         assert ledger["charges"], "a private run charged nothing"

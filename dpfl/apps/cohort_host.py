@@ -27,7 +27,7 @@ from flwr.app import Context, Message, Metadata, RecordDict
 
 from dpfl.apps import client_handlers
 from dpfl.apps.client_handlers import TrainingRequest, TrainSteps
-from dpfl.client.batched_training import train_plain_batched, why_not_batched
+from dpfl.client.batched_training import batch_size, train_plain_batched, why_not_batched
 from dpfl.client.local_training import Trained
 from dpfl.cohort import (
     bundle_replies,
@@ -142,10 +142,12 @@ def train_batched(requests: dict[int, TrainingRequest]) -> dict[int, Trained]:
     (their models left trained); the others are not in the answer (trained one by one)."""
     if not requests:
         return {}
-    cfg = next(iter(requests.values())).job.cfg
-    if cfg.cohort_batch < 2:
+    first = next(iter(requests.values())).job
+    cfg = first.cfg
+    size = batch_size(cfg.cohort_batch, first.device)
+    if size < 2:
         _say_once("cohort training: one client after another (cohort-batch "
-                  f"{cfg.cohort_batch})")
+                  f"{cfg.cohort_batch}{' on CPU' if cfg.cohort_batch < 0 else ''})")
         return {}
     eligible = []
     for pid, request in requests.items():
@@ -156,8 +158,8 @@ def train_batched(requests: dict[int, TrainingRequest]) -> dict[int, Trained]:
         else:
             _say_once(f"cohort training: one client after another ({why})")
     out: dict[int, Trained] = {}
-    for start in range(0, len(eligible), cfg.cohort_batch):
-        chunk = eligible[start:start + cfg.cohort_batch]
+    for start in range(0, len(eligible), size):
+        chunk = eligible[start:start + size]
         if len(chunk) < 2:
             continue
         jobs = [requests[pid].job for pid in chunk]
@@ -170,6 +172,6 @@ def train_batched(requests: dict[int, TrainingRequest]) -> dict[int, Trained]:
             continue
         for pid, job, result in zip(chunk, jobs, results):
             out[pid] = Trained(result, job.update())
-        _say_once(f"cohort training: batched (torch.func.vmap), up to {cfg.cohort_batch} "
-                  "clients per call")
+        _say_once(f"cohort training: batched (torch.func.vmap), up to {size} clients per "
+                  "call")
     return out
