@@ -54,6 +54,7 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection, Pipe
 from typing import Any
 
+from dpfl.runtime.forking import exit_fork, forget_dpfl_modules, reseed_global_generators
 from dpfl.runtime.watchdog import die_with_parent
 
 _log = logging.getLogger("flwr.dpfl.process_backend")
@@ -111,22 +112,6 @@ def prefork_workers(count: int) -> list[Worker]:
     return list(_preforked)
 
 
-def _forget_dpfl_modules() -> None:
-    """The worker loads dpfl from the app (the FAB), not the copy this module came from."""
-    for name in [m for m in sys.modules if m == "dpfl" or m.startswith("dpfl.")]:
-        del sys.modules[name]
-
-
-def _reseed_global_generators() -> None:
-    """Each worker's NumPy and torch global generators differ from its siblings'."""
-    np = sys.modules.get("numpy")
-    if np is not None:
-        np.random.seed(int.from_bytes(os.urandom(4), "little"))
-    torch = sys.modules.get("torch")
-    if torch is not None:
-        torch.manual_seed(int.from_bytes(os.urandom(8), "little") >> 1)
-
-
 def _serve(conn: Connection) -> None:
     """A worker's life (never returns): wait for the app, then run one message at a time
     until the pipe closes."""
@@ -136,13 +121,13 @@ def _serve(conn: Connection) -> None:
         signal.signal(signal.SIGINT, signal.SIG_IGN)   # the simulation ends us, not Ctrl-C
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-        _reseed_global_generators()
+        reseed_global_generators()
         _, path, threads, loader = conn.recv()
         sys.path[:] = path
         torch = sys.modules.get("torch")
         if torch is not None:
             torch.set_num_threads(threads)
-        _forget_dpfl_modules()
+        forget_dpfl_modules()   # the worker loads dpfl from the app (the FAB)
         app_fn = pickle.loads(loader)   # noqa: S301 - the simulation process's own pickle
         while True:
             message, context = conn.recv()
@@ -153,12 +138,7 @@ def _serve(conn: Connection) -> None:
         traceback.print_exc()
         code = 1
     finally:
-        try:
-            logging.shutdown()
-            sys.stdout.flush()
-            sys.stderr.flush()
-        finally:
-            os._exit(code)
+        exit_fork(code)
 
 
 def _run(app_fn: Callable[[], Any], message: Any, context: Any) -> tuple:

@@ -55,6 +55,7 @@ from collections.abc import Sequence
 from typing import IO, Any
 
 from dpfl.runtime import process_backend
+from dpfl.runtime.forking import exit_fork, forget_dpfl_modules, reseed_global_generators
 
 _log = logging.getLogger("flwr.dpfl.warm")
 
@@ -115,15 +116,6 @@ def clientapp_args(spec: Any) -> list[str]:
     return args
 
 
-def forget_dpfl_modules() -> list[str]:
-    """Drop every ``dpfl`` module from ``sys.modules`` (Flower's app loader reuses a module
-    already imported): the FAB's copy of dpfl is the one that runs. Returns the names."""
-    names = [m for m in sys.modules if m == "dpfl" or m.startswith("dpfl.")]
-    for name in names:
-        del sys.modules[name]
-    return names
-
-
 def preload(modules: Sequence[str] = PRELOAD) -> None:
     """Import ``modules``, skipping any that cannot be imported (it loads in the child).
     The root logger gets dpfl's handler first (:func:`dpfl.logs.guard_root`): Opacus calls
@@ -139,16 +131,6 @@ def preload(modules: Sequence[str] = PRELOAD) -> None:
             importlib.import_module(name)
         except Exception:  # noqa: BLE001, S112 - an optional library: it loads in the child
             continue
-
-
-def _reseed_global_generators() -> None:
-    """A fresh process's NumPy and torch global generators differ from its siblings'."""
-    np = sys.modules.get("numpy")
-    if np is not None:
-        np.random.seed(int.from_bytes(os.urandom(4), "little"))
-    torch = sys.modules.get("torch")
-    if torch is not None:
-        torch.manual_seed(int.from_bytes(os.urandom(8), "little") >> 1)
 
 
 def _run_task_in_child(request: dict[str, Any], kind: str = "clientapp") -> None:
@@ -171,7 +153,7 @@ def _run_task_in_child(request: dict[str, Any], kind: str = "clientapp") -> None
             os.dup2(null, 1)
             os.dup2(null, 2)
         forget_dpfl_modules()
-        _reseed_global_generators()
+        reseed_global_generators()
         if kind == "simulation":
             # its ClientApps' worker processes, forked now while no thread runs (the
             # launcher's request; none: Flower's Ray backend)
@@ -192,12 +174,7 @@ def _run_task_in_child(request: dict[str, Any], kind: str = "clientapp") -> None
 
         traceback.print_exc()
     finally:
-        try:
-            logging.shutdown()
-            sys.stdout.flush()
-            sys.stderr.flush()
-        finally:
-            os._exit(code)
+        exit_fork(code)
 
 
 def serve(requests: IO[str] | str, kind: str = "clientapp") -> int:

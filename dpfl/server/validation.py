@@ -15,13 +15,16 @@ bytes repeat one the client sent before (``DPGuard.replayed``).
 
 from __future__ import annotations
 
+import io
 import math
 from dataclasses import dataclass, field
+from functools import lru_cache
 from typing import Any
 
 import numpy as np
 import torch
-from flwr.app import ArrayRecord
+from flwr.app import Array, ArrayRecord
+from flwr.common.constant import SType
 
 from dpfl.numbers import is_finite_number, is_number
 from dpfl.privacy.accounting.ledger import client_key
@@ -155,6 +158,30 @@ def _privacy_record_problem(reply: ParsedReply) -> str | None:
     return reply.reported[1]
 
 
+@lru_cache(maxsize=256)
+def npy_header(shape: tuple[int, ...], dtype: np.dtype) -> bytes:
+    """The bytes ``np.save`` writes before the data of a C-ordered array of this shape and
+    dtype (Flower's Array serialisation)."""
+    buf = io.BytesIO()
+    np.save(buf, np.zeros(shape, dtype=dtype), allow_pickle=False)
+    return buf.getvalue()[:-int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+                          or None]
+
+
+def array_values(arr: Array, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+    """``arr.numpy()`` without parsing its header when it is byte for byte the header of
+    ``shape`` and ``dtype`` and the data is exactly that long (a writable copy, as
+    ``np.load`` gives); any other Array goes through ``np.load`` (Flower's
+    ``Array.numpy``)."""
+    header = npy_header(shape, dtype)
+    data = arr.data
+    if (arr.stype == SType.NUMPY and data[:len(header)] == header
+            and len(data) == len(header) + int(np.prod(shape, dtype=np.int64))
+            * np.dtype(dtype).itemsize):
+        return np.frombuffer(data, dtype=dtype, offset=len(header)).reshape(shape).copy()
+    return arr.numpy()
+
+
 def _flat_checked(arrays: ArrayRecord, template: Template, what: str) -> torch.Tensor | str:
     """The arrays as one float32 vector in template order, or the reason they are bad."""
     expected = [k for k, _, _ in template]
@@ -171,7 +198,7 @@ def _flat_checked(arrays: ArrayRecord, template: Template, what: str) -> torch.T
         if np.dtype(arr.dtype) != dtype:
             return f"{what}: '{key}' has dtype {arr.dtype}, expected {dtype}"
         try:
-            values = arr.numpy()
+            values = array_values(arr, shape, dtype)
         except Exception as exc:  # malformed bytes
             return f"{what}: '{key}' cannot be decoded: {exc}"
         parts.append(torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32)).reshape(-1))
