@@ -283,3 +283,33 @@ def test_the_launcher_puts_a_warm_superexec_first_on_the_superlinks_path(tmp_pat
 def test_an_unknown_kind_is_refused():
     with pytest.raises(SystemExit, match="unknown kind 'gpu'"):
         warm_clientapps.main(["--warm", "gpu", "--insecure"])
+
+
+def test_an_early_zygote_leaves_no_folder_behind(tmp_path):
+    """The early zygote's FIFO folder goes when the SuperExec has opened it, and when the
+    zygote is stopped before that (a launcher killed: its watchdog sends SIGTERM)."""
+    import signal as signals
+
+    folder = tmp_path / "z"
+    folder.mkdir()
+    fifo = folder / "tasks"
+    os.mkfifo(fifo)
+    zygote = subprocess.Popen([sys.executable, "-m", "dpfl.runtime.warm_clientapps",
+                               warm_clientapps.ZYGOTE_FLAG, "simulation",
+                               warm_clientapps.FIFO_FLAG, str(fifo)])
+    time.sleep(1.0)
+    zygote.send_signal(signals.SIGTERM)
+    assert zygote.wait(timeout=60) == 143
+    assert not folder.exists()
+
+    folder.mkdir()
+    os.mkfifo(fifo)
+    zygote = subprocess.Popen([sys.executable, "-m", "dpfl.runtime.warm_clientapps",
+                               warm_clientapps.ZYGOTE_FLAG, "simulation",
+                               warm_clientapps.FIFO_FLAG, str(fifo)])
+    with open(fifo, "w"):          # the SuperExec's end: no task, then end of file
+        deadline = time.monotonic() + 120
+        while folder.exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not folder.exists()   # removed once both ends were open
+    assert zygote.wait(timeout=60) == 0

@@ -177,6 +177,12 @@ def _run_task_in_child(request: dict[str, Any], kind: str = "clientapp") -> None
         exit_fork(code)
 
 
+def _remove_folder_of(path: str) -> None:
+    import shutil
+
+    shutil.rmtree(os.path.dirname(path), ignore_errors=True)
+
+
 def serve(requests: IO[str] | str, kind: str = "clientapp") -> int:
     """The zygote: import the kind's modules (:data:`PRELOAD` for ClientApps), then fork
     one task per JSON line read from ``requests`` (``{"args": [...], "suppress-output":
@@ -185,12 +191,16 @@ def serve(requests: IO[str] | str, kind: str = "clientapp") -> int:
     once the imports are done. Returns the number of children forked."""
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # the kernel reaps the children
     signal.signal(signal.SIGINT, signal.SIG_IGN)   # a Ctrl-C is for the SuperNode's tree
+    fifo = requests if isinstance(requests, str) else None
+    if fifo is not None:   # an early zygote's private folder goes with it, whenever it ends
+        signal.signal(signal.SIGTERM, lambda *_: (_remove_folder_of(fifo), os._exit(143)))
     preload(KINDS[kind][1])
-    if kind == "simulation" and (isinstance(requests, str)
-                                 or process_backend.requested_workers()):
+    if kind == "simulation" and (fifo is not None or process_backend.requested_workers()):
         preload(PRELOAD)   # the ClientApps' libraries too: the workers fork from the simulation
-    if isinstance(requests, str):
-        requests = open(requests)   # noqa: SIM115 - blocks until the SuperExec opens it
+    if fifo is not None:
+        requests = open(fifo)   # noqa: SIM115 - blocks until the SuperExec opens it
+        _remove_folder_of(fifo)   # both ends are open: the name is no longer needed
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
     forked = 0
     for line in requests:
         try:
