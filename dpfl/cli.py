@@ -164,13 +164,14 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         from dpfl.runtime.launch import RunFailed, simulate
         from dpfl.server.report import epsilon_table
 
-        run_dir = simulate(root, args.clients, overrides, Path(args.output_dir),
-                           num_cpus=args.cpus_per_client, prints_summary=True,
-                           ray_address=args.ray_address, parallel=args.parallel_clients,
-                           early_zygote=zygote)
-    except RunFailed as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
+        try:
+            run_dir = simulate(root, args.clients, overrides, Path(args.output_dir),
+                               num_cpus=args.cpus_per_client, prints_summary=True,
+                               ray_address=args.ray_address, parallel=args.parallel_clients,
+                               early_zygote=zygote)
+        except RunFailed as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 1
     finally:
         if zygote is not None:
             zygote.stop()

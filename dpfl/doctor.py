@@ -135,7 +135,7 @@ def check_opacus() -> Check:
 def check_flwr() -> Check:
     """Flower, and whether it is the pinned release (the version dpfl was tested against and
     the one its simulation speed-up is scoped to)."""
-    from dpfl.server.node_index import PINNED_FLWR
+    from dpfl.flower_pin import PINNED_FLWR
 
     version = installed_version("flwr")
     if version is None:

@@ -39,8 +39,6 @@ source of ``start_vce``, which builds the backend, and of the simulation runtime
 
 from __future__ import annotations
 
-import hashlib
-import inspect
 import logging
 import os
 import pickle
@@ -54,6 +52,7 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection, Pipe
 from typing import Any
 
+from dpfl.flower_pin import pin_problem
 from dpfl.runtime.forking import exit_fork, forget_dpfl_modules, reseed_global_generators
 from dpfl.runtime.watchdog import die_with_parent
 
@@ -61,7 +60,6 @@ _log = logging.getLogger("flwr.dpfl.process_backend")
 
 # the launcher's request: this many worker processes (unset or 0: Flower's Ray backend)
 WORKERS_ENV = "DPFL_PROCESS_WORKERS"
-PINNED_FLWR = "1.39.0"
 # sha256 of the Flower functions whose behaviour this backend relies on (flwr 1.39.0)
 PATCHED_SOURCE_SHA256 = {
     "start_vce": "2d5e267f893950a709c52adf9d6a90c81a7750d889b4eb99318dfffeea957f16",
@@ -266,23 +264,14 @@ def _reap(pid: int, timeout: float = 5.0) -> None:
         pass
 
 
-def source_sha256(function: Callable[..., Any]) -> str:
-    return hashlib.sha256(inspect.getsource(function).encode()).hexdigest()
-
-
 def why_not_patchable() -> str | None:
-    """None when the installed Flower is the one this backend was written against."""
+    """None when the installed Flower is the one this backend was written against, else
+    why not (:func:`dpfl.flower_pin.pin_problem`)."""
     try:
-        import flwr
         from flwr.server.superlink.fleet.vce import vce_api
     except ImportError as exc:
         return f"Flower's simulation runtime cannot be imported ({exc})"
-    if flwr.__version__ != PINNED_FLWR:
-        return f"flwr {flwr.__version__} is not {PINNED_FLWR}"
-    for name, digest in PATCHED_SOURCE_SHA256.items():
-        if source_sha256(getattr(vce_api, name)) != digest:
-            return f"flwr's vce_api.{name} differs from the source this backend was checked on"
-    return None
+    return pin_problem(vce_api, "flwr vce_api", PATCHED_SOURCE_SHA256)
 
 
 def backend(backend_config: dict[str, Any]) -> Any:

@@ -158,7 +158,6 @@ def _run_task_in_child(request: dict[str, Any], kind: str = "clientapp") -> None
             # its ClientApps' worker processes, forked now while no thread runs (the
             # launcher's request; none: Flower's Ray backend)
             process_backend.install(process_backend.requested_workers())
-            forget_dpfl_modules()
         import importlib
 
         module, function = KINDS[kind][2]
@@ -398,13 +397,12 @@ class EarlyZygote:
         """Stop the watchdog, which stops the zygote and what it forked; remove the FIFO."""
         import shutil
 
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=grace + 10.0)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        self.terminate()
+        try:
+            self.proc.wait(timeout=grace + 10.0)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
         shutil.rmtree(self.folder, ignore_errors=True)
 
 

@@ -126,10 +126,9 @@ def watch(parent: int, cmd: list[str], grace: float, outlive_command: bool = Fal
             code = 128 + signal.SIGKILL  # the launcher is gone
         else:
             code = child.poll()
-            if code is not None and outlive_command:
-                _reap(keep=child.pid)
-                if any(alive(p) for p in descendants(os.getpid()) if p != child.pid):
-                    code = None
+            if code is not None and outlive_command and any(
+                    alive(p) for p in descendants(os.getpid()) if p != child.pid):
+                code = None   # the command ended; what it started runs on, watched
             if code is None:
                 _reap(keep=child.pid)
                 time.sleep(POLL_SECONDS)

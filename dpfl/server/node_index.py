@@ -21,15 +21,13 @@ version and the two methods it replaces still have the source it was written aga
 
 from __future__ import annotations
 
-import hashlib
-import inspect
 from typing import Any
 
+from dpfl.flower_pin import pin_problem
 from dpfl.logs import get_logger
 
 LOG = get_logger("flwr.dpfl.server.node_index")
 
-PINNED_FLWR = "1.39.0"
 # sha256 of inspect.getsource of the InMemoryLinkState methods the subclass replaces or
 # relies on, as shipped in flwr 1.39.0 (tests/test_node_index.py fails when they change)
 PATCHED_SOURCE_SHA256 = {
@@ -37,11 +35,6 @@ PATCHED_SOURCE_SHA256 = {
     "get_message_ins": "6547c8dcbc62e12f5b2aa5c69f4de8c7c7072c10d6c0876512cf37197d941056",
     "_check_stored_messages": "2be47567d2478a58b766c116f1f0cd0ae3aa791d4e7e3ee85cb20d31f15a8082",
 }
-
-
-def method_source_sha256(cls: type, name: str) -> str:
-    """sha256 (hex) of a method's source text, as ``inspect.getsource`` returns it."""
-    return hashlib.sha256(inspect.getsource(getattr(cls, name)).encode()).hexdigest()
 
 
 def _in_memory_link_state() -> type:
@@ -52,15 +45,7 @@ def _in_memory_link_state() -> type:
 def why_not_patchable() -> str | None:
     """None when the installed Flower is the one the index was written against, else why
     not (a version or a source change)."""
-    import flwr
-    version = getattr(flwr, "__version__", "")
-    if version != PINNED_FLWR:
-        return f"flwr {version} is not the pinned {PINNED_FLWR}"
-    base = _in_memory_link_state()
-    for name, digest in PATCHED_SOURCE_SHA256.items():
-        if method_source_sha256(base, name) != digest:
-            return f"InMemoryLinkState.{name} differs from flwr {PINNED_FLWR}'s"
-    return None
+    return pin_problem(_in_memory_link_state(), "InMemoryLinkState", PATCHED_SOURCE_SHA256)
 
 
 def _make_class() -> type:
