@@ -37,7 +37,7 @@ from dpfl.methods import (
     parse_run_config,
 )
 from dpfl.models.evaluation import device_for
-from dpfl.privacy.accounting.budget import BUDGET_RTOL, PrivacyHistory
+from dpfl.privacy.accounting.budget import PrivacyHistory
 from dpfl.privacy.accounting.events import history_terms
 from dpfl.privacy.accounting.ledger import Ledger, client_key
 from dpfl.privacy.trust import (
@@ -50,8 +50,9 @@ from dpfl.privacy.trust import (
 )
 from dpfl.privacy.verdict import Guarantee, over_history
 from dpfl.server import runregistry
+from dpfl.server.central_budget import CentralBudget
 from dpfl.server.cohort import CohortGrid
-from dpfl.server.evaluation import classification_metrics, divergence
+from dpfl.server.evaluation import classification_metrics, divergence, evaluation_copy
 from dpfl.server.exchange import ReplyExchange
 from dpfl.server.node_index import index_instructions_by_node
 from dpfl.server.observer import UpdateObserver
@@ -86,7 +87,7 @@ class Federation:
     run_dir: RunDir
     guarantee: Guarantee
     strategy: DPFLStrategy
-    model: torch.nn.Module
+    model: torch.nn.Module   # the server's copy for central evaluation (evaluation_copy)
     x_test: torch.Tensor
     y_test: torch.Tensor
     device: torch.device
@@ -104,6 +105,7 @@ class Federation:
     label_counts: np.ndarray | None = None   # (clients, classes), for labels.png at the end
     initial_job: Future[dict[str, float]] | None = None   # round 0's evaluation, while it runs
     warm_ids: list[str] = field(default_factory=list)   # the warm-up queries' message ids
+    central_budget: CentralBudget | None = None   # trust=central's check, once asked
 
 
 # one thread for the ServerApp's work beside the rounds (round 0's evaluation)
@@ -300,18 +302,18 @@ def _set_up(grid: Grid, cfg: RunConfig, run_dir: RunDir, t_start: float) -> Fede
     log.info("privacy guarantee: %s (unit=%s, relation=%s, sampling=%s, delta=%g)",
              claim.verdict, claim.unit, claim.relation, claim.sampling, claim.delta)
     check_operator_map(strategy, num_nodes, grid)
-    if not cfg.resume:
-        first_round_affordable(strategy, cfg)
+    budget = None if cfg.resume else first_round_affordable(strategy, cfg)
     run_dir.create()
     # drawn when the run ends, with the other plots (matplotlib's import and the render took
     # ~1.1 s on the way to round 1: results/speed/startup-before.txt)
     counts = label_counts(ds.y_train, splits, ds.num_classes) if cfg.plots else None
-    return Federation(grid, cfg, run_dir, claim, strategy, model, x_test, y_test,
+    eval_model, x_test = evaluation_copy(model, x_test)
+    return Federation(grid, cfg, run_dir, claim, strategy, eval_model, x_test, y_test,
                       device_for(), num_nodes, ArrayRecord(model.state_dict()), ledger,
                       ReplyExchange(grid, namer=strategy.client_name,
                                     poll_seconds=exchange_poll_seconds(grid)), t_start,
                       UpdateObserver(cfg, run_dir.path), saved_config=saved,
-                      label_counts=counts, warm_ids=warm_ids)
+                      label_counts=counts, warm_ids=warm_ids, central_budget=budget)
 
 
 def check_operator_map(strategy: DPFLStrategy, num_nodes: int, grid: Grid) -> None:
@@ -384,21 +386,31 @@ def _with_weights(model: torch.nn.Module, arrays: ArrayRecord) -> torch.nn.Modul
     return model
 
 
-def first_round_affordable(strategy: DPFLStrategy, cfg: RunConfig) -> None:
+def central_budget(strategy: DPFLStrategy, cfg: RunConfig) -> CentralBudget | None:
+    """trust=central's budget check before each round (None: not trust=central)."""
+    central = strategy.central
+    if central is None or not cfg.is_private:
+        return None
+    return CentralBudget(central.events, cfg.num_rounds, cfg.target_epsilon, cfg.delta,
+                         cfg.accountant)
+
+
+def first_round_affordable(strategy: DPFLStrategy, cfg: RunConfig) -> CentralBudget | None:
     """A fresh run whose first round alone already costs some client more than
     ``target-epsilon`` (with the same accountant and budget check the client uses) stops
-    here, before any training, instead of after a round of refusals."""
+    here, before any training, instead of after a round of refusals. Returns trust=central's
+    budget check (:func:`central_budget`)."""
     if not cfg.is_private:
-        return
+        return None
     if strategy.central is not None:
-        events = strategy.central.events(1)
-        eps = PrivacyHistory(events).epsilon(cfg.delta, cfg.accountant)
+        budget = central_budget(strategy, cfg)
+        eps = budget.epsilon(strategy.central.events(1))
         if eps > cfg.target_epsilon:
             raise ConfigError(
                 f"run-config key 'target-epsilon': one central round already costs every "
                 f"client epsilon {eps:.4g} > {cfg.target_epsilon:g} (sigma "
                 f"{strategy.central.sigma:.4g}): raise target-epsilon or the noise")
-        return
+        return budget
     for pid in sorted(strategy.guard.partition_sizes):
         event = strategy.guard.planned_event(pid, 1)
         history = PrivacyHistory(adaptive=strategy.guard.adaptive)
@@ -485,6 +497,8 @@ def run_round(fed: Federation, rnd: int) -> RoundRecord:
     _charge_late(strategy, record, late)
     clock.lap("aggregate")
     # every release of the round is charged: on disk before anything else is published
+    if fed.central_budget is not None:
+        fed.central_budget.settle()
     ledger_text = fed.run_dir.save_ledger(ledger)
     clock.lap("ledger")
     fed_eval = _federated_evaluation(strategy, fed.grid, rnd, fed.arrays, cfg)
@@ -539,13 +553,15 @@ def _report_divergence(fed: Federation, rnd: int, central: dict[str, float] | No
 def central_budget_spent(fed: Federation, rnd: int) -> bool:
     """trust=central: True when round ``rnd``'s release would take the clients (all
     charged alike) past ``target-epsilon`` — the server keeps the budget for them."""
-    central = fed.strategy.central
-    if central is None or not fed.ledger.population:
+    if fed.central_budget is None:
+        fed.central_budget = central_budget(fed.strategy, fed.cfg)
+    if fed.central_budget is None or not fed.ledger.population:
         return False
-    after = PrivacyHistory(fed.ledger.history(fed.ledger.population[0]).events
-                           + central.events(rnd))
-    return after.epsilon(fed.cfg.delta, fed.cfg.accountant) > fed.cfg.target_epsilon * (
-        1.0 + BUDGET_RTOL)
+    spent = fed.ledger.history(fed.ledger.population[0]).events
+    if fed.central_budget.spent_by(spent, rnd):
+        return True
+    fed.central_budget.prefetch(spent, rnd)   # the ledger's epsilon after the round
+    return False
 
 
 def _secure_sum(fed: Federation, messages, rnd: int) -> SecureSum:

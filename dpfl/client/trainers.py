@@ -135,6 +135,32 @@ def joint_gradient_noise(sigma: float, count_std: float) -> float:
     return rest ** -0.5
 
 
+def channels_last_pays(model: nn.Module, x: torch.Tensor, device: torch.device) -> bool:
+    """Whether local SGD runs in channels-last layout: image (4-D) inputs into a model with
+    2-D convolutions, on a CPU. Measured on this 2-core machine (one thread): a client of
+    the MNIST CNN (54 examples, batches of 16) trained in 10.5 ms contiguous and 7.9 ms
+    channels-last; the same updates to float rounding (tests/test_local_training_layout.py).
+    Not measured on CUDA, so not used there."""
+    return (device.type == "cpu" and x.dim() == 4
+            and any(isinstance(m, nn.Conv2d) for m in model.modules()))
+
+
+@contextmanager
+def memory_layout(model: nn.Module, layout: torch.memory_format | None) -> Iterator[None]:
+    """``model``'s parameters in ``layout`` inside the block (None: untouched), contiguous
+    again after it, so that flattening them (the update, its clip, its noise) sees the
+    usual layout. The Parameters stay the same objects: an optimizer built before keeps
+    them."""
+    if layout is None:
+        yield
+        return
+    model.to(memory_format=layout)
+    try:
+        yield
+    finally:
+        model.to(memory_format=torch.contiguous_format)
+
+
 def sgd_step(model: nn.Module, opt: torch.optim.Optimizer, criterion: nn.Module,
              x: torch.Tensor, y: torch.Tensor, pre_step: PreStep | None = None
              ) -> torch.Tensor:
@@ -164,18 +190,23 @@ def train_plain(model: nn.Module, data: ClientData, cfg: RunConfig, seed: int,
     criterion = nn.CrossEntropyLoss()
     loader = _loader(data, cfg.batch_size, torch.Generator().manual_seed(seed))
     total, count, steps = 0.0, 0, 0
-    for _ in range(cfg.local_epochs):
-        for x, y in loader:
-            x, y = x.to(device), y.to(device)
-            if step is not None:
-                loss = step(model, opt, criterion, x, y)
-            else:
-                loss = sgd_step(model, opt, criterion, x, y, pre_step)
-            if post_step is not None:
-                post_step(model, cfg.lr)
-            total += loss.item() * len(y)
-            count += len(y)
-            steps += 1
+    layout = (torch.channels_last if pre_step is None and step is None and post_step is None
+              and channels_last_pays(model, data.x_train, device) else None)
+    with memory_layout(model, layout):
+        for _ in range(cfg.local_epochs):
+            for x, y in loader:
+                x, y = x.to(device), y.to(device)
+                if layout is not None:
+                    x = x.contiguous(memory_format=layout)
+                if step is not None:
+                    loss = step(model, opt, criterion, x, y)
+                else:
+                    loss = sgd_step(model, opt, criterion, x, y, pre_step)
+                if post_step is not None:
+                    post_step(model, cfg.lr)
+                total += loss.item() * len(y)
+                count += len(y)
+                steps += 1
     n = len(data.y_train)
     return TrainResult(n, total / max(count, 1), steps, min(1.0, cfg.batch_size / n))
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import math
 
 import torch
@@ -29,10 +30,31 @@ def macro_recall_f1(y: torch.Tensor, preds: torch.Tensor) -> tuple[float, float]
     return float(recall.mean()), float(f1.mean())
 
 
+# Central evaluation's batch size on a CPU, and image inputs in channels-last layout: the
+# MNIST CNN's 10,000 test images took 1.41 s in batches of 1,000 (the default), 0.85 s in
+# batches of 128 and 0.35 s in batches of 128 with channels-last weights and inputs (one
+# thread, this 2-core machine); the same predictions, losses equal to ~1e-8. On CUDA the
+# default batch stays.
+CPU_BATCH = 128
+
+
+def evaluation_copy(model: torch.nn.Module,
+                    x: torch.Tensor) -> tuple[torch.nn.Module, torch.Tensor]:
+    """The server's own copy of ``model`` and the test inputs ``x`` for central evaluation:
+    channels-last for image (4-D) inputs. A copy, so that the model a method holds keeps its
+    layout (flattening its parameters must not see strides it did not ask for)."""
+    copy_ = copy.deepcopy(model)
+    if x.dim() != 4:
+        return copy_, x
+    return (copy_.to(memory_format=torch.channels_last),
+            x.contiguous(memory_format=torch.channels_last))
+
+
 def classification_metrics(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor,
                            device: torch.device) -> dict[str, float]:
     """Metrics of ``model`` on the central test set."""
-    loss, preds = evaluate_model(model, x, y, device)
+    loss, preds = evaluate_model(model, x, y, device,
+                                 **({"batch_size": CPU_BATCH} if device.type == "cpu" else {}))
     recall, f1 = macro_recall_f1(y, preds)
     return {
         "accuracy": float((preds == y).float().mean()),
