@@ -1,9 +1,10 @@
 """The Flower release whose internals dpfl patches were checked on, and the check itself.
 
-dpfl replaces two pieces of Flower 1.39's simulation internals, each only while Flower is
+dpfl replaces pieces of Flower 1.39's simulation internals, each only while Flower is
 the release they were written against and the code they replace or rely on is unchanged:
-the LinkState's per-node instruction index (:mod:`dpfl.server.node_index`) and the
-simulation's ClientApp backend (:mod:`dpfl.runtime.process_backend`). A changed Flower runs
+the LinkState's per-node instruction index (:mod:`dpfl.server.node_index`), the
+simulation's ClientApp backend and its instruction poll
+(:mod:`dpfl.runtime.process_backend`). A changed Flower runs
 unpatched, and the caller says why.
 """
 
@@ -15,6 +16,12 @@ from collections.abc import Mapping
 from typing import Any
 
 PINNED_FLWR = "1.39.0"
+
+# The attribute of a simulation's LinkState (:mod:`dpfl.server.node_index`) holding a
+# ``threading.Event`` set whenever an instruction is stored: the simulation runtime's
+# instruction poll (:mod:`dpfl.runtime.process_backend`) wakes on it instead of waiting out
+# its 0.1 s sleep.
+INSTRUCTIONS_ARRIVED = "dpfl_instructions_arrived"
 
 
 def source_sha256(function: Any) -> str:

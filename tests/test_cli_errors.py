@@ -380,3 +380,47 @@ def test_ctrl_c_is_one_line_and_exit_130(monkeypatch, capsys, tmp_path):
     assert cli.main(["reproduce", "pegasus", "--seeds", "0"]) == 130
     assert capsys.readouterr().err == ("interrupted (the same command resumes: finished runs "
                                        "are kept)\n")
+
+
+def test_under_pld_the_refusal_states_the_pld_figure_not_the_rdp_precheck(tmp_path, capsys):
+    """The launcher first asks RDP (an upper bound: a round it shows within budget fits);
+    a round RDP does not clear is decided by the run's own accountant, whose figure the
+    error states: here dp-accounting's PLD, not RDP's."""
+    line = fails(capsys, ["simulate", "--clients", "2", "--output-dir", str(tmp_path),
+                           "dataset=digits", "model=mlp", "batch-size=32", "accountant=pld",
+                           "noise-multiplier=0.7", "target-epsilon=1.0"],
+                  "target-epsilon", "one round already costs client-0")
+    import re
+
+    from dp_accounting import dp_event
+    from dp_accounting.pld import pld_privacy_accountant
+
+    # client-0 holds 647 examples: 21 batches of 32 an epoch, Poisson rate 1/21 (Opacus')
+    acc = pld_privacy_accountant.PLDAccountant()
+    acc.compose(dp_event.PoissonSampledDpEvent(1 / 21, dp_event.GaussianDpEvent(0.7)), 21)
+    stated = float(re.search(r"epsilon ([0-9.]+) > 1", line).group(1))
+    assert stated == pytest.approx(acc.get_epsilon(1e-5), rel=1e-3)
+    assert "absl" not in capsys.readouterr().err
+    assert not any(tmp_path.iterdir())
+
+
+def test_a_round_rdp_clears_skips_the_launchers_pld_check(monkeypatch):
+    from dpfl.methods import build_strategy, parse_run_config
+    from dpfl.runtime import launch
+
+    cfg = parse_run_config({"dataset": "digits", "model": "mlp", "trainer": "update-dp",
+                            "trust": "central", "noise-multiplier": 1.0, "fraction-train": 0.1,
+                            "target-epsilon": 8.0, "accountant": "pld"})
+    strategy = build_strategy(cfg, {i: 30 for i in range(20)})
+    asked: list[str] = []
+    original = launch.first_round_affordable
+    monkeypatch.setattr(launch, "first_round_affordable",
+                        lambda s, c: asked.append(c.accountant) or original(s, c))
+    assert launch.round_one_fits_by_rdp(strategy, cfg)
+    assert asked == ["rdp"]
+    tight = parse_run_config({**{k: v for k, v in cfg.to_dict().items()
+                                 if k in ("dataset", "model", "trainer", "trust",
+                                          "noise-multiplier", "fraction-train", "accountant")},
+                              "target-epsilon": 0.01})
+    assert not launch.round_one_fits_by_rdp(build_strategy(tight, {i: 30 for i in range(20)}),
+                                            tight)

@@ -131,3 +131,45 @@ def test_other_states_are_left_alone():
     other = Other()
     assert node_index.index_instructions_by_node(other) is False
     assert type(other) is Other
+
+
+def test_the_instruction_poll_wakes_when_an_instruction_is_stored(monkeypatch):
+    """dpfl's replacement of Flower's instruction poll (process_backend.add_messages_on_arrival)
+    hands the runtime the same instructions as Flower's own sweep, and with the index
+    installed it wakes on each stored instruction: with its sleep set to 60 s, an instruction
+    pushed while it sleeps still reaches the queue."""
+    import queue
+    import threading
+
+    from flwr.server.superlink.fleet.vce import vce_api
+
+    from dpfl.runtime import process_backend
+
+    monkeypatch.setattr(process_backend, "POLL_SECONDS", 60.0)
+    state, grids, nodes = _federation(5, indexed=True)
+    plain, plain_grids, plain_nodes = _federation(5, indexed=False)
+    for k in (0, 3, 4):   # one per node, as dpfl sends (a node is never sent a second)
+        _push(grids[7], nodes[k], f"early-{k}")
+        _push(plain_grids[7], plain_nodes[k], f"early-{k}")
+    ours: queue.Queue = queue.Queue()
+    stop = threading.Event()
+    poll = threading.Thread(target=process_backend.add_messages_on_arrival,
+                            args=(state, ours, {n: None for n in nodes}, stop), daemon=True)
+    poll.start()
+    flowers: queue.Queue = queue.Queue()
+    plain_stop = threading.Event()
+    reference = threading.Thread(target=vce_api.add_messages_to_queue,
+                                 args=(plain, flowers, {n: None for n in plain_nodes},
+                                       plain_stop), daemon=True)
+    reference.start()
+    got = [ours.get(timeout=10).metadata.group_id for _ in range(3)]
+    expected = [flowers.get(timeout=10).metadata.group_id for _ in range(3)]
+    assert sorted(got) == sorted(expected) == ["early-0", "early-3", "early-4"]
+    _push(grids[7], nodes[1], "late")       # the poll sleeps (60 s): the store wakes it
+    assert ours.get(timeout=10).metadata.group_id == "late"
+    stop.set()
+    plain_stop.set()
+    state.dpfl_instructions_arrived.set()   # let it see the stop now, not in 60 s
+    poll.join(timeout=10)
+    reference.join(timeout=10)
+    assert not poll.is_alive()

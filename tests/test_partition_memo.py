@@ -54,12 +54,30 @@ def test_other_labels_miss(folder):
 
 
 def _tamper(folder, change):
+    """Edit the kept entry as one array per partition ("p0", "p1", ...; the entry packs
+    them as "indices" and "offsets") and the "key", and write it back packed."""
+    [path] = list(folder.iterdir())
+    with np.load(path) as npz:
+        indices, offsets, key = npz["indices"], npz["offsets"], npz["key"]
+    arrays = {f"p{i}": part for i, part in enumerate(np.split(indices, offsets[1:-1]))}
+    arrays["key"] = key
+    change(arrays)
+    parts = [arrays[f"p{i}"] for i in range(len(offsets) + 1) if f"p{i}" in arrays]
+    sizes = np.array([len(part) for part in parts], dtype=np.int64)
+    with path.open("wb") as f:
+        np.savez(f, key=arrays["key"], indices=np.concatenate(parts),
+                 offsets=np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64))
+
+
+def test_offsets_that_do_not_cut_the_indices_are_recomputed(folder):
+    fresh = partition.partition_indices(LABELS, "iid", 3, seed=0)
     [path] = list(folder.iterdir())
     with np.load(path) as npz:
         arrays = {k: npz[k] for k in npz.files}
-    change(arrays)
+    arrays["offsets"] = arrays["offsets"][::-1].copy()
     with path.open("wb") as f:
         np.savez(f, **arrays)
+    assert _same(partition.partition_indices(LABELS, "iid", 3, seed=0), fresh)
 
 
 @pytest.mark.parametrize("change", [

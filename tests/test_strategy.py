@@ -162,3 +162,47 @@ def test_flowers_fraction_evaluate_warning_does_not_fire(caplog, fraction):
     assert strategy.min_evaluate_nodes == (0 if fraction == 0.0 else 1)
     if fraction == 0.0:   # Flower's own check: no evaluation is configured
         assert list(strategy.configure_evaluate(1, GLOBAL, ConfigRecord(), None)) == []
+
+
+@pytest.mark.parametrize("arrays,n", [
+    (_ok(), 10),
+    ({"w": torch.ones(2, 3), "b": torch.zeros(3)}, 10),                          # shape
+    ({"w": torch.tensor([[1.0, float("nan")], [0, 0]]), "b": torch.zeros(3)}, 10),  # non-finite
+    (None, 10),
+    (_ok(), 0),                                                                  # num-examples
+])
+def test_an_update_decoded_on_arrival_validates_as_one_decoded_later(arrays, n):
+    from dpfl.server import validation
+
+    msg = _reply(arrays, n=n)
+    arrivals = validation.ArrivalDecoder()
+    arrivals.arrived(msg, TEMPLATE)
+    decoded_later = validate_train_reply(parse_reply(msg), TEMPLATE)
+    on_arrival = validate_train_reply(parse_reply(msg), TEMPLATE, arrivals=arrivals)
+    assert type(on_arrival) is type(decoded_later)
+    if hasattr(decoded_later, "reason"):
+        assert on_arrival.reason == decoded_later.reason
+    else:
+        assert torch.equal(on_arrival.flat, decoded_later.flat)
+        assert on_arrival.norm == decoded_later.norm
+
+
+def test_an_arrival_entry_serves_only_its_own_record(monkeypatch):
+    from dpfl.server import validation
+
+    first, second = _reply(_ok()), _reply({"w": torch.zeros(2, 2), "b": torch.ones(3)})
+    arrivals = validation.ArrivalDecoder()
+    arrivals.arrived(first, TEMPLATE)
+    calls = []
+    original = validation._flat_checked
+    monkeypatch.setattr(validation, "_flat_checked",
+                        lambda *a: calls.append(a) or original(*a))
+    got = validate_train_reply(parse_reply(second), TEMPLATE, arrivals=arrivals)
+    assert got.flat.tolist() == [0, 0, 0, 0, 1, 1, 1] and len(calls) == 1   # decoded afresh
+    assert validate_train_reply(parse_reply(first), TEMPLATE,
+                                arrivals=arrivals).flat.tolist() == [1, 1, 1, 1, 2, 2, 2]
+    assert len(calls) == 1                                 # from the arrival's decoding
+    arrivals.arrived(first, TEMPLATE)
+    arrivals.clear()
+    validate_train_reply(parse_reply(first), TEMPLATE, arrivals=arrivals)
+    assert len(calls) == 3       # the re-arrival decoded once; cleared, so validation again

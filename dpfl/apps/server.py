@@ -486,7 +486,8 @@ def run_round(fed: Federation, rnd: int) -> RoundRecord:
         clock.lap("exchange")
         outcome = strategy.finish_secure_round(rnd, record, secure)
     else:
-        replies, late = fed.exchange.send_and_receive(messages, rnd, cfg.round_timeout)
+        replies, late = fed.exchange.send_and_receive(messages, rnd, cfg.round_timeout,
+                                                      on_reply=strategy.reply_arrived)
         clock.lap("exchange")
         outcome = strategy.finish_round(rnd, record, replies)
     if fed.observer.active:   # the model the round's clients started from

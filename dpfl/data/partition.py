@@ -106,6 +106,10 @@ def partition_problem(parts: list[np.ndarray], reference: list[np.ndarray], labe
     if not valid_partition(parts, n, k, complete):
         return ("not one int64 index array per partition, within range, disjoint"
                 + (" and complete" if complete else ""))
+    if (np.array_equal([len(p) for p in parts], [len(r) for r in reference])
+            and np.array_equal(np.concatenate(parts) if parts else np.empty(0),
+                               np.concatenate(reference) if reference else np.empty(0))):
+        return None   # the reference itself, index for index: no partition differs
     classes, codes = np.unique(labels, return_inverse=True)
     for pid, (mine, ref) in enumerate(zip(parts, reference)):
         have = np.bincount(codes[mine], minlength=len(classes))
@@ -141,10 +145,8 @@ def _recall(key: str, labels: np.ndarray, reference: Callable[[], list[np.ndarra
             if kept_key != key:
                 _discard(key, f"it holds the partition of another key ({kept_key[:80]!r})")
                 return None
-            parts, i = [], 0
-            while f"p{i}" in npz.files:
-                parts.append(npz[f"p{i}"])
-                i += 1
+            indices, offsets = npz["indices"], npz["offsets"]
+        parts = _unpacked(indices, offsets)
     except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile) as exc:
         _discard(key, f"unreadable ({type(exc).__name__}: {exc})")
         return None
@@ -155,9 +157,24 @@ def _recall(key: str, labels: np.ndarray, reference: Callable[[], list[np.ndarra
     return parts
 
 
+def _unpacked(indices: np.ndarray, offsets: np.ndarray) -> list[np.ndarray]:
+    """The partitions a memo entry packs as one index array and the partitions' offsets
+    into it (a ValueError when the offsets do not cut ``indices`` into consecutive parts)."""
+    if (indices.ndim != 1 or offsets.ndim != 1 or offsets.dtype != np.int64
+            or len(offsets) < 1 or offsets[0] != 0 or offsets[-1] != len(indices)
+            or bool((np.diff(offsets) < 0).any())):
+        raise ValueError("its offsets do not cut its indices into partitions")
+    return np.split(indices, offsets[1:-1])
+
+
 def _keep(key: str, parts: list[np.ndarray]) -> None:
+    """Keep ``parts`` packed in two arrays (one entry per partition took ~1.4 s to read
+    back at 10,000 clients in every process, two arrays a few milliseconds)."""
+    offsets = np.zeros(len(parts) + 1, dtype=np.int64)
+    np.cumsum([len(p) for p in parts], out=offsets[1:])
+    indices = np.concatenate(parts) if parts else np.empty(0, np.int64)
     buffer = io.BytesIO()
-    np.savez(buffer, key=np.array(key), **{f"p{i}": p for i, p in enumerate(parts)})
+    np.savez(buffer, key=np.array(key), indices=indices, offsets=offsets)
     memo.write(MEMO_KIND, key, buffer.getvalue())
 
 

@@ -32,9 +32,12 @@ Opacus, dp-accounting and dpfl (~6 s of CPU) before its first reply.
 Flower constructs ``RayBackend(backend_config)`` by name inside ``start_vce``;
 :func:`install` points that name at :func:`backend`, which returns a
 :class:`ProcessBackend` when workers were preforked and Flower's ``RayBackend`` otherwise.
-It patches only the Flower it was written against (:data:`PATCHED_SOURCE_SHA256`: the
-source of ``start_vce``, which builds the backend, and of the simulation runtime's
-``worker`` loop, which calls it) and says so in the log either way.
+It also replaces the runtime's instruction poll (``add_messages_to_queue``, which
+``run_api`` starts) by :func:`add_messages_on_arrival`, the same sweep woken by each stored
+instruction instead of every 0.1 s. It patches only the Flower it was written against
+(:data:`PATCHED_SOURCE_SHA256`: the source of ``start_vce``, which builds the backend, of
+the simulation runtime's ``worker`` loop, which calls it, and of the poll and its caller)
+and says so in the log either way.
 """
 
 from __future__ import annotations
@@ -52,7 +55,7 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection, Pipe
 from typing import Any
 
-from dpfl.flower_pin import pin_problem
+from dpfl.flower_pin import INSTRUCTIONS_ARRIVED, pin_problem
 from dpfl.runtime.forking import exit_fork, forget_dpfl_modules, reseed_global_generators
 from dpfl.runtime.watchdog import die_with_parent
 
@@ -64,6 +67,8 @@ WORKERS_ENV = "DPFL_PROCESS_WORKERS"
 PATCHED_SOURCE_SHA256 = {
     "start_vce": "2d5e267f893950a709c52adf9d6a90c81a7750d889b4eb99318dfffeea957f16",
     "worker": "60f308688ba34fb5bc942ac68c1d97be61b2010e8d4c3983833f646c5c038157",
+    "add_messages_to_queue": "953f4bd41a931a7779a4a670ab17b633f6e20b08a0128535328674466419777a",
+    "run_api": "f85c0cd6e902752f455c00ab9c7212c1cd94a8c681fa9bf294ba967463390898",
 }
 # seconds between checks, while every worker is busy, that at least one is still alive
 _IDLE_POLL_SECONDS = 1.0
@@ -274,6 +279,30 @@ def why_not_patchable() -> str | None:
     return pin_problem(vce_api, "flwr vce_api", PATCHED_SOURCE_SHA256)
 
 
+# Flower's instruction poll sleeps 0.1 s between sweeps: a round's instructions waited
+# 30-110 ms for their first ClientApp call (measured at 1,000 clients, cohort nodes)
+POLL_SECONDS = 0.1
+
+
+def add_messages_on_arrival(state: Any, queue: Any, nodes_mapping: Any,
+                            f_stop: threading.Event) -> None:
+    """Flower's ``add_messages_to_queue`` (each node's next instruction into the runtime's
+    queue, sweep after sweep, until ``f_stop``), waking as soon as an instruction is
+    stored when the LinkState says so (:data:`dpfl.flower_pin.INSTRUCTIONS_ARRIVED`, set by
+    dpfl's node index), else after Flower's 0.1 s as before."""
+    while not f_stop.is_set():
+        arrived = getattr(state, INSTRUCTIONS_ARRIVED, None)
+        if arrived is not None:
+            arrived.clear()   # before the sweep: a store during it wakes the next wait
+        for node_id in nodes_mapping.keys():
+            for msg in state.get_message_ins(node_id=node_id, limit=1):
+                queue.put(msg)
+        if arrived is not None:
+            arrived.wait(POLL_SECONDS)
+        else:
+            f_stop.wait(POLL_SECONDS)
+
+
 def backend(backend_config: dict[str, Any]) -> Any:
     """What Flower's ``start_vce`` builds where it names ``RayBackend``: the preforked
     workers' :class:`ProcessBackend`, else Flower's own ``RayBackend``."""
@@ -297,10 +326,12 @@ def install(count: int) -> int:
         print(f"dpfl.runtime.process_backend: Ray runs the ClientApps: {why}", file=sys.stderr,
               flush=True)
         return 0
+    from flwr.server.superlink.fleet.vce import vce_api
     from flwr.server.superlink.fleet.vce.backend import raybackend
 
     prefork_workers(count)
     if not _FLOWER_RAY_BACKEND:
         _FLOWER_RAY_BACKEND.append(raybackend.RayBackend)
     raybackend.RayBackend = backend   # type: ignore[assignment,misc]
+    vce_api.add_messages_to_queue = add_messages_on_arrival  # run_api names it at call time
     return len(_preforked)

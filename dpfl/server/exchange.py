@@ -122,8 +122,11 @@ class ReplyExchange:
         return out
 
     def send_and_receive(self, messages: Iterable[Message], server_round: int,
-                         timeout: float) -> tuple[list[Message], list[tuple[int, Message]]]:
-        """(this round's replies, [(round, late reply), ...]) within ``timeout`` seconds.
+                         timeout: float, on_reply: Callable[[Message], None] | None = None
+                         ) -> tuple[list[Message], list[tuple[int, Message]]]:
+        """(this round's replies, [(round, late reply), ...]) within ``timeout`` seconds;
+        ``on_reply(msg)`` is called with each of this round's replies as it arrives (the
+        strategy's early decoding).
 
         A node still busy with an earlier instruction must not get a second one: two
         concurrent trainings of one node both start from the same privacy history in its
@@ -152,6 +155,8 @@ class ReplyExchange:
                     replies.append(msg)
                     self._progress(server_round, msg, len(replies), len(current),
                                    time.monotonic() - start)
+                    if on_reply is not None:
+                        on_reply(msg)
                 else:
                     self._learn(msg)
                     late.append((sent, msg))

@@ -212,7 +212,7 @@ class DPGuard:
         """Why ``update`` is a replay (bytes identical to an update ``client`` sent before),
         or None after remembering it. Kept in memory for the run (a 32-byte digest per
         update)."""
-        digest = hashlib.sha256(update.numpy().tobytes()).digest()
+        digest = hashlib.sha256(update.contiguous().numpy()).digest()   # no copy of the bytes
         seen = self.seen_updates.setdefault(client, {})
         if digest in seen:
             return (f"a replay: identical to {client}'s update of round {seen[digest]} (an "

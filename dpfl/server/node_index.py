@@ -8,7 +8,9 @@ O(N x M): at 1,000 simulated clients it was the largest single cost of a round
 (``results/trust/README.md``).
 
 :class:`NodeIndexedLinkState` keeps, per destination node, the ids of its undelivered
-instructions in arrival order, so a node's query reads only its own. It answers every query
+instructions in arrival order, so a node's query reads only its own; and it sets an event
+(:data:`dpfl.flower_pin.INSTRUCTIONS_ARRIVED`) when one is stored, on which the process
+backend's instruction poll wakes. It answers every query
 exactly as the original does (same messages, same order, same limit, same ``run_id``
 filter, same expiry checks on the messages it returns, same ``delivered_at`` marking):
 ``tests/test_node_index.py`` drives both with the same operations and compares them.
@@ -21,9 +23,10 @@ version and the two methods it replaces still have the source it was written aga
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
-from dpfl.flower_pin import pin_problem
+from dpfl.flower_pin import INSTRUCTIONS_ARRIVED, pin_problem
 from dpfl.logs import get_logger
 
 LOG = get_logger("flwr.dpfl.server.node_index")
@@ -66,6 +69,7 @@ def _make_class() -> type:
                 if stored is not None and stored.metadata.delivered_at == "":
                     self.pending_by_node.setdefault(
                         stored.metadata.dst_node_id, {})[message_id] = None
+                    getattr(self, INSTRUCTIONS_ARRIVED).set()
             return message_id
 
         def get_message_ins(self, node_id: int, limit: int | None, *,
@@ -130,6 +134,7 @@ def index_instructions_by_node(state: Any) -> bool:
         return False
     with state.lock:
         state.pending_by_node = build_index(state)
+        setattr(state, INSTRUCTIONS_ARRIVED, threading.Event())
         state.__class__ = node_indexed_class()
     return True
 

@@ -65,6 +65,7 @@ from dpfl.server.validation import (
     MAX_REPORTED_LOSS,
     PUBLIC_REPLY_METRICS,
     TRAIN_LOSS_METRIC,
+    ArrivalDecoder,
     ClientUpdate,
     Rejection,
     Template,
@@ -195,6 +196,8 @@ class DPFLStrategy(FedAvg):
         self.round = RoundContext(0, {})
         self._global: ArrayRecord | None = None
         self._template: Template = []
+        # this round's updates decoded as their replies arrived (reply_arrived)
+        self.arrivals = ArrivalDecoder()
         self._pending: RoundRecord | None = None   # for the Flower adapters only
         self.num_nodes = 0
         # the trust model's server half, and a trusted server's aggregator (trust=central,
@@ -309,6 +312,7 @@ class DPFLStrategy(FedAvg):
         into every ConfigRecord of this round only (e.g. the ledger after a resume)."""
         self._global = arrays
         self._template = array_template(arrays)
+        self.arrivals.clear()
         connected = list(grid.get_node_ids())
         self.num_nodes = len(connected)
         self.nodes.connected = set(connected)
@@ -378,7 +382,8 @@ class DPFLStrategy(FedAvg):
         extra = self.extra_reply_arrays()
         for msg in replies:
             reply = parse_reply(msg)   # read once: validation and the charge share it
-            checked = validate_train_reply(reply, self._template, bound, extra, server_round)
+            checked = validate_train_reply(reply, self._template, bound, extra, server_round,
+                                           self.arrivals)
             charge = self.guard.charge_reply(reply, checked, server_round)
             if charge is not None:
                 record.charges.append(charge)
@@ -412,6 +417,7 @@ class DPFLStrategy(FedAvg):
                         checked.reason)
             else:
                 record.accepted.append(checked)
+        self.arrivals.clear()
         if self.central is not None:
             return self._central_outcome(server_round, record, dim)
         if not record.accepted:
@@ -577,6 +583,11 @@ class DPFLStrategy(FedAvg):
             raise RuntimeError("aggregate_train called before configure_train")
         outcome = self.finish_round(server_round, self._pending, replies)
         return outcome.arrays, outcome.metrics
+
+    def reply_arrived(self, msg: Message) -> None:
+        """A reply of the current round arrived while the round still waits: decode its
+        update now (:class:`~dpfl.server.validation.ArrivalDecoder`)."""
+        self.arrivals.arrived(msg, self._template)
 
     def charge_late_reply(self, msg: Message, sent_round: int) -> Charge | None:
         """A reply to an earlier round's instruction: charged now, never aggregated."""

@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from flwr.app import Array, ArrayRecord
+from flwr.app import Array, ArrayRecord, Message
 from flwr.common.constant import SType
 
 from dpfl.numbers import is_finite_number, is_number
@@ -94,13 +94,15 @@ def client_label(node_id: int, partition_id: int | None) -> str:
 def validate_train_reply(reply: ParsedReply, template: Template,
                          norm_bound: float | None = None,
                          extra_arrays: dict[str, Template] | None = None,
-                         server_round: int | None = None) -> ClientUpdate | Rejection:
+                         server_round: int | None = None,
+                         arrivals: ArrivalDecoder | None = None) -> ClientUpdate | Rejection:
     """Turn one train reply (read once: :func:`dpfl.server.reply.parse_reply`) into a
     :class:`ClientUpdate`, or a :class:`Rejection`.
 
     ``server_round``: the round of the instruction the reply answers; a reply whose
     ``server-round`` metric names another round is rejected (a reply without one is left
-    to the other checks)."""
+    to the other checks). ``arrivals``: updates already decoded as their replies arrived
+    (the same decoding, done earlier)."""
     node, metrics, pid = reply.node_id, reply.metrics, reply.partition_id
     if reply.error is not None or reply.content is None:
         return Rejection(node, None, "error", f"client error: {reply.error}")
@@ -128,7 +130,8 @@ def validate_train_reply(reply: ParsedReply, template: Template,
     privacy_problem = _privacy_record_problem(reply)
     if privacy_problem:
         return Rejection(node, pid, "invalid", privacy_problem, metrics)
-    flat = _flat_checked(content["arrays"], template, "update")
+    decode = arrivals.flat_checked if arrivals is not None else _flat_checked
+    flat = decode(content["arrays"], template, "update")
     if isinstance(flat, str):
         return Rejection(node, pid, "invalid", flat, metrics)
     norm = float(torch.linalg.vector_norm(flat))   # one pass; kept for the methods
@@ -180,6 +183,41 @@ def array_values(arr: Array, shape: tuple[int, ...], dtype: np.dtype) -> np.ndar
             * np.dtype(dtype).itemsize):
         return np.frombuffer(data, dtype=dtype, offset=len(header)).reshape(shape).copy()
     return arr.numpy()
+
+
+class ArrivalDecoder:
+    """Each reply's update decoded and checked finite as the reply arrives, while the round
+    still waits for slower nodes (at 1,000 clients a round's 100 updates took ~40 ms of the
+    server's time after the last reply): validation then takes the result instead of
+    decoding again. An entry is served only for the very ArrayRecord object it was made
+    from (held here) and the same template; anything else is decoded afresh, and every
+    other check of :func:`validate_train_reply` runs as before."""
+
+    def __init__(self) -> None:
+        self._decoded: dict[int, tuple[ArrayRecord, Template, torch.Tensor | str]] = {}
+
+    def arrived(self, msg: Message, template: Template) -> None:
+        """Decode ``msg``'s update now (nothing for an error, or a reply without arrays;
+        a reply that cannot be read is left to validation)."""
+        try:
+            if msg.has_error() or "arrays" not in msg.content.array_records:
+                return
+            arrays = msg.content["arrays"]
+        except Exception:  # noqa: BLE001 - validation reads it again and says why
+            return
+        self._decoded[id(arrays)] = (arrays, template,
+                                     _flat_checked(arrays, template, "update"))
+
+    def flat_checked(self, arrays: ArrayRecord, template: Template,
+                     what: str) -> torch.Tensor | str:
+        """:func:`_flat_checked`, from the arrival's decoding when it was of this record."""
+        entry = self._decoded.pop(id(arrays), None)
+        if entry is not None and entry[0] is arrays and entry[1] == template:
+            return entry[2]
+        return _flat_checked(arrays, template, what)
+
+    def clear(self) -> None:
+        self._decoded.clear()
 
 
 def _flat_checked(arrays: ArrayRecord, template: Template, what: str) -> torch.Tensor | str:
