@@ -72,6 +72,15 @@ def bundle_instructions(contents: Mapping[int, RecordDict], inner_type: str,
     return out
 
 
+def bundle_clients(content: RecordDict) -> int:
+    """How many clients' instructions ``content`` bundles (0: not a bundle, or unreadable)."""
+    try:
+        meta = content.config_records.get(COHORT_RECORD)
+        return len(meta[CLIENTS_KEY]) if meta is not None else 0
+    except (KeyError, TypeError):
+        return 0
+
+
 def unbundle_instructions(content: RecordDict) -> tuple[str, int, dict[int, RecordDict]]:
     """(inner message type, the federation's number of clients, client id -> its
     instruction's records) of an instruction bundle; ValueError when it is not one."""

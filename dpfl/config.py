@@ -415,7 +415,7 @@ KEY_HELP: dict[str, str] = {
                  "folder's `stopped.json`, a non-zero exit)",
     "cohort-nodes": "simulation: how many SuperNodes host the clients, each training its "
                     "cohort (client i on node i mod K) one after another per round: -1 = "
-                    "automatic (twice the ClientApps that run at once, when the federation "
+                    "automatic (four times the ClientApps that run at once, when the federation "
                     "has more clients than that), 0 = one node per client; a deployment "
                     "always has one client per node",
     "cohort-batch": "simulation: a cohort node trains up to this many of its clients in one "

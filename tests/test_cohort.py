@@ -277,9 +277,10 @@ def test_the_launcher_picks_cohort_nodes_when_clients_outnumber_the_actors(monke
 
     monkeypatch.setattr("os.cpu_count", lambda: 2)
     auto = run_config(trainer="update-dp")
-    assert node_layout(auto, 1000, 1.0, None) == NodeLayout(4, 1000)   # 2 actors x 2
-    assert node_layout(auto, 1000, 1.0, 3) == NodeLayout(6, 1000)      # --parallel-clients
-    assert node_layout(auto, 4, 1.0, None) == NodeLayout(4, 0)         # few: one each
+    assert node_layout(auto, 1000, 1.0, None) == NodeLayout(8, 1000)   # 2 actors x 4
+    assert node_layout(auto, 1000, 1.0, 3) == NodeLayout(12, 1000)     # --parallel-clients
+    assert node_layout(auto, 8, 1.0, None) == NodeLayout(8, 0)         # few: one each
+    assert node_layout(auto, 9, 1.0, None) == NodeLayout(8, 9)
     assert node_layout(auto, 1000, 1.0, None, cluster=True) == NodeLayout(1000, 0)
     assert node_layout(run_config(trainer="update-dp", cohort_nodes=0), 1000, 1.0,
                        None) == NodeLayout(1000, 0)

@@ -173,3 +173,41 @@ def test_the_instruction_poll_wakes_when_an_instruction_is_stored(monkeypatch):
     poll.join(timeout=10)
     reference.join(timeout=10)
     assert not poll.is_alive()
+
+
+def test_a_sweep_queues_the_largest_cohort_first():
+    """Longest processing time first: instructions found in one sweep are queued by their
+    bundle's number of clients, largest first; plain instructions keep Flower's node order."""
+    import queue
+    import threading
+
+    from flwr.app import ConfigRecord, RecordDict
+
+    from dpfl.cohort import bundle_instructions
+    from dpfl.runtime import process_backend
+
+    state, grids, nodes = _federation(4, indexed=True)
+
+    def bundle(n: int) -> RecordDict:
+        return bundle_instructions({pid: RecordDict({"config": ConfigRecord({"i": pid})})
+                                    for pid in range(n)}, "train", 100)
+
+    from flwr.app import Message
+    from flwr.supercore.task_identity import TaskIdentity
+    grid = grids[7]
+    TaskIdentity.run_id = grid.run.run_id
+    TaskIdentity.node_id = 1
+    TaskIdentity.task_id = grid.run.primary_task_id
+    sizes = {nodes[0]: 3, nodes[1]: 9, nodes[2]: 0, nodes[3]: 5}
+    grid.push_messages([Message(bundle(n) if n else RecordDict(), node, "train.cohort",
+                                group_id=str(n)) for node, n in sizes.items()])
+    out: queue.Queue = queue.Queue()
+    stop = threading.Event()
+    poll = threading.Thread(target=process_backend.add_messages_on_arrival,
+                            args=(state, out, {n: None for n in nodes}, stop), daemon=True)
+    poll.start()
+    order = [out.get(timeout=10).metadata.group_id for _ in range(4)]
+    stop.set()
+    state.dpfl_instructions_arrived.set()
+    poll.join(timeout=10)
+    assert order == ["9", "5", "3", "0"]

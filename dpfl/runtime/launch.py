@@ -696,11 +696,20 @@ class NodeLayout:
     cohort_clients: int
 
 
+# cohort nodes per ClientApp running at once (cohort-nodes = -1): a round's sampled clients
+# fall on the nodes by id, so the nodes' cohorts differ in size; with 4 per ClientApp and the
+# largest dispatched first (process_backend.add_messages_on_arrival) the two workers of this
+# machine ended a 1,000-client round 0.02 s apart on average, 0.12 s with 2 per ClientApp
+# in arrival order
+COHORTS_PER_CLIENTAPP = 4
+
+
 def node_layout(cfg: RunConfig, num_clients: int, num_cpus: float, parallel: int | None,
                 cluster: bool = False) -> NodeLayout:
     """The simulation's nodes for ``num_clients`` clients under ``cohort-nodes``: K > 0
-    nodes when K < clients; automatic (-1): twice the ClientApps that run at once (so that
-    a round's cohorts balance over them), when there are more clients than that, on a
+    nodes when K < clients; automatic (-1): :data:`COHORTS_PER_CLIENTAPP` times the
+    ClientApps that run at once (so that a round's cohorts balance over them), when there
+    are more clients than that, on a
     private Ray and not under SecAgg+ (whose stages are per node); else one node per
     client."""
     one_each = NodeLayout(num_clients, 0)
@@ -715,7 +724,7 @@ def node_layout(cfg: RunConfig, num_clients: int, num_cpus: float, parallel: int
     if k < 0:
         if cluster:   # the cluster's size is its own: keep Flower's one node per client
             return one_each
-        k = 2 * parallel_clientapps(num_cpus, parallel)
+        k = COHORTS_PER_CLIENTAPP * parallel_clientapps(num_cpus, parallel)
     return one_each if k >= num_clients else NodeLayout(k, num_clients)
 
 

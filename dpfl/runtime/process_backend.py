@@ -49,12 +49,14 @@ import queue
 import signal
 import sys
 import threading
+import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, Pipe
 from typing import Any
 
+from dpfl.cohort import bundle_clients
 from dpfl.flower_pin import INSTRUCTIONS_ARRIVED, pin_problem
 from dpfl.runtime.forking import exit_fork, forget_dpfl_modules, reseed_global_generators
 from dpfl.runtime.watchdog import die_with_parent
@@ -251,8 +253,6 @@ class ProcessBackend:
 
 def _reap(pid: int, timeout: float = 5.0) -> None:
     """Wait for a worker to exit; kill it after ``timeout`` seconds."""
-    import time
-
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         try:
@@ -284,19 +284,40 @@ def why_not_patchable() -> str | None:
 POLL_SECONDS = 0.1
 
 
+# after a wake, the sweep waits this long for the rest of a push (a round's instructions are
+# stored one by one) so that one sweep sees them all and can order them
+SETTLE_SECONDS = 0.002
+
+
+def _message_weight(msg: Any) -> int:
+    """A cohort bundle's number of clients (a node's instruction otherwise weighs 0)."""
+    try:
+        return bundle_clients(msg.content)
+    except Exception:  # noqa: BLE001 - an error message has no content: no weight
+        return 0
+
+
 def add_messages_on_arrival(state: Any, queue: Any, nodes_mapping: Any,
                             f_stop: threading.Event) -> None:
     """Flower's ``add_messages_to_queue`` (each node's next instruction into the runtime's
-    queue, sweep after sweep, until ``f_stop``), waking as soon as an instruction is
-    stored when the LinkState says so (:data:`dpfl.flower_pin.INSTRUCTIONS_ARRIVED`, set by
-    dpfl's node index), else after Flower's 0.1 s as before."""
+    queue, sweep after sweep, until ``f_stop``), with two changes:
+
+    - it wakes as soon as an instruction is stored when the LinkState says so
+      (:data:`dpfl.flower_pin.INSTRUCTIONS_ARRIVED`, set by dpfl's node index), else after
+      Flower's 0.1 s as before;
+    - a sweep queues its instructions largest cohort first (longest processing time first:
+      the idle workers take them in queue order, and the round ends when the last worker
+      does), one-client instructions in node order as Flower does."""
     while not f_stop.is_set():
         arrived = getattr(state, INSTRUCTIONS_ARRIVED, None)
         if arrived is not None:
             arrived.clear()   # before the sweep: a store during it wakes the next wait
+            time.sleep(SETTLE_SECONDS)
+        found = []
         for node_id in nodes_mapping.keys():
-            for msg in state.get_message_ins(node_id=node_id, limit=1):
-                queue.put(msg)
+            found.extend(state.get_message_ins(node_id=node_id, limit=1))
+        for msg in sorted(found, key=_message_weight, reverse=True):   # stable
+            queue.put(msg)
         if arrived is not None:
             arrived.wait(POLL_SECONDS)
         else:
