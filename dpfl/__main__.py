@@ -1,7 +1,5 @@
 """``python -m dpfl``: the ``dpfl`` command (:mod:`dpfl.cli`)."""
 
-import sys
+from dpfl.cli import entry
 
-from dpfl.cli import main
-
-sys.exit(main())
+entry()

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import logging
+import os
 import signal
 import sys
 import textwrap
@@ -577,5 +579,21 @@ def main(argv: list[str] | None = None) -> int:
         return 128 + signal.SIGINT
 
 
+def entry() -> None:
+    """The ``dpfl`` command: :func:`main`, then the process ends at once with its exit code,
+    its output flushed, without tearing its libraries down: the teardown of torch's and
+    Flower's modules took 0.7-1.0 s after a simulation's last line, with nothing of the
+    command left to do (every file it writes is closed and synced before; its children are
+    stopped)."""
+    code = main()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):   # a closed or broken pipe: nothing more to say
+            pass
+    logging.shutdown()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()
