@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import argparse
 import difflib
-import logging
-import os
 import signal
 import sys
 import textwrap
@@ -585,14 +583,9 @@ def entry() -> None:
     Flower's modules took 0.7-1.0 s after a simulation's last line, with nothing of the
     command left to do (every file it writes is closed and synced before; its children are
     stopped)."""
-    code = main()
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (OSError, ValueError):   # a closed or broken pipe: nothing more to say
-            pass
-    logging.shutdown()
-    os._exit(code)
+    from dpfl.runtime.forking import exit_fork
+
+    exit_fork(main())
 
 
 if __name__ == "__main__":

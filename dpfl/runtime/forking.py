@@ -1,6 +1,6 @@
 """What a process forked from a preloaded parent does first (the warm ClientApps'
 and simulations' zygote children, :mod:`.warm_clientapps`; the simulation's ClientApp
-workers, :mod:`.process_backend`)."""
+workers, :mod:`.process_backend`), and how it ends (also the ``dpfl`` command's end)."""
 
 from __future__ import annotations
 
@@ -29,13 +29,19 @@ def reseed_global_generators() -> None:
 
 
 def exit_fork(code: int) -> None:
-    """End a forked child (never returns): its log handlers and streams flushed, then
-    ``os._exit`` (no atexit handler or finaliser of the parent's objects runs twice)."""
+    """End this process at once (never returns): its log handlers and streams flushed (a
+    stream that cannot be flushed, e.g. a closed pipe, is skipped), then ``os._exit``. A
+    forked child so runs no atexit handler or finaliser of its parent's objects a second
+    time; the ``dpfl`` command (:func:`dpfl.cli.entry`) so skips the interpreter's teardown
+    of torch and Flower."""
     import logging
 
     try:
         logging.shutdown()
-        sys.stdout.flush()
-        sys.stderr.flush()
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):   # closed or broken: nothing more to say
+                pass
     finally:
         os._exit(code)

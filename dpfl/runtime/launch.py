@@ -400,16 +400,23 @@ def preflight(cfg: RunConfig, num_clients: int, run_dir: Path, num_cpus: float =
         # an explicit sigma: is one round affordable? (calibrated sigmas are by construction;
         # the ServerApp checks every case again, in deployments too; a distributed round's
         # charge depends on the model's size, which only the ServerApp has built)
-        flower = logging.getLogger("flwr")
-        level = flower.level
-        flower.setLevel(logging.ERROR)  # no strategy warnings here
-        try:
+        with _errors_only("flwr"):  # no strategy warnings here
             strategy = build_strategy(configured(cfg), {
                 i: len(s.train) for i, s in enumerate(splits_for(cfg, num_clients))})
-        finally:
-            flower.setLevel(level)
         if not round_one_fits_by_rdp(strategy, cfg):
             first_round_affordable(strategy, cfg)   # the run's own accountant decides
+
+
+@contextmanager
+def _errors_only(logger: str) -> Iterator[None]:
+    """The named logger shows only errors inside the block (its level restored after)."""
+    log_ = logging.getLogger(logger)
+    level = log_.level
+    log_.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        log_.setLevel(level)
 
 
 def round_one_fits_by_rdp(strategy: Any, cfg: RunConfig) -> bool:
@@ -420,15 +427,11 @@ def round_one_fits_by_rdp(strategy: Any, cfg: RunConfig) -> bool:
     training). False: ask the run's accountant."""
     if cfg.accountant == "rdp":
         return False
-    absl = logging.getLogger("absl")   # dp-accounting's notes on fractional RDP orders
-    level = absl.level
-    absl.setLevel(logging.ERROR)
     try:
-        first_round_affordable(strategy, replace(cfg, accountant="rdp"))
+        with _errors_only("absl"):   # dp-accounting's notes on fractional RDP orders
+            first_round_affordable(strategy, replace(cfg, accountant="rdp"))
     except ConfigError:
         return False
-    finally:
-        absl.setLevel(level)
     return True
 
 
