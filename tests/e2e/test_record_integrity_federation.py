@@ -121,8 +121,12 @@ def _descendants_alive(pid_file: Path) -> list[int]:
 
 def test_one_writer_per_run_folder_and_sigterm_ends_the_run(tmp_path):
     run = tmp_path / "c"
+    # long enough to be mid-run when the SIGTERM comes (30 rounds of this federation once
+    # ended while the two refused launches below ran): 300 rounds, at a sigma that affords them
+    long_run = [b for b in BASE if not b.startswith("noise-multiplier=")] + [
+        "noise-multiplier=20.0"]
     cmd = [sys.executable, "-m", "dpfl.cli", "simulate", "--clients", "2", *ONE_ACTOR,
-           "--output-dir", str(tmp_path), "run-name=c", "num-rounds=30", *BASE]
+           "--output-dir", str(tmp_path), "run-name=c", "num-rounds=300", *long_run]
     live = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, text=True)
     try:
@@ -141,6 +145,7 @@ def test_one_writer_per_run_folder_and_sigterm_ends_the_run(tmp_path):
         # case 7: SIGTERM ends the run within a bounded time, with its tree stopped
         pid_file = run / ".flwr" / "federation.pid"
         assert _descendants_alive(pid_file)
+        assert not (run / "summary.json").exists(), "the run ended before the SIGTERM"
         t0 = time.monotonic()
         live.send_signal(signal.SIGTERM)
         code = live.wait(timeout=90)
