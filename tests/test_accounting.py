@@ -281,3 +281,47 @@ def test_a_resumed_ledger_continues_the_recorded_history_in_place():
     assert live.epsilon("client-0") == recorded.epsilon("client-0")
     assert live.epsilon("client-1") == recorded.epsilon("client-1") > 0
     assert live.epsilon("client-7") == 0.0   # the old population's cache is gone
+
+
+def test_ledger_json_population_clients_and_the_others():
+    """ledger.json's entries (clients charged by population releases alone share one
+    object): each equals what its own history says, worked from the events — the
+    population's rounds and its epsilon from dp-accounting directly; a client with a
+    server release, its own event or a report on top has its own entry."""
+    import json
+
+    from dpfl.privacy.accounting.events import PrivacyEvent
+    from dpfl.privacy.accounting.ledger import Ledger
+
+    ledger = Ledger(1e-5, "rdp", budget=50.0)
+    names = [f"client-{i}" for i in range(6)]
+    for rnd in (1, 2, 3):
+        ledger.charge_population_release(rnd, [PrivacyEvent.gaussian(rnd, 2.0)], names)
+    ledger.charge_server_release(4, [PrivacyEvent.gaussian(4, 3.0)], ["client-1"])
+    ledger.record("client-2", 4, [PrivacyEvent.gaussian(4, 4.0)])
+    ledger.record("client-3", 4, [], reported_epsilon=40.0)
+    data = json.loads(json.dumps(ledger.to_json()))["clients"]
+
+    def rdp_epsilon(sigmas: list[float]) -> float:
+        acc = rdp_privacy_accountant.RdpAccountant()
+        for s in sigmas:
+            acc.compose(dp_event.GaussianDpEvent(s))
+        return acc.get_epsilon(1e-5)
+
+    population = rdp_epsilon([2.0] * 3)
+    for c in ("client-0", "client-4", "client-5"):
+        assert data[c]["rounds"] == [1, 2, 3] and data[c]["events"] == []
+        assert data[c]["server-events"] == [] and data[c]["reported-epsilon"] is None
+        assert math.isclose(data[c]["epsilon"], population, rel_tol=1e-3)
+    assert data["client-1"]["rounds"] == [1, 2, 3, 4]
+    assert [e["sigma"] for e in data["client-1"]["server-events"]] == [3.0]
+    assert math.isclose(data["client-1"]["epsilon"], rdp_epsilon([2.0] * 3 + [3.0]),
+                        rel_tol=1e-3)
+    assert [e["sigma"] for e in data["client-2"]["events"]] == [4.0]
+    assert math.isclose(data["client-2"]["epsilon"], rdp_epsilon([2.0] * 3 + [4.0]),
+                        rel_tol=1e-3)
+    assert data["client-3"]["epsilon"] == 40.0 and data["client-3"]["reported-epsilon"] == 40.0
+    assert math.isclose(data["client-3"]["recomputed-epsilon"], population, rel_tol=1e-3)
+    assert data["client-3"]["over-budget"] is False
+    # the same ledger read back writes the same text
+    assert Ledger.from_json(ledger.to_json()).to_json()["clients"] == data

@@ -166,11 +166,34 @@ def test_the_launcher_relays_flwr_runs_stream_without_flowers_misleading_line():
     assert text.getvalue() == "x\n"
 
 
+def test_the_stream_relay_says_when_the_serverapps_last_line_came(tmp_path):
+    """The ServerApp's end-of-log line (for this launch's status file) is not shown: it
+    sets the event the launcher waits on; another launch's line is relayed as it is."""
+    import io
+    import threading
+
+    from dpfl.apps.status import end_of_log_line
+    from dpfl.runtime.launch import relay_stream
+
+    ours, other = end_of_log_line(tmp_path / "status-aa.json"), end_of_log_line(
+        tmp_path / "status-bb.json")
+    lines = ["INFO :      round 3: accuracy 0.9\n", f"INFO :      {other}\n",
+             f"\x1b[92mINFO \x1b[0m:      {ours}\n", "INFO :      after\n"]
+    out, relayed = io.BytesIO(), threading.Event()
+    relay_stream(io.BytesIO("".join(lines[:2]).encode()), out, ours, relayed)
+    assert not relayed.is_set()
+    relay_stream(io.BytesIO("".join(lines[2:]).encode()), out, ours, relayed)
+    assert relayed.is_set()
+    assert out.getvalue().decode() == lines[0] + lines[1] + lines[3]
+
+
 def test_the_launcher_stops_flwr_run_once_the_serverapp_said_ok(tmp_path):
-    """After the ServerApp's status file says ok, `flwr run` gets the linger to relay its
-    last lines and is then stopped (Flower's own simulation shutdown adds ~4 s and nothing
-    to the run); before it, or on another status, the launcher waits for its exit code."""
+    """After the ServerApp's status file says ok (or a user error), `flwr run` is stopped
+    once the stream relayed the ServerApp's last line, or after the linger when that line
+    does not come (Flower's own simulation shutdown adds ~4 s and nothing to the run);
+    before it, or on a crash's status, the launcher waits for its exit code."""
     import json
+    import threading
 
     import pytest
 
@@ -180,12 +203,25 @@ def test_the_launcher_stops_flwr_run_once_the_serverapp_said_ok(tmp_path):
     proc = subprocess.Popen(["sleep", "60"])
     with pytest.raises(subprocess.TimeoutExpired):
         wait_for_run(proc, status, timeout=0.5)      # no status yet: still waiting
-    status.write_text(json.dumps({"status": "error", "message": "x"}))
+    status.write_text(json.dumps({"status": "error", "user-error": False, "message": "x"}))
     with pytest.raises(subprocess.TimeoutExpired):
-        wait_for_run(proc, status, timeout=0.5)      # an error: flwr run's own exit decides
+        wait_for_run(proc, status, timeout=0.5)      # a crash: flwr run's own exit decides
     status.write_text(json.dumps({"status": "ok", "run-dir": "r"}))
+    relayed = threading.Event()
     start = time.monotonic()
-    assert wait_for_run(proc, status, timeout=30, linger=0.3) == 0
+    assert wait_for_run(proc, status, timeout=30, log_relayed=relayed, linger=0.3) == 0
     assert 0.3 <= time.monotonic() - start < 5 and proc.poll() is not None
+    for said in ({"status": "ok", "run-dir": "r"},
+                 {"status": "error", "user-error": True, "message": "bad key"}):
+        status.write_text(json.dumps(said))
+        proc = subprocess.Popen(["sleep", "60"])
+        relayed.set()   # the last line came: no linger
+        start = time.monotonic()
+        assert wait_for_run(proc, status, timeout=30, log_relayed=relayed, linger=10) == 0
+        assert time.monotonic() - start < 2 and proc.poll() is not None
+    proc = subprocess.Popen(["sleep", "60"])   # no stream relayed (quiet): no linger
+    start = time.monotonic()
+    assert wait_for_run(proc, status, timeout=30, linger=10) == 0
+    assert time.monotonic() - start < 2
     quick = subprocess.Popen(["sh", "-c", "exit 3"])
     assert wait_for_run(quick, tmp_path / "none.json", timeout=30) == 3

@@ -71,6 +71,9 @@ def test_the_layout_is_left_alone_with_hooks_or_without_convolutions(monkeypatch
     assert not channels_last_pays(mlp, data.x_train, CPU)
     assert not channels_last_pays(build_model("mnist-cnn", (1, 28, 28), 10),
                                   data.x_train.flatten(1), CPU)
+    cnn = build_model("mnist-cnn", (1, 28, 28), 10)
+    assert channels_last_pays(cnn, data.x_train, CPU, steps=2)
+    assert not channels_last_pays(cnn, data.x_train, CPU, steps=1)   # converting costs more
     layouts: list[bool] = []
 
     def pre_step(model):  # type: ignore[no-untyped-def]
@@ -79,3 +82,21 @@ def test_the_layout_is_left_alone_with_hooks_or_without_convolutions(monkeypatch
     train_plain(build_model("mnist-cnn", (1, 28, 28), 10), data, cfg, 0, CPU,
                 pre_step=pre_step)
     assert layouts and all(layouts)      # a method's hook sees contiguous parameters
+
+
+def test_a_one_step_client_trains_in_the_contiguous_layout(monkeypatch):
+    """A client whose round is one step (fewer examples than a batch, one epoch) keeps the
+    contiguous layout: the conversions there and back would cost more than they save."""
+    cfg = parse_run_config({"dataset": "mnist", "model": "mnist-cnn", "batch-size": 8})
+    seen: list[bool] = []
+    original = trainers.sgd_step
+
+    def spy(model, opt, criterion, x, y, pre_step=None):  # type: ignore[no-untyped-def]
+        seen.append(_channels_last(model))
+        return original(model, opt, criterion, x, y, pre_step)
+
+    monkeypatch.setattr(trainers, "sgd_step", spy)
+    train_plain(build_model("mnist-cnn", (1, 28, 28), 10), _client(8), cfg, 0, CPU)
+    assert seen == [False]
+    train_plain(build_model("mnist-cnn", (1, 28, 28), 10), _client(16), cfg, 0, CPU)
+    assert seen[1:] == [True, True]

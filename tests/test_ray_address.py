@@ -118,7 +118,7 @@ def test_the_simulation_environment_names_the_cluster_or_a_private_ray(
     seen: dict[str, dict] = {}
 
     @contextmanager
-    def superlink(flwr_home, env, while_starting=None, before_stop=None):
+    def superlink(flwr_home, env, while_starting=None, before_stop=None, run_ended=None):
         seen["superlink"] = dict(env)
         if while_starting is not None:
             while_starting()

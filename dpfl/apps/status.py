@@ -23,6 +23,15 @@ from dpfl.durable import atomic_write_text
 
 STATUS_ENV = "DPFL_STATUS_FILE"
 SUMMARY_ENV = "DPFL_LAUNCHER_PRINTS_SUMMARY"
+# the ServerApp's last log line before its "ok" status, when a launcher reads its status: a
+# launcher relaying `flwr run --stream` knows from it that every earlier line was relayed
+# (Flower uploads a run's log every 0.2 s and streams it every 0.5 s), and never shows it
+END_OF_LOG = "dpfl: end of the ServerApp's log"
+
+
+def end_of_log_line(path: Path) -> str:
+    """The end-of-log line for the launch whose status file is ``path``."""
+    return f"{END_OF_LOG} ({path.name})"
 
 
 def launcher_prints_summary() -> bool:

@@ -135,14 +135,30 @@ def joint_gradient_noise(sigma: float, count_std: float) -> float:
     return rest ** -0.5
 
 
-def channels_last_pays(model: nn.Module, x: torch.Tensor, device: torch.device) -> bool:
+# local SGD steps from which channels-last pays for converting the model there and back
+CHANNELS_LAST_MIN_STEPS = 2
+
+
+def channels_last_pays(model: nn.Module, x: torch.Tensor, device: torch.device,
+                       steps: int = CHANNELS_LAST_MIN_STEPS) -> bool:
     """Whether local SGD runs in channels-last layout: image (4-D) inputs into a model with
-    2-D convolutions, on a CPU. Measured on this 2-core machine (one thread): a client of
-    the MNIST CNN (54 examples, batches of 16) trained in 10.5 ms contiguous and 7.9 ms
-    channels-last; the same updates to float rounding (tests/test_local_training_layout.py).
-    Not measured on CUDA, so not used there."""
-    return (device.type == "cpu" and x.dim() == 4
+    2-D convolutions, on a CPU, for at least :data:`CHANNELS_LAST_MIN_STEPS` ``steps``.
+    Measured on this 2-core machine (one thread): a client of the MNIST CNN (54 examples,
+    batches of 16: 4 steps) trained in 10.5 ms contiguous and 7.9 ms channels-last, the
+    same updates to float rounding (tests/test_local_training_layout.py); a one-step client
+    (6 examples) was slower channels-last (the two conversions cost more than one step
+    gains). Not measured on CUDA, so not used there."""
+    return (device.type == "cpu" and x.dim() == 4 and steps >= CHANNELS_LAST_MIN_STEPS
             and any(isinstance(m, nn.Conv2d) for m in model.modules()))
+
+
+def to_device(model: nn.Module, device: torch.device) -> nn.Module:
+    """``model`` on ``device`` (``Module.to`` walks every submodule even when nothing
+    moves: skipped then)."""
+    tensors = [*model.parameters(), *model.buffers()]
+    if any(t.device != device for t in tensors):
+        model.to(device)
+    return model
 
 
 @contextmanager
@@ -185,13 +201,14 @@ def train_plain(model: nn.Module, data: ClientData, cfg: RunConfig, seed: int,
     every step (a method's data-independent correction)."""
     if pre_step is not None and step is not None:
         raise ValueError("give pre_step or step, not both")
-    model.to(device).train()
+    to_device(model, device).train()
     opt = _optimizer(model, cfg)
     criterion = nn.CrossEntropyLoss()
     loader = _loader(data, cfg.batch_size, torch.Generator().manual_seed(seed))
     total, count, steps = 0.0, 0, 0
+    planned = cfg.local_epochs * len(loader)
     layout = (torch.channels_last if pre_step is None and step is None and post_step is None
-              and channels_last_pays(model, data.x_train, device) else None)
+              and channels_last_pays(model, data.x_train, device, planned) else None)
     with memory_layout(model, layout):
         for _ in range(cfg.local_epochs):
             for x, y in loader:

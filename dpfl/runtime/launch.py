@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import IO, Any, Callable, Iterator
 
 from dpfl.apps.server import first_round_affordable
-from dpfl.apps.status import STATUS_ENV, SUMMARY_ENV, read_status
+from dpfl.apps.status import STATUS_ENV, SUMMARY_ENV, end_of_log_line, read_status
 from dpfl.config import (
     MAX_CANARY_EXAMPLES_PER_CLIENT,
     MIN_EXAMPLES_PER_CLIENT,
@@ -211,7 +211,7 @@ def stop_process_group(proc: subprocess.Popen, grace: float = 10.0) -> None:
         pass
     deadline = time.monotonic() + grace
     while time.monotonic() < deadline and any(alive(p) for p in pids[1:]):
-        time.sleep(0.2)
+        time.sleep(0.02)
     _signal_groups(pgids, signal.SIGKILL)
     try:
         proc.wait(timeout=5.0)
@@ -219,14 +219,23 @@ def stop_process_group(proc: subprocess.Popen, grace: float = 10.0) -> None:
         pass
 
 
+# seconds a simulation's SuperLink gets to exit on SIGTERM once its run ended (then SIGKILL)
+ENDED_RUN_GRACE = 0.1
+
+
 @contextmanager
 def simulation_superlink(flwr_home: Path, env: dict[str, str],
                          while_starting: Callable[[], None] | None = None,
-                         before_stop: Callable[[], None] | None = None) -> Iterator[str]:
+                         before_stop: Callable[[], None] | None = None,
+                         run_ended: threading.Event | None = None) -> Iterator[str]:
     """A SuperLink in simulation mode on free ports; yields its connection address.
     ``while_starting`` runs once it was started, before its health check (the SuperLink
     takes ~1.3 s to answer: the launcher stages the app meanwhile); ``before_stop`` runs
-    first thing when it is stopped (the early zygote's tree is told to stop with it)."""
+    first thing when it is stopped (the early zygote's tree is told to stop with it).
+    ``run_ended`` set when it is stopped: the ServerApp said how its run ended, and the
+    SuperLink's in-memory state holds nothing more of it, so it gets
+    :data:`ENDED_RUN_GRACE` seconds to exit on SIGTERM, not Flower's graceful shutdown
+    (~0.5 s: its gRPC servers' grace and threads)."""
     http_port, control_port, fleet_port = free_port(), free_port(), free_port()
     log_file = flwr_home / "superlink.log"
     flwr_home.mkdir(parents=True, exist_ok=True)
@@ -251,7 +260,8 @@ def simulation_superlink(flwr_home: Path, env: dict[str, str],
     finally:
         if before_stop is not None:
             before_stop()
-        stop_process_group(proc)
+        ended = run_ended is not None and run_ended.is_set()
+        stop_process_group(proc, grace=ENDED_RUN_GRACE if ended else 10.0)
         _active.pop(proc.pid, None)
 
 
@@ -573,9 +583,10 @@ def _launch(app_dir: Path, cfg: RunConfig, supernodes: int, overrides: dict[str,
     def stage() -> None:
         stage_app(app_dir, app)
 
+    run_ended = threading.Event()
     with simulation_superlink(flwr_home, env, while_starting=stage,
-                              before_stop=early_zygote.terminate if early_zygote else None
-                              ) as address:
+                              before_stop=early_zygote.terminate if early_zygote else None,
+                              run_ended=run_ended) as address:
         write_flower_config(flwr_home, address)
         cmd = [flower_bin("flwr"), "run", str(app), CONNECTION, "--stream",
                "--run-config", run_config_arg(overrides),
@@ -589,14 +600,20 @@ def _launch(app_dir: Path, cfg: RunConfig, supernodes: int, overrides: dict[str,
         # Flower's misleading or useless lines
         relays = [threading.Thread(target=relay_stream, args=(proc.stderr, _binary(sys.stderr)),
                                    daemon=True, name="flwr-run-stderr")]
-        if not quiet:
-            relays.append(threading.Thread(target=relay_stream, args=(proc.stdout,),
-                                           daemon=True, name="flwr-run-stream"))
+        # set once the stream relayed the ServerApp's last line (None: nothing to relay)
+        log_relayed = None if quiet else threading.Event()
+        if log_relayed is not None:
+            relays.append(threading.Thread(
+                target=relay_stream, args=(proc.stdout, None, end_of_log_line(status_file),
+                                           log_relayed),
+                daemon=True, name="flwr-run-stream"))
         for relay in relays:
             relay.start()
         try:
             _check_terminated()
-            returncode = wait_for_run(proc, status_file, timeout)
+            returncode = wait_for_run(proc, status_file, timeout, log_relayed)
+            if run_said_how_it_ended(read_status(status_file)):
+                run_ended.set()
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
@@ -609,29 +626,38 @@ def _launch(app_dir: Path, cfg: RunConfig, supernodes: int, overrides: dict[str,
     return _outcome(status_file, run_dir, returncode, flwr_home / "superlink.log")
 
 
+def run_said_how_it_ended(status: dict | None) -> bool:
+    """Whether a ServerApp's status says its run ended as planned: ``ok``, or stopped by a
+    user error it reported (a crash's status leaves Flower's own end to report it)."""
+    return status is not None and (status.get("status") == "ok"
+                                   or status.get("user-error") is True)
+
+
 def wait_for_run(proc: subprocess.Popen, status_file: Path, timeout: float | None,
-                 linger: float = 0.6) -> int:
-    """``flwr run``'s exit code. Once the ServerApp's status file says ``ok`` (written after
-    the run folder's last file: ledger, summary, plots), ``flwr run`` gets ``linger`` seconds
-    to relay the last streamed lines, then it is stopped: Flower's own end of a simulation
-    (the ServerApp's task finishing, the simulation's 3 s shutdown wait, the actors' exit)
-    takes ~4 s more and changes nothing of the run. ``subprocess.TimeoutExpired`` after
-    ``timeout`` seconds."""
+                 log_relayed: threading.Event | None = None, linger: float = 1.5,
+                 poll: float = 0.02) -> int:
+    """``flwr run``'s exit code. Once the ServerApp's status file says how it ended (``ok``,
+    written after the run folder's last file: ledger, summary, plots; or a user error) and
+    ``log_relayed`` is set (the stream relayed the ServerApp's last line; None: no stream is
+    relayed), ``flwr run`` is stopped: Flower's own end of a simulation (the ServerApp's
+    task finishing, the simulation's 3 s shutdown wait, the actors' exit) takes ~4 s more
+    and changes nothing of the run. A last line that does not come within ``linger``
+    seconds of the status is not waited for longer (Flower streams the log every ~0.7 s).
+    ``subprocess.TimeoutExpired`` after ``timeout`` seconds."""
     deadline = None if timeout is None else time.monotonic() + timeout
     finished_at: float | None = None
     while True:
         try:
-            return proc.wait(timeout=0.1)
+            return proc.wait(timeout=poll)
         except subprocess.TimeoutExpired:
             pass
         now = time.monotonic()
         if deadline is not None and now > deadline:
             raise subprocess.TimeoutExpired(proc.args, timeout or 0.0)
-        if finished_at is None:
-            status = read_status(status_file)
-            if status is not None and status.get("status") == "ok":
-                finished_at = now
-        elif now - finished_at >= linger:
+        if finished_at is None and run_said_how_it_ended(read_status(status_file)):
+            finished_at = now
+        if finished_at is not None and (log_relayed is None or log_relayed.is_set()
+                                        or now - finished_at >= linger):
             proc.terminate()
             try:
                 proc.wait(timeout=5.0)
@@ -676,14 +702,20 @@ def _binary(stream: IO[str]) -> IO[bytes]:
     return getattr(stream, "buffer", None) or stream  # type: ignore[return-value]
 
 
-def relay_stream(stream: IO[bytes], out: IO[bytes] | None = None) -> None:
+def relay_stream(stream: IO[bytes], out: IO[bytes] | None = None, last_line: str = "",
+                 relayed: threading.Event | None = None) -> None:
     """Copy ``stream`` line by line to ``out`` (default: this process's stdout), without
-    the lines of :data:`DROPPED_FLOWER_LINES`."""
+    the lines of :data:`DROPPED_FLOWER_LINES`; a line holding ``last_line`` is not copied
+    but sets ``relayed``."""
     if out is None:
         out = _binary(sys.stdout)
     binary = not isinstance(out, io.TextIOBase)
     for raw in iter(stream.readline, b""):
         text = raw.decode(errors="replace")
+        if last_line and last_line in text:
+            if relayed is not None:
+                relayed.set()
+            continue
         if any(p.fullmatch(_ANSI_COLOUR.sub("", text)) for p in DROPPED_FLOWER_LINES):
             continue
         out.write(raw if binary else text)  # type: ignore[arg-type]
