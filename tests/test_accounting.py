@@ -325,3 +325,28 @@ def test_ledger_json_population_clients_and_the_others():
     assert data["client-3"]["over-budget"] is False
     # the same ledger read back writes the same text
     assert Ledger.from_json(ledger.to_json()).to_json()["clients"] == data
+
+
+def test_summary_client_entries_share_only_what_is_the_same():
+    """summary.json's per-client entries: clients charged by population releases alone
+    share one entry (their histories are the same); a client with a release of its own
+    gets its own rounds and epsilon; each says the relation and sampling of its events."""
+    from dpfl.apps.server import _client_summaries
+    from dpfl.methods import parse_run_config
+    from dpfl.privacy.accounting.events import PrivacyEvent
+    from dpfl.privacy.accounting.ledger import Ledger
+
+    cfg = parse_run_config({"dataset": "digits", "trust": "central", "trainer": "update-dp"})
+    ledger = Ledger(1e-5, "rdp", budget=50.0)
+    names = [f"client-{i}" for i in range(4)]
+    for rnd in (1, 2):
+        ledger.charge_population_release(rnd, [PrivacyEvent.gaussian(rnd, 2.0, rate=0.5)],
+                                         names)
+    ledger.charge_server_release(3, [PrivacyEvent.gaussian(3, 3.0)], ["client-2"])
+    out = _client_summaries(ledger, cfg)
+    assert out["client-0"] is out["client-1"] is out["client-3"]
+    assert out["client-0"]["rounds"] == [1, 2] and out["client-2"]["rounds"] == [1, 2, 3]
+    assert out["client-0"]["epsilon"] == ledger.epsilon("client-3")
+    assert out["client-2"]["epsilon"] == ledger.epsilon("client-2") > out["client-0"]["epsilon"]
+    assert out["client-0"]["sampling"] == "poisson" and out["client-2"]["sampling"] != "none"
+    assert out["client-0"]["relation"] == "add-remove"

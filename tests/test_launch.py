@@ -109,6 +109,51 @@ def test_watchdog_outlives_its_command_while_the_tree_runs_and_stops_it_when_tol
     assert _pids_of(marker) == []
 
 
+def test_a_watchdog_told_the_work_ended_gives_its_tree_a_short_grace():
+    """SIGUSR1 (the run ended: the launcher's stop of a finished simulation): a process that
+    ignores SIGTERM is killed after the short grace, not the 20 s one; SIGTERM still gives
+    the whole grace."""
+    import signal
+    import sys
+    import uuid
+
+    import pytest
+
+    from dpfl.runtime.watchdog import ENDED_GRACE, ENDED_SIGNAL
+
+    def watched(marker: str) -> subprocess.Popen:
+        return subprocess.Popen(
+            [sys.executable, "-m", "dpfl.runtime.watchdog", "--parent", str(os.getpid()),
+             "--grace", "20", "--", "bash", "-c",
+             f"exec -a {marker} {sys.executable} -c 'import signal, time; "
+             "signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(300)'"],
+            start_new_session=True)
+
+    for sig, quick in ((ENDED_SIGNAL, True), (signal.SIGTERM, False)):
+        marker = f"dpfl-watchdog-ended-{uuid.uuid4().hex}"
+        dog = watched(marker)
+        deadline = time.monotonic() + 30
+        while not _pids_of(marker) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert _pids_of(marker)
+        time.sleep(0.3)   # the watchdog's handlers are installed
+        start = time.monotonic()
+        dog.send_signal(sig)
+        if quick:
+            assert dog.wait(timeout=10) == 128 + sig
+            assert time.monotonic() - start < ENDED_GRACE + 2.0
+            assert _pids_of(marker) == []
+        else:
+            with pytest.raises(subprocess.TimeoutExpired):
+                dog.wait(timeout=3)       # SIGTERM ignored: the grace runs
+            assert _pids_of(marker)
+            dog.send_signal(ENDED_SIGNAL)   # no effect once stopping: the grace is set
+            os.killpg(dog.pid, signal.SIGKILL)
+            dog.wait(timeout=10)
+            for pid in _pids_of(marker):
+                os.kill(pid, signal.SIGKILL)
+
+
 def test_outcome_trusts_only_this_launchs_status(tmp_path):
     """`dpfl simulate` exits 0 only when the ServerApp of this launch reported success and
     its summary exists; an old summary.json proves nothing."""

@@ -584,9 +584,13 @@ def _launch(app_dir: Path, cfg: RunConfig, supernodes: int, overrides: dict[str,
         stage_app(app_dir, app)
 
     run_ended = threading.Event()
+
+    def stop_simulation() -> None:   # the early zygote's tree stops with the SuperLink
+        if early_zygote is not None:
+            early_zygote.terminate(run_ended.is_set())
+
     with simulation_superlink(flwr_home, env, while_starting=stage,
-                              before_stop=early_zygote.terminate if early_zygote else None,
-                              run_ended=run_ended) as address:
+                              before_stop=stop_simulation, run_ended=run_ended) as address:
         write_flower_config(flwr_home, address)
         cmd = [flower_bin("flwr"), "run", str(app), CONNECTION, "--stream",
                "--run-config", run_config_arg(overrides),

@@ -9,7 +9,9 @@ then waits for the first of:
 
 - the launcher (``--parent``) dying, however (SIGKILL included: its PID leaves, our ppid
   changes);
-- SIGTERM/SIGINT (the launcher's normal cleanup);
+- SIGTERM/SIGINT (the launcher's normal cleanup); SIGUSR1: the same, for a tree whose work
+  is over (a simulation whose ServerApp said how its run ended), which gets
+  :data:`ENDED_GRACE` seconds instead of the grace period;
 - CMD exiting by itself (with ``--outlive-command``: CMD and every process below it, so a
   zygote may fork a task and exit while the task runs on, still watched);
 
@@ -32,6 +34,8 @@ PR_SET_PDEATHSIG = 1
 PR_SET_CHILD_SUBREAPER = 36
 POLL_SECONDS = 0.2        # between checks while the tree runs (each reads /proc)
 STOP_POLL_SECONDS = 0.02  # between checks while it stops (a stop is over in ~0.1-0.3 s)
+ENDED_GRACE = 0.1         # seconds to exit on SIGTERM for a tree whose work is over (SIGUSR1)
+ENDED_SIGNAL = signal.SIGUSR1
 
 
 def prctl(option: int, value: int) -> None:
@@ -140,6 +144,7 @@ def watch(parent: int, cmd: list[str], grace: float, outlive_command: bool = Fal
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+    signal.signal(ENDED_SIGNAL, on_signal)
     signal.signal(signal.SIGCHLD, lambda signum, frame: None)   # wakes the wait below
     wakeups = _signal_wakeups()
     child = subprocess.Popen(cmd)
@@ -157,7 +162,7 @@ def watch(parent: int, cmd: list[str], grace: float, outlive_command: bool = Fal
             if code is None:
                 _reap(keep=child.pid)
                 _pause(wakeups, POLL_SECONDS)
-    stop_tree(grace)
+    stop_tree(ENDED_GRACE if stop["signal"] == ENDED_SIGNAL else grace)
     return code
 
 

@@ -210,8 +210,8 @@ class RunDir:
     def file(self, name: str) -> Path:
         return self.path / name
 
-    def write_json(self, name: str, data: Any) -> Path:
-        return atomic_write_text(self.file(name), json.dumps(_jsonable(data), indent=1))
+    def write_json(self, name: str, data: Any, indent: int | None = 1) -> Path:
+        return atomic_write_text(self.file(name), json.dumps(_jsonable(data), indent=indent))
 
     def append_round(self, record: dict[str, Any]) -> None:
         append_line(self.file("rounds.jsonl"), json.dumps(_jsonable(record)))

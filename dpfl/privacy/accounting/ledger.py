@@ -284,7 +284,7 @@ class Ledger:
                 "events": [e.to_dict() for e in own.events],
                 "server-events": [e.to_dict() for e in self.server.get(client, [])]}
 
-    def _population_only(self, client: str) -> bool:
+    def population_only(self, client: str) -> bool:
         """Whether everything charged to ``client`` is the population's releases (its
         entry is then the same as every other such client's)."""
         own = self.clients[client]
@@ -302,7 +302,7 @@ class Ledger:
         shared: dict[tuple[bool, float, float, bool], dict[str, Any]] = {}
         clients: dict[str, dict[str, Any]] = {}
         for c in eps:
-            if not self._population_only(c):
+            if not self.population_only(c):
                 clients[c] = self._client_json(c, eps[c], recomputed[c], c in over)
                 continue
             key = (self.clients[c].adaptive, eps[c], recomputed[c], c in over)
