@@ -96,3 +96,28 @@ def test_the_prefetched_composition_is_what_the_ledger_then_reads():
     assert (after.hits, after.misses) == (before.hits + 1, before.misses)
     assert eps == pytest.approx(dp_accounting_epsilon(4), rel=1e-9)
     budget.settle()   # nothing pending: returns at once
+
+
+def test_the_next_rounds_composition_starts_when_a_rounds_replies_are_in():
+    """prefetch_next (a round's replies in, its release not yet charged): the history after
+    the next round, as planned, is composed in the background; settle(r) waits for round
+    r's alone; nothing is started past the last round, nor twice for one round."""
+    from dpfl.privacy.accounting import events as events_module
+
+    budget = CentralBudget(round_events, ROUNDS, 100.0, DELTA, "pld")
+    spent = [e for r in range(1, 3) for e in round_events(r)]   # rounds 1-2 charged
+    budget.prefetch_next(spent, 3)    # round 3's replies are in: round 4 composes
+    budget.prefetch(spent + round_events(3), 4)   # already started: not again
+    assert list(budget._pending) == [4]
+    budget.settle(3)                  # nothing for round 3: round 4's runs on
+    assert list(budget._pending) == [4]
+    budget.settle(4)
+    assert not budget._pending
+    before = events_module._signature_epsilon.cache_info()
+    eps = history_epsilon(spent + round_events(3) + round_events(4), DELTA, "pld")
+    after = events_module._signature_epsilon.cache_info()
+    assert (after.hits, after.misses) == (before.hits + 1, before.misses)
+    assert eps == pytest.approx(dp_accounting_epsilon(4), rel=1e-9)
+    last = [e for r in range(1, ROUNDS) for e in round_events(r)]
+    budget.prefetch_next(last, ROUNDS)   # no round after the last
+    assert not budget._pending

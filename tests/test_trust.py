@@ -105,6 +105,26 @@ def test_poisson_sample_has_rate_q_and_a_varying_size():
     assert len(set(sizes)) > 10
 
 
+def test_poisson_sample_from_the_os_draws_each_node_at_rate_q():
+    """The OS-entropy path (one read of 8 bytes per node): each node's uniform is its
+    word's top 53 bits / 2**53, compared with q — worked by hand on fixed bytes — and over
+    real draws the rate is q and the size varies."""
+
+    class Fixed(random.SystemRandom):
+        def randbytes(self, n):  # type: ignore[no-untyped-def]
+            tops = [0, 2**52, 2**53 - 1, int(0.1 * 2**53) - 1, int(0.1 * 2**53) + 1]
+            return b"".join((k << 11).to_bytes(8, "little") for k in tops)[:n]
+
+    # uniforms 0, 0.5, ~1, just under 0.1, just over 0.1
+    assert poisson_sample([7, 8, 9, 10, 11], 0.1, Fixed()) == [7, 10]
+    assert poisson_sample([], 0.1, random.SystemRandom()) == []
+    sizes = [len(poisson_sample(range(1000), 0.1, random.SystemRandom())) for _ in range(200)]
+    assert np.mean(sizes) == pytest.approx(100, rel=0.03)
+    assert len(set(sizes)) > 10
+    picked = poisson_sample(range(10, 20), 1.0, random.SystemRandom())
+    assert picked == list(range(10, 20))
+
+
 def test_central_release_clips_and_reports_the_bit():
     clipped, within = central_release(torch.tensor([3.0, 4.0]), 1.0)
     assert torch.allclose(clipped, torch.tensor([0.6, 0.8])) and within == 0.0

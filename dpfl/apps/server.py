@@ -44,7 +44,7 @@ from dpfl.methods import (
 )
 from dpfl.models.evaluation import device_for
 from dpfl.privacy.accounting.budget import PrivacyHistory
-from dpfl.privacy.accounting.events import history_terms
+from dpfl.privacy.accounting.events import PrivacyEvent, history_terms
 from dpfl.privacy.accounting.ledger import LEDGER_INDENT_CLIENTS, Ledger, client_key
 from dpfl.privacy.trust import (
     check_overflow,
@@ -498,6 +498,8 @@ def run_round(fed: Federation, rnd: int) -> RoundRecord:
         replies, late = fed.exchange.send_and_receive(messages, rnd, cfg.round_timeout,
                                                       on_reply=strategy.reply_arrived)
         clock.lap("exchange")
+        if fed.central_budget is not None:   # the next round's epsilon, beside this one's end
+            fed.central_budget.prefetch_next(_population_spent(fed), rnd)
         outcome = strategy.finish_round(rnd, record, replies)
     if fed.observer.active:   # the model the round's clients started from
         sent = strategy.sent_arrays or fed.arrays
@@ -508,7 +510,7 @@ def run_round(fed: Federation, rnd: int) -> RoundRecord:
     clock.lap("aggregate")
     # every release of the round is charged: on disk before anything else is published
     if fed.central_budget is not None:
-        fed.central_budget.settle()
+        fed.central_budget.settle(rnd)
     ledger_text = fed.run_dir.save_ledger(ledger)
     clock.lap("ledger")
     fed_eval = _federated_evaluation(strategy, fed.grid, rnd, fed.arrays, cfg)
@@ -560,6 +562,13 @@ def _report_divergence(fed: Federation, rnd: int, central: dict[str, float] | No
         log.warning("round %d: %s", rnd, why)
 
 
+def _population_spent(fed: Federation) -> list[PrivacyEvent]:
+    """The history charged to every client of the population so far (empty before the
+    first population release)."""
+    ledger = fed.ledger
+    return list(ledger.history(ledger.population[0]).events) if ledger.population else []
+
+
 def central_budget_spent(fed: Federation, rnd: int) -> bool:
     """trust=central: True when round ``rnd``'s release would take the clients (all
     charged alike) past ``target-epsilon`` — the server keeps the budget for them."""
@@ -567,7 +576,7 @@ def central_budget_spent(fed: Federation, rnd: int) -> bool:
         fed.central_budget = central_budget(fed.strategy, fed.cfg)
     if fed.central_budget is None or not fed.ledger.population:
         return False
-    spent = fed.ledger.history(fed.ledger.population[0]).events
+    spent = _population_spent(fed)
     if fed.central_budget.spent_by(spent, rnd):
         return True
     fed.central_budget.prefetch(spent, rnd)   # the ledger's epsilon after the round

@@ -38,8 +38,17 @@ CLIP_KEY = "central-clip"     # the round's C in every instruction
 
 
 def poisson_sample(nodes: Sequence[int], rate: float, rng: random.Random) -> list[int]:
-    """Every node independently with probability ``rate`` (the round size varies)."""
-    return sorted(n for n in nodes if rng.random() < rate)
+    """Every node independently with probability ``rate`` (the round size varies). From the
+    OS's entropy (``random.SystemRandom``), the uniforms are drawn in one read, not one
+    system call per node (10 ms a round at 10,000 nodes): each is ``k / 2**53`` for 53
+    random bits ``k``, exactly as ``SystemRandom.random`` forms it; a seeded generator
+    draws one ``random()`` per node, in node order, as before."""
+    nodes = list(nodes)
+    if not isinstance(rng, random.SystemRandom) or not nodes:
+        return sorted(n for n in nodes if rng.random() < rate)
+    words = np.frombuffer(rng.randbytes(8 * len(nodes)), dtype=np.uint64) >> np.uint64(11)
+    uniforms = words.astype(np.float64) * 2.0 ** -53
+    return sorted(n for n, keep in zip(nodes, (uniforms < rate).tolist()) if keep)
 
 
 def noisy_clipped_mean(updates: torch.Tensor, clip: float, sigma: float, denominator: float,
