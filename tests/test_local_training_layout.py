@@ -32,6 +32,19 @@ def _channels_last(model: torch.nn.Module) -> bool:
                for p in weights)
 
 
+def _spy_on_layouts(monkeypatch) -> list[bool]:  # type: ignore[no-untyped-def]
+    """Whether each local SGD step ran channels-last, in order, from now on."""
+    seen: list[bool] = []
+    original = trainers.sgd_step
+
+    def spy(model, opt, criterion, x, y, pre_step=None):  # type: ignore[no-untyped-def]
+        seen.append(_channels_last(model))
+        return original(model, opt, criterion, x, y, pre_step)
+
+    monkeypatch.setattr(trainers, "sgd_step", spy)
+    return seen
+
+
 @pytest.mark.parametrize("momentum,epochs", [(0.0, 1), (0.9, 2)])
 def test_channels_last_gives_the_contiguous_updates(monkeypatch, momentum, epochs):
     cfg = parse_run_config({"dataset": "mnist", "model": "mnist-cnn", "trainer": "update-dp",
@@ -42,14 +55,7 @@ def test_channels_last_gives_the_contiguous_updates(monkeypatch, momentum, epoch
     base = build_model("mnist-cnn", (1, 28, 28), 10)
     fast, plain = copy.deepcopy(base), copy.deepcopy(base)
     assert channels_last_pays(fast, data.x_train, CPU)
-    seen: list[bool] = []
-    original = trainers.sgd_step
-
-    def spy(model, opt, criterion, x, y, pre_step=None):  # type: ignore[no-untyped-def]
-        seen.append(_channels_last(model))
-        return original(model, opt, criterion, x, y, pre_step)
-
-    monkeypatch.setattr(trainers, "sgd_step", spy)
+    seen = _spy_on_layouts(monkeypatch)
     got = train_plain(fast, data, cfg, 7, CPU)
     assert seen and all(seen)            # every step ran channels-last
     monkeypatch.setattr(trainers, "channels_last_pays", lambda *a: False)
@@ -88,14 +94,7 @@ def test_a_one_step_client_trains_in_the_contiguous_layout(monkeypatch):
     """A client whose round is one step (fewer examples than a batch, one epoch) keeps the
     contiguous layout: the conversions there and back would cost more than they save."""
     cfg = parse_run_config({"dataset": "mnist", "model": "mnist-cnn", "batch-size": 8})
-    seen: list[bool] = []
-    original = trainers.sgd_step
-
-    def spy(model, opt, criterion, x, y, pre_step=None):  # type: ignore[no-untyped-def]
-        seen.append(_channels_last(model))
-        return original(model, opt, criterion, x, y, pre_step)
-
-    monkeypatch.setattr(trainers, "sgd_step", spy)
+    seen = _spy_on_layouts(monkeypatch)
     train_plain(build_model("mnist-cnn", (1, 28, 28), 10), _client(8), cfg, 0, CPU)
     assert seen == [False]
     train_plain(build_model("mnist-cnn", (1, 28, 28), 10), _client(16), cfg, 0, CPU)
