@@ -110,9 +110,9 @@ def test_watchdog_outlives_its_command_while_the_tree_runs_and_stops_it_when_tol
 
 
 def test_a_watchdog_told_the_work_ended_gives_its_tree_a_short_grace():
-    """SIGUSR1 (the run ended: the launcher's stop of a finished simulation): a process that
-    ignores SIGTERM is killed after the short grace, not the 20 s one; SIGTERM still gives
-    the whole grace."""
+    """SIGUSR1 (the run ended: the launcher's stop of a finished simulation), or its
+    launcher's death: a process that ignores SIGTERM is killed after the short grace, not
+    the 20 s one; SIGTERM still gives the whole grace."""
     import signal
     import sys
     import uuid
@@ -121,12 +121,14 @@ def test_a_watchdog_told_the_work_ended_gives_its_tree_a_short_grace():
 
     from dpfl.runtime.watchdog import ENDED_GRACE, ENDED_SIGNAL
 
+    ignoring = ("import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+                "time.sleep(300)")
+
     def watched(marker: str) -> subprocess.Popen:
         return subprocess.Popen(
             [sys.executable, "-m", "dpfl.runtime.watchdog", "--parent", str(os.getpid()),
              "--grace", "20", "--", "bash", "-c",
-             f"exec -a {marker} {sys.executable} -c 'import signal, time; "
-             "signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(300)'"],
+             f"exec -a {marker} {sys.executable} -c '{ignoring}'"],
             start_new_session=True)
 
     for sig, quick in ((ENDED_SIGNAL, True), (signal.SIGTERM, False)):
@@ -152,6 +154,27 @@ def test_a_watchdog_told_the_work_ended_gives_its_tree_a_short_grace():
             dog.wait(timeout=10)
             for pid in _pids_of(marker):
                 os.kill(pid, signal.SIGKILL)
+    # a launcher that dies: nobody will hear how the run ends, its tree gets the short grace
+    # (a simulation given the long one on SIGTERM ran rounds of its own meanwhile)
+    marker = f"dpfl-watchdog-orphaned-{uuid.uuid4().hex}"
+    launcher_code = ("import subprocess, sys, time\n"
+                     "subprocess.Popen([sys.executable, '-m', 'dpfl.runtime.watchdog', '--parent', "
+                     "str(__import__('os').getpid()), '--grace', '20', '--', 'bash', '-c', "
+                     f"{'exec -a ' + marker + ' ' + sys.executable + ' -c ' + repr(ignoring)!r}], "
+                     "start_new_session=True)\n"
+                     "time.sleep(300)\n")
+    launcher = subprocess.Popen([sys.executable, "-c", launcher_code])
+    deadline = time.monotonic() + 30
+    while not _pids_of(marker) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _pids_of(marker)
+    time.sleep(0.3)
+    launcher.send_signal(signal.SIGKILL)
+    launcher.wait()
+    start = time.monotonic()
+    while _pids_of(marker) and time.monotonic() - start < 15:
+        time.sleep(0.05)
+    assert _pids_of(marker) == [] and time.monotonic() - start < ENDED_GRACE + 3.0
 
 
 def test_outcome_trusts_only_this_launchs_status(tmp_path):

@@ -11,7 +11,10 @@ then waits for the first of:
   changes);
 - SIGTERM/SIGINT (the launcher's normal cleanup); SIGUSR1: the same, for a tree whose work
   is over (a simulation whose ServerApp said how its run ended), which gets
-  :data:`ENDED_GRACE` seconds instead of the grace period;
+  :data:`ENDED_GRACE` seconds instead of the grace period; a launcher that died gets its
+  tree stopped with the same short grace (nobody is left to hear how the run ends, and a
+  simulation given the grace period on SIGTERM kept running rounds of its own, every
+  client's reply an error once the SIGTERM had ended its ClientApp workers);
 - CMD exiting by itself (with ``--outlive-command``: CMD and every process below it, so a
   zygote may fork a task and exit while the task runs on, still watched);
 
@@ -148,12 +151,12 @@ def watch(parent: int, cmd: list[str], grace: float, outlive_command: bool = Fal
     signal.signal(signal.SIGCHLD, lambda signum, frame: None)   # wakes the wait below
     wakeups = _signal_wakeups()
     child = subprocess.Popen(cmd)
-    code = None
+    code, orphaned = None, False
     while code is None:
         if stop["signal"]:
             code = 128 + stop["signal"]
         elif os.getppid() != parent or not alive(parent):
-            code = 128 + signal.SIGKILL  # the launcher is gone
+            code, orphaned = 128 + signal.SIGKILL, True  # the launcher is gone
         else:
             code = child.poll()
             if code is not None and outlive_command and any(
@@ -162,7 +165,7 @@ def watch(parent: int, cmd: list[str], grace: float, outlive_command: bool = Fal
             if code is None:
                 _reap(keep=child.pid)
                 _pause(wakeups, POLL_SECONDS)
-    stop_tree(ENDED_GRACE if stop["signal"] == ENDED_SIGNAL else grace)
+    stop_tree(ENDED_GRACE if stop["signal"] == ENDED_SIGNAL or orphaned else grace)
     return code
 
 
