@@ -54,7 +54,13 @@ from dpfl.runlock import LAUNCHER_LOCK, WRITER_LOCK, RunLock, check_unlocked
 from dpfl.runtime.fab import stage_app
 from dpfl.runtime.process_backend import WORKERS_ENV
 from dpfl.runtime.warm_clientapps import EARLY_ZYGOTE_ENV, EarlyZygote
-from dpfl.runtime.watchdog import alive, descendants, die_with_parent
+from dpfl.runtime.watchdog import (
+    ENDED_GRACE,
+    STOP_POLL_SECONDS,
+    alive,
+    descendants,
+    die_with_parent,
+)
 from dpfl.server.rundir import (
     RunDir,
     check_run_dir,
@@ -211,16 +217,12 @@ def stop_process_group(proc: subprocess.Popen, grace: float = 10.0) -> None:
         pass
     deadline = time.monotonic() + grace
     while time.monotonic() < deadline and any(alive(p) for p in pids[1:]):
-        time.sleep(0.02)
+        time.sleep(STOP_POLL_SECONDS)
     _signal_groups(pgids, signal.SIGKILL)
     try:
         proc.wait(timeout=5.0)
     except subprocess.TimeoutExpired:
         pass
-
-
-# seconds a simulation's SuperLink gets to exit on SIGTERM once its run ended (then SIGKILL)
-ENDED_RUN_GRACE = 0.1
 
 
 @contextmanager
@@ -233,8 +235,8 @@ def simulation_superlink(flwr_home: Path, env: dict[str, str],
     takes ~1.3 s to answer: the launcher stages the app meanwhile); ``before_stop`` runs
     first thing when it is stopped (the early zygote's tree is told to stop with it).
     ``run_ended`` set when it is stopped: the ServerApp said how its run ended, and the
-    SuperLink's in-memory state holds nothing more of it, so it gets
-    :data:`ENDED_RUN_GRACE` seconds to exit on SIGTERM, not Flower's graceful shutdown
+    SuperLink's in-memory state holds nothing more of it, so it gets the watchdog's
+    :data:`~dpfl.runtime.watchdog.ENDED_GRACE` to exit on SIGTERM, not Flower's graceful shutdown
     (~0.5 s: its gRPC servers' grace and threads)."""
     http_port, control_port, fleet_port = free_port(), free_port(), free_port()
     log_file = flwr_home / "superlink.log"
@@ -261,7 +263,7 @@ def simulation_superlink(flwr_home: Path, env: dict[str, str],
         if before_stop is not None:
             before_stop()
         ended = run_ended is not None and run_ended.is_set()
-        stop_process_group(proc, grace=ENDED_RUN_GRACE if ended else 10.0)
+        stop_process_group(proc, grace=ENDED_GRACE if ended else 10.0)
         _active.pop(proc.pid, None)
 
 

@@ -96,9 +96,8 @@ class CentralBudget:
     def prefetch_next(self, spent: Sequence[PrivacyEvent], rnd: int) -> None:
         """Once round ``rnd``'s replies are in (``spent``: the history before its release):
         start composing the history after round ``rnd + 1``, as planned, if there is one."""
-        if rnd < self.num_rounds and rnd + 1 not in self._pending:
-            self._pending[rnd + 1] = _PREFETCH.submit(
-                self.epsilon, list(spent) + self.round_events(rnd) + self.round_events(rnd + 1))
+        if rnd < self.num_rounds:
+            self.prefetch(list(spent) + self.round_events(rnd), rnd + 1)
 
     def settle(self, rnd: int | None = None) -> None:
         """Wait for the composition prefetched for round ``rnd`` (None: every one). A

@@ -31,7 +31,7 @@ import math
 from collections import Counter
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Hashable, Mapping, Sequence, TypeVar
 
 from dpfl.durable import atomic_write_text
 from dpfl.errors import UserError, one_line, read_json_file
@@ -45,6 +45,8 @@ from dpfl.privacy.accounting.events import (
     rdp_to_epsilon,
 )
 from dpfl.privacy.accounting.record import decode_events, encode_events
+
+T = TypeVar("T")
 
 log = logging.getLogger("flwr.dpfl.ledger")
 MISMATCH_RTOL = 1e-6
@@ -291,24 +293,32 @@ class Ledger:
         return (not own.events and client not in self.server and client not in self.reported
                 and bool(self.population_events) and client in self._population_set())
 
+    def shared_entries(self, keys: Mapping[str, Hashable],
+                       build: Callable[[str], T]) -> dict[str, T]:
+        """``build(client)`` for every client of ``keys``, in its order. The clients charged
+        by population releases alone (every client of a central run with Poisson sampling)
+        whose ``keys`` and adaptivity are equal share one entry, built once: their histories
+        are the same. At 10,000 clients, building each entry walked the shared history
+        10,000 times (``ledger.json``: ~0.1 s of the server's serial time a round)."""
+        shared: dict[tuple[bool, Hashable], T] = {}
+        out: dict[str, T] = {}
+        for client, key in keys.items():
+            if not self.population_only(client):
+                out[client] = build(client)
+                continue
+            both = (self.clients[client].adaptive, key)
+            if both not in shared:
+                shared[both] = build(client)
+            out[client] = shared[both]
+        return out
+
     def to_json(self) -> dict[str, Any]:
         recomputed = self.recomputed_all()
         eps = {c: max(e, self.reported.get(c, 0.0)) for c, e in recomputed.items()}
         over = self.over_budget(eps)
-        # clients charged by population releases alone (every client of a central run with
-        # Poisson sampling) share one entry, built once: at 10,000 clients, building each
-        # entry walked the shared history 10,000 times a round (~0.1 s of the server's
-        # serial time); the JSON text is the same
-        shared: dict[tuple[bool, float, float, bool], dict[str, Any]] = {}
-        clients: dict[str, dict[str, Any]] = {}
-        for c in eps:
-            if not self.population_only(c):
-                clients[c] = self._client_json(c, eps[c], recomputed[c], c in over)
-                continue
-            key = (self.clients[c].adaptive, eps[c], recomputed[c], c in over)
-            if key not in shared:
-                shared[key] = self._client_json(c, eps[c], recomputed[c], c in over)
-            clients[c] = shared[key]
+        clients = self.shared_entries(
+            {c: (eps[c], recomputed[c], c in over) for c in eps},
+            lambda c: self._client_json(c, eps[c], recomputed[c], c in over))
         return {
             "delta": self.delta, "accountant": self.accountant, "budget": self.budget,
             "over-budget": sorted(over, key=client_order),
