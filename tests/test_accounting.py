@@ -325,6 +325,15 @@ def test_ledger_json_population_clients_and_the_others():
     assert data["client-3"]["over-budget"] is False
     # the same ledger read back writes the same text
     assert Ledger.from_json(ledger.to_json()).to_json()["clients"] == data
+    # hostile: an unidentified sender claiming client-4's partition spends far past the
+    # budget; client-4's history is still the population's alone, but its entry is over
+    # budget and must not be shared with the others
+    ledger.record("node-99", 5, [PrivacyEvent.gaussian(5, 0.05)], claimed=4)
+    data = json.loads(json.dumps(ledger.to_json()))
+    assert data["over-budget"] == ["client-4", "node-99"]   # the sender itself too
+    assert data["clients"]["client-4"]["over-budget"] is True
+    assert data["clients"]["client-0"]["over-budget"] is False
+    assert data["clients"]["client-5"]["over-budget"] is False
 
 
 def test_summary_client_entries_share_only_what_is_the_same():
