@@ -12,7 +12,7 @@ round 1's first reply. Nothing in dpfl is changed; every time comes from one of 
 
 - the launcher: the bench starts a launcher process (``bench/startup.py --launcher``) that
   calls ``dpfl.cli.main(["simulate", ...])`` in-process, with ``dpfl.runtime.launch``'s phases
-  timed once that module is imported (its import, ``preflight``, ``stage_app``, the
+  timed once that module is imported (its import, its checks' forked child, ``stage_app``, the
   SuperLink's start up to its health check, every ``Popen``);
 - a probe in every Python process of the federation: the bench writes a ``sitecustomize.py``
   (:data:`PROBE_SOURCE`) into a temporary folder first on ``PYTHONPATH`` (the launcher passes
@@ -91,8 +91,7 @@ IMPORT_COSTS = [("dpfl.runtime.launch", "launcher"),
 # calls of each are timed in whichever process runs them (patched where they are defined,
 # right after the module's import, so every `from ... import` binds the timed one)
 CALLS: dict[str, list[tuple]] = {
-    "dpfl.runtime.launch": [("preflight", "launcher.preflight"),
-                    ("_wait_http", "launcher.superlink_health_wait")],
+    "dpfl.runtime.launch": [("_wait_http", "launcher.superlink_health_wait")],
     "dpfl.runtime.fab": [("stage_app", "launcher.stage_app")],
     "flwr.cli.build": [("build_fab_from_disk", "flwr-run.build_fab")],
     "flwr.cli.install": [("install_from_fab", "sim.install_fab")],
@@ -347,6 +346,21 @@ def _patch_launch(launch, probe) -> None:
     wrapped_subprocess.Popen = popen
     launch.simulation_superlink = simulation_superlink
     launch.subprocess = wrapped_subprocess
+
+    class TimedChecks(launch.LaunchChecks):   # the checks' child: from its fork to its plan
+        @classmethod
+        def start(cls, *args, **kwargs):
+            t0 = time.time()
+            started = super().start(*args, **kwargs)
+            started.t0 = t0
+            return started
+
+        def plan(self):
+            plan = super().plan()
+            probe.emit(ev="call", name="launcher.checks", t0=self.t0, t1=time.time())
+            return plan
+
+    launch.LaunchChecks = TimedChecks
 
 
 # --------------------------------------------------------------------------------------------
@@ -693,10 +707,11 @@ def timeline(run: Run) -> list[tuple[float, float | None, str, str]]:
     point(run.mark("launcher.main"), "launcher: Python up, dpfl.cli main() called",
           "interpreter start, site, the bench's module (stdlib only)")
     span(run.imported("dpfl.runtime.launch", launcher), "launcher: dpfl.runtime.launch imported",
-         "CPU, serial, before anything starts: torch, Flower, dp-accounting (dpfl.runtime.launch "
-         "imports dpfl.apps.server, dpfl.methods, dpfl.data at module level)")
-    span(run.call("launcher.preflight"), "launcher: preflight done",
-         "dataset check (the MNIST archive's size), run-dir checks")
+         "the CLI's and the launcher's light modules (Flower's CLI parts, no torch: the "
+         "checks run in a forked child)")
+    span(run.call("launcher.checks"), "launcher: launch checked (forked child)",
+         "the child imports the method registry, the dataset catalogue, the ledger reader "
+         "(torch, Flower, dp-accounting), parses the run-config, checks the dataset and run dir")
     span(run.call("launcher.stage_app"), "launcher: app staged (FAB files copied)",
          "walks dpfl/ and copies the FAB's files into <run>/.flwr/app")
     for p in run.of_role("flower-superlink")[:1]:
@@ -879,7 +894,7 @@ def key_intervals(run: Run) -> dict[str, float]:
         put("exchange -> first reply", run.first_reply - run.exchange["t0"])
     put("launcher: import dpfl.runtime.launch",
         _dur(run.imported("dpfl.runtime.launch", "launcher")))
-    put("launcher: preflight", _dur(run.call("launcher.preflight")))
+    put("launcher: checks (forked)", _dur(run.call("launcher.checks")))
     put("launcher: stage_app", _dur(run.call("launcher.stage_app")))
     put("launcher: SuperLink start -> health", _dur(run.call("launcher.superlink_up")))
     flwr_run = run.of_role("flwr run")
@@ -1063,20 +1078,19 @@ def candidates(m: dict[str, float], walls: dict[str, float]
     def add(to: list, saving: float, cost: str, fix: str, basis: str) -> None:
         to.append((max(0.0, saving), cost, fix, basis))
 
-    imports = g("launcher: import dpfl.runtime.launch") + g("launcher: preflight")
+    imports = g("launcher: import dpfl.runtime.launch") + g("launcher: checks (forked)")
     light = walls.get(LIGHT_LAUNCHER)
     overlap = min(imports, g("launcher: SuperLink start -> health"))
     add(start, max(overlap, imports - light) if light is not None else overlap,
-        f"the launcher imports torch, Flower and dp-accounting (dpfl.runtime.launch imports "
-        f"dpfl.apps.server, dpfl.methods, dpfl.server.rundir) and runs preflight before it "
-        f"starts anything ({imports:.1f} s)",
-        "a torch-free path to the SuperLink: dpfl.runtime.launch imports the ServerApp, the method "
-        "registry and the run folder's torch parts inside the checks that need them (an "
-        "explicit sigma's budget check), so the common preflight needs none; or start the "
-        "SuperLink first and import + preflight while it starts (stopping it if they refuse)",
-        "the larger of: launcher import + preflight less the torch-free modules' import "
+        f"the launcher's checks (a forked child importing torch, Flower and dp-accounting: "
+        f"the method registry, the dataset catalogue, the ledger reader) end before it "
+        f"starts anything ({imports:.1f} s with the launcher's own import)",
+        "a torch-free path to the SuperLink: the method registry's parsing and the run "
+        "folder's checks without torch, or start the SuperLink first and check while it "
+        "starts (stopping it and removing what it wrote if the checks refuse)",
+        "the larger of: launcher import + checks less the torch-free modules' import "
         f"({'-' if light is None else f'{light:.1f} s'}, measured below), and min(launcher "
-        "import + preflight, SuperLink start -> health) by overlapping")
+        "import + checks, SuperLink start -> health) by overlapping")
     add(start, g("flwr run: start -> StartRun") - 0.3,
         f"`flwr run` is a subprocess: interpreter, Flower CLI imports, FAB build, upload "
         f"({g('flwr run: start -> StartRun'):.1f} s)",

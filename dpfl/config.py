@@ -89,7 +89,7 @@ MAX_SEED = 2**32 - 1
 MAX_SECAGG_UNITS = 2**30 - 1
 # Every client holds at least this many training examples on average (a partition of one
 # example leaves nothing to validate or sample from): bounds --clients, server-holdout and
-# train-subset by the dataset's size (dpfl.runtime.launch.check_data_size).
+# train-subset by the dataset's size (dpfl.runtime.preflight.check_data_size).
 MIN_EXAMPLES_PER_CLIENT = 2
 # A sample-level audit run hosts at most this many canary examples per client (the default
 # is 10): out-of-distribution examples with random labels must stay a small part of a
@@ -649,7 +649,7 @@ def validate(cfg: RunConfig) -> RunConfig:
           cfg.noniid_fraction)
     need(0.0 <= cfg.val_fraction < 1.0, "val-fraction", "must be in [0, 1)", cfg.val_fraction)
     need(cfg.server_holdout >= 0, "server-holdout", "must be >= 0", cfg.server_holdout)
-    # (the upper ends of both depend on the dataset and the clients: dpfl.runtime.launch.preflight)
+    # (the upper ends of both depend on the dataset and the clients: dpfl.runtime.preflight.preflight)
     need(cfg.train_subset == 0 or cfg.train_subset >= 2, "train-subset",
          "must be 0 (all) or >= 2 (2 examples per client)", cfg.train_subset)
     need(1 <= cfg.num_rounds <= MAX_ROUNDS, "num-rounds", f"must be in [1, {MAX_ROUNDS}]",

@@ -406,7 +406,7 @@ def test_under_pld_the_refusal_states_the_pld_figure_not_the_rdp_precheck(tmp_pa
 
 def test_a_round_rdp_clears_skips_the_launchers_pld_check(monkeypatch):
     from dpfl.methods import build_strategy, parse_run_config
-    from dpfl.runtime import launch
+    from dpfl.runtime import preflight as launch
 
     cfg = parse_run_config({"dataset": "digits", "model": "mlp", "trainer": "update-dp",
                             "trust": "central", "noise-multiplier": 1.0, "fraction-train": 0.1,

@@ -273,7 +273,7 @@ def test_a_cohort_refuses_secagg_and_deployments():
 def test_the_launcher_picks_cohort_nodes_when_clients_outnumber_the_actors(monkeypatch):
     from dpfl.errors import UserError
     from dpfl.methods import run_config
-    from dpfl.runtime.launch import NodeLayout, node_layout
+    from dpfl.runtime.preflight import NodeLayout, node_layout
 
     monkeypatch.setattr("os.cpu_count", lambda: 2)
     auto = run_config(trainer="update-dp")

@@ -16,11 +16,11 @@ import pytest
 from dpfl.cli import main
 from dpfl.errors import UserError
 from dpfl.runtime import launch
-from dpfl.runtime.launch import (
+from dpfl.runtime.launch import federation_config
+from dpfl.runtime.preflight import (
     check_cpus_per_client,
     check_parallel_clients,
     check_ray_address,
-    federation_config,
 )
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -141,9 +141,8 @@ def test_the_simulation_environment_names_the_cluster_or_a_private_ray(
 
     monkeypatch.setattr(launch, "simulation_superlink", superlink)
     monkeypatch.setattr(launch.subprocess, "Popen", FlwrRun)
-    cfg = launch.parse_run_config({"dataset": "digits"})
     with pytest.raises(launch.RunFailed):   # no ServerApp ran: no status
-        launch._launch(ROOT, cfg, 2, {}, tmp_path, tmp_path / "run", tmp_path / ".flwr", 1.0,
+        launch._launch(ROOT, 2, {}, tmp_path, tmp_path / "run", tmp_path / ".flwr", 1.0,
                        None, True, ray_address=given)
     assert seen["superlink"]["RAY_ADDRESS"] == expected
     assert seen["flwr run"]["RAY_ADDRESS"] == expected

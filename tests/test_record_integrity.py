@@ -40,7 +40,7 @@ from dpfl.privacy.accounting.ledger import Ledger
 from dpfl.privacy.plan import dpsgd_norm_bound, planned_event
 from dpfl.privacy_report import EXIT_OVER_BUDGET, build_privacy_report
 from dpfl.runlock import WRITER_LOCK, RunLock, check_unlocked
-from dpfl.runtime.launch import check_cpus_per_client
+from dpfl.runtime.preflight import check_cpus_per_client
 from dpfl.server.rundir import RunDir, run_dir_path
 from dpfl.server.runidentity import resume_difference, resume_overrides
 from dpfl.tensors import flatten

@@ -9,7 +9,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from dpfl.privacy.verdict import weak_epsilon_note
+from dpfl.privacy.weak_epsilon import weak_epsilon_note
 
 # the text fields of a summary's guarantee that epsilon_table prints
 _GUARANTEE_TEXT = ("verdict", "scope", "unit", "relation", "sampling")
