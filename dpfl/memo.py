@@ -9,21 +9,39 @@ its accountant, a partition against the dataset and its partitioner's parameters
 damaged or edited entry is logged (one WARNING naming the file and the key), discarded and
 recomputed, never a wrong answer taken on trust. Writing is best effort (atomic rename; a
 read-only or full disk only loses the memo).
+
+Within one launch (``dpfl simulate``: the launcher puts a fresh secret in
+``$DPFL_LAUNCH_PROOF_KEY`` of every process it starts), an answer one process checked is not
+checked again by the others: the checker writes a proof beside the entry (:func:`prove`, an
+HMAC-SHA256 of the kind, the key and the answer under that secret), and a process that
+finds a valid proof for the very answer it read takes it (:func:`proven`). One process at a
+time checks or computes an entry (:func:`checking`, a lock beside it): the others wait for
+its answer and proof instead of repeating the same evaluations on the same cores. Without
+the secret (a deployment, a process started by hand) every answer is checked, as before; an
+entry changed after its check, or a proof of another launch, proves nothing.
 """
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
+import hmac
 import importlib.metadata
 import logging
 import os
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 log = logging.getLogger("flwr.dpfl.memo")
 
 CACHE_ENV = "DPFL_CACHE_DIR"
 DISABLED = ("", "off")
+# the secret of one launch (hex, >= 16 bytes), set by the launcher for every process it starts
+PROOF_ENV = "DPFL_LAUNCH_PROOF_KEY"
+PROOF_SUFFIX = ".proof"
+LOCK_SUFFIX = ".lock"
 
 
 def memo_dir(kind: str) -> Path | None:
@@ -95,3 +113,63 @@ def write(kind: str, key: str, data: bytes, suffix: str = ".bin") -> None:
     except OSError as exc:
         log.debug("memo not written to %s (%s)", folder, exc)
         Path(tmp).unlink(missing_ok=True)
+
+
+def _launch_secret() -> bytes | None:
+    """This launch's secret (:data:`PROOF_ENV`), or None when there is none (or it is not
+    at least 16 bytes of hex)."""
+    try:
+        secret = bytes.fromhex(os.environ.get(PROOF_ENV, ""))
+    except ValueError:
+        return None
+    return secret if len(secret) >= 16 else None
+
+
+def _proof(secret: bytes, kind: str, key: str, answer: bytes) -> bytes:
+    message = b"\0".join((kind.encode(), key.encode(), answer))
+    return hmac.new(secret, message, hashlib.sha256).hexdigest().encode()
+
+
+def proven(kind: str, key: str, answer: bytes) -> bool:
+    """Whether a process of this launch checked ``answer`` (the entry's answer, as bytes)
+    for ``key`` and proved it (:func:`prove`). False without a launch secret."""
+    secret = _launch_secret()
+    if secret is None:
+        return False
+    stored = read(kind, key, PROOF_SUFFIX)
+    return stored is not None and hmac.compare_digest(stored, _proof(secret, kind, key, answer))
+
+
+def prove(kind: str, key: str, answer: bytes) -> None:
+    """Record that this process checked ``answer`` for ``key`` (best effort; nothing
+    without a launch secret)."""
+    secret = _launch_secret()
+    if secret is not None:
+        write(kind, key, _proof(secret, kind, key, answer), PROOF_SUFFIX)
+
+
+@contextmanager
+def checking(kind: str, key: str) -> Iterator[None]:
+    """Hold the entry's lock while checking or computing it, so that the other processes of
+    a launch wait for the answer and its proof (an exclusive ``flock``, released when the
+    block ends or the process dies). No lock without a launch secret or a memo, or where
+    the memo's folder cannot hold one."""
+    folder = memo_dir(kind)
+    if _launch_secret() is None or folder is None:
+        yield
+        return
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        fd = os.open(entry_path(folder, key, LOCK_SUFFIX), os.O_RDWR | os.O_CREAT, 0o600)
+    except OSError as exc:
+        log.debug("memo entry lock not taken in %s (%s)", folder, exc)
+        yield
+        return
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        except OSError as exc:   # a file system without locks: check unlocked
+            log.debug("memo entry lock not taken in %s (%s)", folder, exc)
+        yield
+    finally:
+        os.close(fd)

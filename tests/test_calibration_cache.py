@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 
 import pytest
 
@@ -213,3 +214,88 @@ def test_an_unreadable_or_foreign_entry_is_logged_and_discarded(monkeypatch, tmp
     assert calibration_cache.lookup("q") is None
     [warning] = _warnings(caplog)
     assert str(path) in warning.getMessage() and not path.exists()
+
+
+# -- within one launch: one process checks, the others take its proof ------------------------
+
+
+def _launch(monkeypatch, secret: str = "ab" * 32) -> None:
+    monkeypatch.setenv(memo.PROOF_ENV, secret)
+
+
+def test_an_answer_checked_in_this_launch_is_not_evaluated_again(monkeypatch, tmp_path):
+    calls, eps, search = _synthetic(monkeypatch, tmp_path)
+    _launch(monkeypatch)
+    assert calibration_cache.memoised("q", eps, 1.0, search, tolerance=1e-3) == 1.0005
+    assert calls == {"eps": 1, "search": 1}
+    calls.update(eps=0, search=0)
+    assert calibration_cache.memoised("q", eps, 1.0, search, tolerance=1e-3) == 1.0005
+    assert calls == {"eps": 0, "search": 0}         # proven: no evaluation at all
+    _launch(monkeypatch, "cd" * 32)                  # the next launch checks it again, once
+    assert calibration_cache.memoised("q", eps, 1.0, search, tolerance=1e-3) == 1.0005
+    assert calibration_cache.memoised("q", eps, 1.0, search, tolerance=1e-3) == 1.0005
+    assert calls == {"eps": 2, "search": 0}
+    monkeypatch.delenv(memo.PROOF_ENV)               # no launch: every read is checked
+    assert calibration_cache.memoised("q", eps, 1.0, search, tolerance=1e-3) == 1.0005
+    assert calls == {"eps": 4, "search": 0}
+
+
+@pytest.mark.parametrize("planted,why", [(10.0, "not the smallest"),
+                                         (0.5, "above the target epsilon")])
+def test_a_proof_binds_the_answer_a_changed_entry_is_checked(monkeypatch, tmp_path, caplog,
+                                                              planted, why):
+    """A proof covers the kind, the key and the exact sigma under the launch's secret: an
+    entry planted after its check (or a proof copied to another key, or a secret too short
+    to be one) proves nothing, and the planted sigma is caught as without proofs."""
+    calls, eps, search = _synthetic(monkeypatch, tmp_path)
+    _launch(monkeypatch)
+    calibration_cache.memoised("q", eps, 1.0, search, tolerance=1e-3)
+    calibration_cache.store("q", planted)
+    caplog.set_level(logging.WARNING, logger="flwr.dpfl.accounting")
+    assert calibration_cache.memoised("q", eps, 1.0, search, tolerance=1e-3) == 1.0005
+    [warning] = _warnings(caplog)
+    assert why in warning.getMessage()
+    answer = (1.0005).hex().encode()
+    assert memo.proven(calibration_cache.KIND, "q", answer)
+    assert not memo.proven(calibration_cache.KIND, "q", planted.hex().encode())
+    proof = memo.entry_file(calibration_cache.KIND, "q", memo.PROOF_SUFFIX)
+    other = memo.entry_file(calibration_cache.KIND, "r", memo.PROOF_SUFFIX)
+    other.write_bytes(proof.read_bytes())
+    assert not memo.proven(calibration_cache.KIND, "r", answer)
+    assert not memo.proven("partitions", "q", answer)
+    _launch(monkeypatch, "ab" * 8)                    # 8 bytes: not a secret
+    assert not memo.proven(calibration_cache.KIND, "q", answer)
+
+
+def test_processes_of_a_launch_check_an_entry_once_between_them(monkeypatch, tmp_path):
+    """Three processes of one launch read the same entry at once: one checks it (two
+    evaluations), the others wait on its lock and take its proof (none). Evaluations are
+    counted in a file, each slow enough for the processes to meet at the lock."""
+    import multiprocessing
+    import time
+
+    _synthetic(monkeypatch, tmp_path)
+    calibration_cache.store("q", 1.0005)
+    _launch(monkeypatch)
+    log = tmp_path / "evaluations"
+    start = multiprocessing.get_context("fork").Barrier(3)
+
+    def one_process() -> None:
+        def eps(sigma):
+            with open(log, "a") as f:
+                f.write(f"{os.getpid()}\n")
+            time.sleep(0.3)
+            return 1.0 / sigma
+
+        start.wait()
+        assert calibration_cache.memoised("q", eps, 1.0, lambda: 99.0, tolerance=1e-3) == 1.0005
+
+    processes = [multiprocessing.get_context("fork").Process(target=one_process)
+                 for _ in range(3)]
+    for p in processes:
+        p.start()
+    for p in processes:
+        p.join(30)
+    assert [p.exitcode for p in processes] == [0, 0, 0]
+    checkers = log.read_text().split()
+    assert len(checkers) == 2 and len(set(checkers)) == 1   # both halves, by one process

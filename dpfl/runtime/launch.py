@@ -36,6 +36,7 @@ from typing import IO, Callable, Iterator
 from dpfl.apps.status import STATUS_ENV, SUMMARY_ENV, end_of_log_line, read_status
 from dpfl.errors import UserError
 from dpfl.logs import known_warnings_option
+from dpfl.memo import PROOF_ENV
 from dpfl.runlock import LAUNCHER_LOCK, WRITER_LOCK, RunLock
 from dpfl.runtime.fab import stage_app
 from dpfl.runtime.launch_checks import LaunchChecks
@@ -355,6 +356,8 @@ def _launch(app_dir: Path, supernodes: int, overrides: dict[str, object],
             (flwr_home / "simulation.pid").write_text(str(early_zygote.proc.pid))
     status_file = flwr_home / f"status-{secrets.token_hex(8)}.json"
     env[STATUS_ENV] = str(status_file)
+    # this launch's processes take a memo entry another of them checked (dpfl.memo)
+    env[PROOF_ENV] = secrets.token_hex(32)
     env.pop(SUMMARY_ENV, None)
     if prints_summary:
         env[SUMMARY_ENV] = "1"

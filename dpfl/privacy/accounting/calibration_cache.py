@@ -13,7 +13,11 @@ two evaluations instead of a search: eps(sigma) <= target (privacy) and
 eps(sigma (1 - tolerance)) > target (minimality: the search's own promise, so a sigma
 planted larger than the answer, e.g. ten times it, is caught and not used). An entry that
 fails, is unreadable or names another key is logged (one WARNING naming the memo file and
-the key), discarded and calibrated afresh. A fresh answer is kept only if its minimality
+the key), discarded and calibrated afresh. Within one launch of ``dpfl simulate`` the check is
+made once: the process that checks (or calibrates) an entry holds its lock meanwhile and
+proves its answer, and the launch's other processes (the ServerApp, every ClientApp worker)
+wait for it and take the proven answer (:func:`dpfl.memo.proven`) instead of repeating the
+same evaluations. A fresh answer is kept only if its minimality
 holds too (one more evaluation after the search; an accountant that is not monotone at that
 point would otherwise fail every later read). The key (built by the caller) holds the question and the versions of the code that
 answers it.
@@ -100,19 +104,32 @@ def memoised(key: str, epsilon: Callable[[float], float], target: float,
     """The sigma kept for ``key`` if ``epsilon`` confirms it is the calibration's answer
     (:func:`problem`: meets ``target``, and sigma (1 - ``tolerance``) does not, the promise
     of ``search``); else ``search()``'s answer, kept for ``key`` when it passes the same
-    check. A kept sigma that fails is logged, discarded and calibrated afresh."""
+    check. A kept sigma that fails is logged, discarded and calibrated afresh. Within a
+    launch, one process at a time checks or calibrates ``key`` and proves its answer; the
+    others take the proven answer without evaluating it again (:func:`dpfl.memo.checking`,
+    :func:`dpfl.memo.proven`)."""
     if not 0 < tolerance < 1:
         raise ValueError(f"tolerance must be in (0, 1), got {tolerance}")
-    cached = lookup(key)
-    if cached is not None:
-        why = problem(cached, epsilon, target, tolerance)
+    with memo.checking(KIND, key):
+        cached = lookup(key)
+        if cached is not None:
+            if memo.proven(KIND, key, _answer(cached)):
+                return cached
+            why = problem(cached, epsilon, target, tolerance)
+            if why is None:
+                memo.prove(KIND, key, _answer(cached))
+                return cached
+            _discard(key, why)
+        sigma = search()
+        why = problem(sigma, epsilon, target, tolerance, meets_target=True)
         if why is None:
-            return cached
-        _discard(key, why)
-    sigma = search()
-    why = problem(sigma, epsilon, target, tolerance, meets_target=True)
-    if why is None:
-        store(key, sigma)
-    else:
-        log.info("calibration answer not kept in the memo (%s)", why)
-    return sigma
+            store(key, sigma)
+            memo.prove(KIND, key, _answer(sigma))
+        else:
+            log.info("calibration answer not kept in the memo (%s)", why)
+        return sigma
+
+
+def _answer(sigma: float) -> bytes:
+    """A sigma as its proof binds it: the exact float, in hex."""
+    return float(sigma).hex().encode()
