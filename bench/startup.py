@@ -495,7 +495,7 @@ def role_of(proc: Proc, launcher: int, procs: dict[int, Proc] | None = None) -> 
     rules = (("dpfl.runtime.watchdog", "watchdog"), ("flower-superlink", "flower-superlink"),
              ("dpfl.runtime.warm_clientapps --warm", "flower-superexec"),
              ("flower-superexec", "flower-superexec"), ("flwr-simulation", "flwr-simulation"),
-             ("/flwr run ", "flwr run"))
+             ("/flwr run ", "flwr run"), ("dpfl.runtime.flwr_run run ", "flwr run"))
     for needle, role in rules:
         if needle in last:
             return role
@@ -726,7 +726,9 @@ def timeline(run: Run) -> list[tuple[float, float | None, str, str]]:
          "the SuperLink's HTTP server; the launcher polls /health every 0.3 s")
     flwr_run = run.of_role("flwr run")[:1]
     for p in flwr_run:
-        point(p.start, "flwr run process starts", "Popen after the health check")
+        point(p.start, "flwr run process starts",
+              "Popen beside the SuperLink's (dpfl.runtime.flwr_run: it imports, then waits "
+              "for the launcher's go once the SuperLink answers)")
         span(run.imported("flwr.cli.app", pid=p.pid), "flwr run: its CLI imported",
              "flwr run's imports (typer, Flower CLI)")
     span(run.call("flwr-run.build_fab"), "flwr run: FAB built",
@@ -1091,9 +1093,10 @@ def candidates(m: dict[str, float], walls: dict[str, float]
         "the larger of: launcher import + checks less the torch-free modules' import "
         f"({'-' if light is None else f'{light:.1f} s'}, measured below), and min(launcher "
         "import + checks, SuperLink start -> health) by overlapping")
-    add(start, g("flwr run: start -> StartRun") - 0.3,
-        f"`flwr run` is a subprocess: interpreter, Flower CLI imports, FAB build, upload "
-        f"({g('flwr run: start -> StartRun'):.1f} s)",
+    add(start,
+        g("flwr run: start -> StartRun") - g("launcher: SuperLink start -> health") - 0.3,
+        f"`flwr run` is a subprocess: interpreter, Flower CLI imports (beside the SuperLink's "
+        f"start), FAB build, upload ({g('flwr run: start -> StartRun'):.1f} s)",
         "start the run from the launcher in-process (Flower's flwr.cli.run API over the "
         "launcher's already imported Flower), keeping the stream relay",
         "flwr run start -> StartRun, less ~0.3 s of CLI imports the launcher lacks")

@@ -135,6 +135,10 @@ def test_the_simulation_environment_names_the_cluster_or_a_private_ray(
             self.stdout = io.BytesIO() if kwargs.get("stdout") is launch.subprocess.PIPE \
                 else None
             self.stderr = io.BytesIO()
+            self.stdin = io.BytesIO()
+
+        def poll(self):
+            return 0
 
         def wait(self, timeout=None):
             return 0

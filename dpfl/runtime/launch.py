@@ -39,6 +39,7 @@ from dpfl.logs import known_warnings_option
 from dpfl.memo import PROOF_ENV
 from dpfl.runlock import LAUNCHER_LOCK, WRITER_LOCK, RunLock
 from dpfl.runtime.fab import stage_app
+from dpfl.runtime.flwr_run import GO as FLWR_RUN_GO
 from dpfl.runtime.launch_checks import LaunchChecks
 from dpfl.runtime.process_backend import WORKERS_ENV
 from dpfl.runtime.warm_clientapps import EARLY_ZYGOTE_ENV, EarlyZygote
@@ -372,43 +373,69 @@ def _launch(app_dir: Path, supernodes: int, overrides: dict[str, object],
         if early_zygote is not None:
             early_zygote.terminate(run_ended.is_set())
 
-    with simulation_superlink(flwr_home, env, while_starting=stage,
-                              before_stop=stop_simulation, run_ended=run_ended) as address:
-        write_flower_config(flwr_home, address)
-        cmd = [flower_bin("flwr"), "run", str(app), CONNECTION, "--stream",
-               "--run-config", run_config_arg(overrides),
-               "--federation-config",
-               federation_config(supernodes, num_cpus, parallel)]
-        out = subprocess.DEVNULL if quiet else subprocess.PIPE
-        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.PIPE,
-                                cwd=str(app_dir), preexec_fn=die_with_parent)
-        _active[proc.pid] = "flwr run"
-        # flwr run's stream (stdout; not when quiet) and its own messages (stderr), minus
-        # Flower's misleading or useless lines
-        relays = [threading.Thread(target=relay_stream, args=(proc.stderr, _binary(sys.stderr)),
-                                   daemon=True, name="flwr-run-stderr")]
-        # set once the stream relayed the ServerApp's last line (None: nothing to relay)
-        log_relayed = None if quiet else threading.Event()
-        if log_relayed is not None:
-            relays.append(threading.Thread(
-                target=relay_stream, args=(proc.stdout, None, end_of_log_line(status_file),
-                                           log_relayed),
-                daemon=True, name="flwr-run-stream"))
-        for relay in relays:
-            relay.start()
-        try:
-            _check_terminated()
-            returncode = wait_for_run(proc, status_file, timeout, log_relayed)
-            if run_said_how_it_ended(read_status(status_file)):
-                run_ended.set()
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-            raise
-        finally:
-            _active.pop(proc.pid, None)
-            for relay in relays:   # the stream ends with flwr run (a grandchild holding
-                relay.join(timeout=5.0)   # the pipe open cannot hold the launcher up)
+    cmd = [sys.executable, "-m", "dpfl.runtime.flwr_run", "run", str(app), CONNECTION,
+           "--stream", "--run-config", run_config_arg(overrides),
+           "--federation-config", federation_config(supernodes, num_cpus, parallel)]
+    out = subprocess.DEVNULL if quiet else subprocess.PIPE
+    started: list[subprocess.Popen] = []
+
+    def start_flwr_run() -> subprocess.Popen:
+        """``flwr run`` (:mod:`dpfl.runtime.flwr_run`): it imports Flower's CLI while the
+        SuperLink starts, and runs when told to go."""
+        if not started:
+            proc = subprocess.Popen(cmd, env=env, stdin=subprocess.PIPE, stdout=out,
+                                    stderr=subprocess.PIPE, cwd=str(app_dir),
+                                    preexec_fn=die_with_parent)
+            _active[proc.pid] = "flwr run"
+            started.append(proc)
+        return started[0]
+
+    def while_starting() -> None:
+        start_flwr_run()
+        stage()
+
+    try:
+        with simulation_superlink(flwr_home, env, while_starting=while_starting,
+                                  before_stop=stop_simulation, run_ended=run_ended) as address:
+            write_flower_config(flwr_home, address)
+            proc = start_flwr_run()
+            try:
+                proc.stdin.write(FLWR_RUN_GO)   # type: ignore[union-attr]
+                proc.stdin.close()   # type: ignore[union-attr]
+            except BrokenPipeError:
+                pass   # it already exited: its exit code and its stderr say why
+            # flwr run's stream (stdout; not when quiet) and its own messages (stderr), minus
+            # Flower's misleading or useless lines
+            relays = [threading.Thread(target=relay_stream,
+                                       args=(proc.stderr, _binary(sys.stderr)),
+                                       daemon=True, name="flwr-run-stderr")]
+            # set once the stream relayed the ServerApp's last line (None: nothing to relay)
+            log_relayed = None if quiet else threading.Event()
+            if log_relayed is not None:
+                relays.append(threading.Thread(
+                    target=relay_stream, args=(proc.stdout, None,
+                                               end_of_log_line(status_file), log_relayed),
+                    daemon=True, name="flwr-run-stream"))
+            for relay in relays:
+                relay.start()
+            try:
+                _check_terminated()
+                returncode = wait_for_run(proc, status_file, timeout, log_relayed)
+                if run_said_how_it_ended(read_status(status_file)):
+                    run_ended.set()
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+                raise
+            finally:
+                for relay in relays:   # the stream ends with flwr run (a grandchild holding
+                    relay.join(timeout=5.0)   # the pipe open cannot hold the launcher up)
+    finally:
+        for waiting in started:   # one that never got to run (the SuperLink did not start)
+            if waiting.poll() is None:
+                waiting.kill()
+                waiting.wait()
+            _active.pop(waiting.pid, None)
     _check_terminated()
     return _outcome(status_file, run_dir, returncode, flwr_home / "superlink.log")
 
