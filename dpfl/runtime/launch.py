@@ -291,8 +291,9 @@ def simulate(app_dir: Path, num_clients: int | None, overrides: dict[str, object
 
     The run is planned and checked in a forked child (:mod:`dpfl.runtime.launch_checks`,
     :func:`dpfl.runtime.preflight.plan_launch`: ``num_clients`` None is the resumed run's,
-    else 4; a resume applies only the overrides a resume may change), so that this process
-    never imports torch, Flower's server or dp-accounting. Every check comes before the run
+    else :data:`~dpfl.runtime.preflight.DEFAULT_CLIENTS`; a resume applies only the
+    overrides a resume may change), so that this process never imports torch, Flower's
+    server or dp-accounting. Every check comes before the run
     folder's lock: a refused launch writes nothing (not even the lock file or its "taking
     over" line). The launcher holds the lock for its whole life (a second launch or a
     resume of a live run is refused naming the holder's PID). ``prints_summary``: the
@@ -377,28 +378,15 @@ def _launch(app_dir: Path, supernodes: int, overrides: dict[str, object],
            "--stream", "--run-config", run_config_arg(overrides),
            "--federation-config", federation_config(supernodes, num_cpus, parallel)]
     out = subprocess.DEVNULL if quiet else subprocess.PIPE
-    started: list[subprocess.Popen] = []
-
-    def start_flwr_run() -> subprocess.Popen:
-        """``flwr run`` (:mod:`dpfl.runtime.flwr_run`): it imports Flower's CLI while the
-        SuperLink starts, and runs when told to go."""
-        if not started:
-            proc = subprocess.Popen(cmd, env=env, stdin=subprocess.PIPE, stdout=out,
-                                    stderr=subprocess.PIPE, cwd=str(app_dir),
-                                    preexec_fn=die_with_parent)
-            _active[proc.pid] = "flwr run"
-            started.append(proc)
-        return started[0]
-
-    def while_starting() -> None:
-        start_flwr_run()
-        stage()
-
+    # started beside the SuperLink: it imports Flower's CLI while the SuperLink starts, and
+    # runs when told to go (dpfl.runtime.flwr_run)
+    proc = subprocess.Popen(cmd, env=env, stdin=subprocess.PIPE, stdout=out,
+                            stderr=subprocess.PIPE, cwd=str(app_dir), preexec_fn=die_with_parent)
+    _active[proc.pid] = "flwr run"
     try:
-        with simulation_superlink(flwr_home, env, while_starting=while_starting,
+        with simulation_superlink(flwr_home, env, while_starting=stage,
                                   before_stop=stop_simulation, run_ended=run_ended) as address:
             write_flower_config(flwr_home, address)
-            proc = start_flwr_run()
             try:
                 proc.stdin.write(FLWR_RUN_GO)   # type: ignore[union-attr]
                 proc.stdin.close()   # type: ignore[union-attr]
@@ -431,11 +419,10 @@ def _launch(app_dir: Path, supernodes: int, overrides: dict[str, object],
                 for relay in relays:   # the stream ends with flwr run (a grandchild holding
                     relay.join(timeout=5.0)   # the pipe open cannot hold the launcher up)
     finally:
-        for waiting in started:   # one that never got to run (the SuperLink did not start)
-            if waiting.poll() is None:
-                waiting.kill()
-                waiting.wait()
-            _active.pop(waiting.pid, None)
+        if proc.poll() is None:   # it never got to run (the SuperLink did not start)
+            proc.kill()
+            proc.wait()
+        _active.pop(proc.pid, None)
     _check_terminated()
     return _outcome(status_file, run_dir, returncode, flwr_home / "superlink.log")
 
